@@ -1,0 +1,70 @@
+"""Engine configuration: KV cache, batching and scheduling knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshserve.validation import require as _require
+
+SCHEDULING_POLICIES = ("continuous", "static")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How the engine batches requests and sizes its paged KV cache."""
+
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+
+    num_gpu_blocks: int | None = None
+    """KV blocks per rank; None sizes the cache from `kv_cache_memory` / `gpu_memory_utilization`."""
+
+    kv_cache_memory: int = 1 << 30
+    """Bytes of KV cache per rank on CPU (ignored on GPU and when `num_gpu_blocks` is set)."""
+
+    gpu_memory_utilization: float = 0.9
+    """Fraction of the GPU's memory the runtime may use (weights, activations, KV cache)."""
+
+    max_num_seqs: int = 256
+    """Most sequences in one step's batch."""
+
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks plus decodes)."""
+
+    max_model_len: int | None = None
+    """Longest prompt + output; None takes the model's max_position_embeddings."""
+
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the remaining token budget over several steps."""
+
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prefixes (block-hash chains)."""
+
+    policy: str = "continuous"
+    """Scheduling policy: 'continuous' (iteration-level) or 'static' (batches run to completion)."""
+
+    static_batch_size: int = 16
+    """Batch size of the 'static' policy."""
+
+    seed: int = 0
+    """Seed for requests that sample without a seed of their own."""
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+                 "engine.block_size", self.block_size, "a power of two >= 1")
+        _require(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1,
+                 "engine.num_gpu_blocks", self.num_gpu_blocks, "null or an int >= 1")
+        _require(self.kv_cache_memory >= 1, "engine.kv_cache_memory", self.kv_cache_memory,
+                 "a byte count >= 1")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0, "engine.gpu_memory_utilization",
+                 self.gpu_memory_utilization, "a fraction in (0, 1]")
+        _require(self.max_num_seqs >= 1, "engine.max_num_seqs", self.max_num_seqs, "an int >= 1")
+        _require(self.max_num_batched_tokens >= 1, "engine.max_num_batched_tokens",
+                 self.max_num_batched_tokens, "an int >= 1")
+        _require(self.max_model_len is None or self.max_model_len >= 1, "engine.max_model_len",
+                 self.max_model_len, "null or an int >= 1")
+        _require(self.policy in SCHEDULING_POLICIES, "engine.policy", self.policy,
+                 f"one of {SCHEDULING_POLICIES}")
+        _require(self.static_batch_size >= 1, "engine.static_batch_size", self.static_batch_size,
+                 "an int >= 1")
+

@@ -1,0 +1,81 @@
+"""Per-request sampling parameters, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshserve.validation import require
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to pick each next token and when to stop."""
+
+    max_tokens: int = 16
+    """Most tokens to generate."""
+
+    temperature: float = 1.0
+    """0 means greedy."""
+
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 keeps all."""
+
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p."""
+
+    seed: int | None = None
+    """Per-request seed: the same seed and prompt give the same output."""
+
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end the sequence (kept in the output)."""
+
+    stop: tuple[str, ...] = ()
+    """Strings that end the sequence (cut from the text)."""
+
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token."""
+
+    logprobs: int | None = None
+    """Return the log-probability of each sampled token and of this many top tokens."""
+
+    min_tokens: int = 0
+    """Generate at least this many tokens before any stop condition applies."""
+
+    extra: dict[str, object] = field(default_factory=dict, compare=False)
+    """Unused by the engine; carried through for callers."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
+                "an int >= 1")
+        require(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
+                self.temperature, "a number in [0, 100]")
+        require(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
+                self.top_k, "-1 (off) or an int >= 1")
+        require(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p,
+                "a number in (0, 1]")
+        require(self.seed is None or _is_int(self.seed), "seed", self.seed, "null or an int")
+        require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+                self.stop_token_ids, "non-negative ints")
+        require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+                "non-empty strings")
+        require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+                "logprobs", self.logprobs, "null or an int in [0, 20]")
+        require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+                "min_tokens", self.min_tokens, f"an int in [0, max_tokens={self.max_tokens}]")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the next token is always the most likely one."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x

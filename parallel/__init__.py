@@ -1,0 +1,1 @@
+"""meshserve.parallel"""
