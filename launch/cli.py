@@ -1,6 +1,55 @@
-"""The `meshserve` command."""
+"""The `meshserve` command: `meshserve <verb> [hydra overrides...]`."""
+
 from __future__ import annotations
+
+import argparse
 import sys
+from collections.abc import Callable
+
+from meshserve.launch.config import GROUPS, ConfigError, presets
+
+VERBS: dict[str, tuple[str, str]] = {
+    "generate": ("meshserve.launch.generate", "complete the configured prompts and print speed"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    groups = "\n".join(f"  {g:9s} {', '.join(presets(g))}" for g in GROUPS)
+    p = argparse.ArgumentParser(
+        prog="meshserve",
+        description="LLM inference runtime: continuous batching over a paged KV cache, "
+                    "laid out over GPUs and nodes.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Configuration is Hydra: pick presets with group=name and override any key "
+               "with key=value, e.g.\n  meshserve generate model=meshcoder "
+               "engine.max_num_seqs=64 generate.max_tokens=32\n\nPresets:\n" + groups)
+    sub = p.add_subparsers(dest="verb", metavar="VERB")
+    for verb, (_, help_text) in VERBS.items():
+        sp = sub.add_parser(verb, help=help_text)
+        sp.add_argument("overrides", nargs="*", help="Hydra overrides (key=value)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    print("meshserve", sys.argv)
-    return 0
+    """Entry point; returns the process exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.verb is None:
+        parser.print_help()
+        return 2
+    module_name, _ = VERBS[args.verb]
+    import importlib
+
+    run: Callable[[list[str]], int] = importlib.import_module(module_name).run
+    try:
+        return run(list(args.overrides))
+    except ConfigError as e:
+        print(f"meshserve {args.verb}: config error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"meshserve {args.verb}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

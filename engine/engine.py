@@ -1,0 +1,225 @@
+"""The step-level engine: requests in, one scheduled forward pass per step, outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from meshserve.engine.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
+from meshserve.engine.model_runner import ModelRunner
+from meshserve.engine.outputs import RequestMetrics, RequestOutput
+from meshserve.engine.sampler import Sampler
+from meshserve.engine.sampling_params import SamplingParams
+from meshserve.engine.scheduler import Scheduler
+from meshserve.engine.scheduler_output import SchedulerStats
+from meshserve.engine.sequence import Sequence, SequenceStatus
+from meshserve.launch.run_config import MeshConfig
+from meshserve.models.arch import ModelArch
+from meshserve.models.bundled import resolve_model_dir
+from meshserve.models.loader import load_model
+from meshserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _Request:
+    request_id: str
+    seq: Sequence
+    params: SamplingParams
+    generator: torch.Generator | None
+    metrics: RequestMetrics
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' picks CUDA when present."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is visible: allowed are auto, cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, arch: ModelArch, device: torch.device) -> torch.dtype:
+    """'auto' computes in float32 on CPU and in the checkpoint's dtype on GPU."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else _DTYPES[arch.dtype]
+    return _DTYPES[name]
+
+
+class Engine:
+    """Continuous batching over a paged KV cache on one rank."""
+
+    def __init__(self, config: MeshConfig, *, progress: bool = True) -> None:
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.device = resolve_device(config.device)
+        self.model_dir = resolve_model_dir(config.model.name, config.model.path)
+        self.arch = ModelArch.from_dir(self.model_dir)
+        self.dtype = resolve_dtype(config.model.dtype, self.arch, self.device)
+        model = load_model(self.model_dir, dtype=self.dtype, device=self.device, progress=progress)
+        self.tokenizer = (Tokenizer(self.model_dir)
+                          if (self.model_dir / "tokenizer.json").is_file() else None)
+        self.max_model_len = self._max_model_len()
+        ec = config.engine
+        attn = model.attention_layers()[0]
+        block_bytes = bytes_per_block(len(model.attention_layers()), attn.num_kv_heads,
+                                      attn.head_dim, ec.block_size, self.dtype)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.num_blocks = num_kv_blocks(ec, block_bytes, self.device, weight_bytes)
+        cache = allocate_kv_cache(len(model.attention_layers()), self.num_blocks, ec.block_size,
+                                  attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
+        self.runner = ModelRunner(model, cache, ec.block_size, self.device)
+        self.scheduler = Scheduler(ec, self.num_blocks, self.max_model_len)
+        self.sampler = Sampler()
+        self.eos_token_ids = set(self.arch.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._requests: dict[int, _Request] = {}
+        self._by_request_id: dict[str, int] = {}
+        self._seq_ids = itertools.count()
+
+    def _max_model_len(self) -> int:
+        limit = self.arch.max_position_embeddings
+        asked = self.config.engine.max_model_len
+        if asked is not None and asked > limit:
+            raise ValueError(f"engine.max_model_len={asked} exceeds the model's "
+                             f"max_position_embeddings: allowed is at most {limit}")
+        return asked or limit
+
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt."""
+        if self.tokenizer is None:
+            raise ValueError(f"prompt: {self.model_dir} has no tokenizer.json, so prompts must "
+                             "be token-id lists")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request; returns its id. Bad input raises ValueError naming the field."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: got {type(params).__name__}, "
+                             "allowed is a SamplingParams")
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(ids)
+        seq_id = next(self._seq_ids)
+        request_id = request_id if request_id is not None else str(seq_id)
+        if request_id in self._by_request_id:
+            raise ValueError(f"request_id={request_id!r} is already in use: allowed is a new id")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        now = time.monotonic() if arrival_time is None else arrival_time
+        seq = Sequence(seq_id, ids, max_tokens=params.max_tokens, stop_token_ids=stop_ids,
+                       min_tokens=params.min_tokens, arrival_time=now)
+        self.scheduler.add(seq)
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed if params.seed is not None
+                            else hash((self.config.engine.seed, seq_id)) & (2**63 - 1))
+        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
+        self._requests[seq_id] = _Request(request_id, seq, params, gen,
+                                          RequestMetrics(now, num_prompt_tokens=len(ids)), detok)
+        self._by_request_id[request_id] = seq_id
+        return request_id
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt: empty; allowed is at least one token")
+        vocab = self.arch.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary; allowed are "
+                             f"ints in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens; allowed is fewer than "
+                             f"max_model_len={self.max_model_len}")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks; False if it is unknown or already done."""
+        seq_id = self._by_request_id.get(request_id)
+        if seq_id is None:
+            return False
+        self.scheduler.abort(seq_id)
+        req = self._requests.pop(seq_id)
+        del self._by_request_id[request_id]
+        req.seq.set_finished(SequenceStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled forward pass; outputs of the requests it advanced."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        now = time.monotonic()
+        for s in out.scheduled:
+            m = self._requests[s.seq_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        self.runner.copy_blocks(out.block_copies)
+        logits, seq_ids = self.runner.execute(out.scheduled)
+        reqs = [self._requests[i] for i in seq_ids]
+        sampled = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs]) \
+            if seq_ids else None
+        tokens = dict(zip(seq_ids, sampled.token_ids)) if sampled else {}
+        self.scheduler.update(out, tokens)
+        now = time.monotonic()
+        outputs = [self._advance(r, tokens[r.seq.seq_id],
+                                 sampled.logprobs[i] if sampled else None, now)
+                   for i, r in enumerate(reqs)]
+        return outputs
+
+    def _advance(self, req: _Request, token: int,
+                 logprob: tuple[float, list[tuple[int, float]]] | None, now: float) -> RequestOutput:
+        seq, m = req.seq, req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.num_generated_tokens = seq.num_output_tokens
+        m.num_cached_tokens = seq.num_cached_tokens
+        m.num_preemptions = seq.num_preemptions
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        delta = req.detok.add(token) if req.detok else ""
+        delta = self._apply_stop_strings(req, delta)
+        if seq.is_finished:
+            m.finish_time = now
+            self._requests.pop(seq.seq_id, None)
+            self._by_request_id.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids), text=req.text, new_token_ids=[token],
+            new_text=delta, finished=seq.is_finished, finish_reason=seq.finish_reason,
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None, metrics=m)
+
+    def _apply_stop_strings(self, req: _Request, delta: str) -> str:
+        """Append `delta` to the text; on a stop string, cut there and finish the request."""
+        before = len(req.text)
+        req.text += delta
+        if not req.params.stop or req.seq.is_finished and not delta:
+            return delta
+        window_start = max(0, before - max(len(s) for s in req.params.stop))
+        hits = [i for s in req.params.stop if (i := req.text.find(s, window_start)) != -1]
+        if not hits:
+            return delta
+        req.text = req.text[:min(hits)]
+        if not req.seq.is_finished:
+            self.scheduler.finish(req.seq.seq_id, SequenceStatus.FINISHED_STOPPED)
+        return req.text[before:]
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Scheduler and cache counters (for logs and metrics)."""
+        return self.scheduler.stats

@@ -1,0 +1,86 @@
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from meshserve.engine.engine import Engine
+from meshserve.engine.outputs import RequestOutput
+from meshserve.engine.sampling_params import SamplingParams
+from meshserve.launch.config import load_config, presets
+from meshserve.launch.run_config import MeshConfig
+
+
+def model_overrides(model: str | None) -> list[str]:
+    """Hydra overrides selecting `model`: a local directory or a preset name."""
+    if model is None:
+        return []
+    if Path(model).expanduser().is_dir():
+        return [f"model.path='{Path(model).expanduser().resolve()}'",
+                f"model.name='{Path(model).name}'"]
+    if model in presets("model"):
+        return [f"model={model}"]
+    raise ValueError(f"model={model!r}: neither a directory nor a preset; allowed: a local "
+                     f"Hugging Face model directory or one of {', '.join(presets('model'))}")
+
+
+class LLM:
+    """Generate completions for a batch of prompts with continuous batching."""
+
+    def __init__(self, model: str | None = None, overrides: Sequence[str] = (), *,
+                 config: MeshConfig | None = None, progress: bool = True) -> None:
+        self.config = config or load_config(model_overrides(model) + list(overrides))
+        self.engine = Engine(self.config, progress=progress)
+        self.progress = progress
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - the engine's Tokenizer or None
+        """The model's tokenizer (None for checkpoints without tokenizer.json)."""
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Sequence[str | list[int]] | str,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in the prompts' order.
+
+        A prompt that the engine rejects raises ValueError before any work starts.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = self._params_list(len(prompts), sampling_params)
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(p, sp))
+        except ValueError:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return self._run(ids, use_tqdm if use_tqdm is not None else self.progress)
+
+    def _run(self, ids: list[str], show: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not show, leave=False)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]
+
+    @staticmethod
+    def _params_list(n: int, sp: SamplingParams | Sequence[SamplingParams] | None
+                     ) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise ValueError(f"sampling_params: {len(sp)} given for {n} prompts; allowed is one "
+                             "SamplingParams or one per prompt")
+        return sp

@@ -1,0 +1,82 @@
+"""Turns a scheduled step (pure Python) into the tensors one forward pass needs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from meshserve.models.attention import AttentionMetadata, PrefillChunk
+
+
+class ScheduledLike(Protocol):
+    """What the runner reads of a scheduled sequence."""
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+
+
+@dataclass
+class StepInputs:
+    """One forward pass: tokens ordered decodes first, then prefill chunks."""
+
+    input_ids: torch.Tensor
+    """[T] token ids."""
+    positions: torch.Tensor
+    """[T] positions."""
+    meta: AttentionMetadata
+    """Cache slots and attention spans."""
+    sample_indices: torch.Tensor
+    """Rows of the hidden states whose logits are sampled (each sequence's last token)."""
+    sample_seq_ids: list[int]
+    """The sequences those rows belong to, in the same order."""
+    order: list[int]
+    """Scheduled-sequence indices in token order."""
+
+
+def build_step_inputs(seqs: Sequence[ScheduledLike], block_size: int,
+                      device: torch.device) -> StepInputs:
+    """Flatten `seqs` into input ids, positions, slot mapping and attention metadata."""
+    decodes = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+    prefills = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
+    order = decodes + prefills
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    sample_rows: list[int] = []
+    sample_ids: list[int] = []
+    for i in order:
+        s = seqs[i]
+        table = s.block_table
+        for p in range(s.start_pos, s.start_pos + len(s.token_ids)):
+            slots.append(table[p // block_size] * block_size + p % block_size)
+        pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+        ids.extend(s.token_ids)
+        if s.sample:
+            sample_rows.append(len(ids) - 1)
+            sample_ids.append(s.seq_id)
+    dec = [seqs[i] for i in decodes]
+    width = max((len(s.block_table) for s in dec), default=1)
+    tables = [s.block_table + [0] * (width - len(s.block_table)) for s in dec]
+    chunks = []
+    start = len(dec)
+    for i in prefills:
+        s = seqs[i]
+        chunks.append(PrefillChunk(start, len(s.token_ids), s.start_pos,
+                                   torch.tensor(s.block_table, dtype=torch.long, device=device)))
+        start += len(s.token_ids)
+
+    def t(x: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    meta = AttentionMetadata(
+        slot_mapping=t(slots), num_decode_tokens=len(dec),
+        decode_block_tables=t(tables) if dec else torch.zeros(0, 1, dtype=torch.long,
+                                                              device=device),
+        decode_context_lens=t([s.start_pos + 1 for s in dec]), prefills=chunks)
+    return StepInputs(t(ids), t(pos), meta, t(sample_rows), sample_ids, order)

@@ -1,0 +1,80 @@
+"""Attention over the paged KV cache, and the per-step metadata it reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from meshserve.kernels import paged_attention as ref
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's prompt chunk inside the step's flattened tokens."""
+
+    token_start: int
+    """Index of the chunk's first token among the step's tokens."""
+    num_tokens: int
+    """Tokens in the chunk."""
+    start_pos: int
+    """Position of the chunk's first token in its sequence."""
+    block_table: torch.Tensor
+    """The sequence's blocks [n] (long)."""
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the KV cache and what each attends to.
+
+    Tokens are ordered decodes first (one per sequence), then prefill chunks.
+    """
+
+    slot_mapping: torch.Tensor
+    """Flat cache slot of every token [T] (long)."""
+    num_decode_tokens: int
+    """The first this-many tokens are decodes."""
+    decode_block_tables: torch.Tensor
+    """[num_decode, max_blocks] (long), padded with 0."""
+    decode_context_lens: torch.Tensor
+    """[num_decode] cached tokens including the decoded one."""
+    prefills: list[PrefillChunk]
+    """The prompt chunks after the decodes."""
+
+
+class Attention(nn.Module):
+    """Writes this step's K/V to its layer's cache, then attends through block tables."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 sliding_window: int | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.sliding_window = sliding_window
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Point this layer at its K and V cache [num_blocks, block_size, Hkv, D]."""
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D], k and v [T, Hkv, D] -> [T, H, D]."""
+        ref.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        n_dec = meta.num_decode_tokens
+        if not meta.prefills:
+            return self._decode(q, meta)
+        out = torch.empty_like(q)
+        if n_dec:
+            out[:n_dec] = self._decode(q[:n_dec], meta)
+        for c in meta.prefills:
+            sl = slice(c.token_start, c.token_start + c.num_tokens)
+            out[sl] = ref.paged_prefill(q[sl], self.k_cache, self.v_cache, c.block_table,
+                                        c.start_pos, self.scale, self.sliding_window)
+        return out
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return ref.paged_decode(q, self.k_cache, self.v_cache, meta.decode_block_tables,
+                                meta.decode_context_lens, self.scale, self.sliding_window)

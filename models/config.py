@@ -1,0 +1,34 @@
+"""Which model to serve and in what precision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from meshserve.validation import require
+
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A model: a bundled one by name, or a local Hugging Face directory."""
+
+    name: str = "meshcoder"
+    """Short name (a bundled model, or a label for a config-only preset)."""
+
+    path: str | None = None
+    """Local Hugging Face model directory; null uses the bundled model called `name`."""
+
+    dtype: str = "auto"
+    """Compute dtype: auto (float32 on CPU, the checkpoint's dtype on GPU), float32, bfloat16, float16."""
+
+    arch: dict[str, Any] | None = None
+    """Config-only shape (Hugging Face config.json keys) for planning without weights."""
+
+    draft: str | None = None
+    """A draft model (bundled name or directory) for speculative decoding."""
+
+    def __post_init__(self) -> None:
+        require(self.dtype in MODEL_DTYPES, "model.dtype", self.dtype, f"one of {MODEL_DTYPES}")
+        require(bool(self.name), "model.name", self.name, "a non-empty name")

@@ -1,0 +1,178 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) built from tensor-parallel layers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshserve.kernels.rmsnorm import add_rms_norm, rms_norm
+from meshserve.models.arch import ModelArch
+from meshserve.models.attention import Attention, AttentionMetadata
+from meshserve.models.rope import RotaryEmbedding
+from meshserve.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
+from meshserve.parallel.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from meshserve.parallel.tp_group import SINGLE, TensorParallelGroup
+from meshserve.parallel.weights import default_weight_loader, set_weight_loader
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm whose forward optionally folds in the residual add."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = set_weight_loader(
+            nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False),
+            default_weight_loader)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (normed, new residual)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps), x
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention: fused QKV (column-parallel), rotary, paged attention, row-parallel out."""
+
+    def __init__(self, arch: ModelArch, tp: TensorParallelGroup, dtype: torch.dtype,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        d = arch.head_dim
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, d, arch.num_attention_heads,
+                                          arch.num_key_value_heads, bias=arch.qkv_bias, tp=tp,
+                                          dtype=dtype)
+        self.o_proj = RowParallelLinear(arch.num_attention_heads * d, arch.hidden_size,
+                                        bias=arch.o_bias, tp=tp, dtype=dtype)
+        self.num_heads = self.qkv_proj.num_local_heads
+        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
+        self.head_dim = d
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, arch.sliding_window)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v.view(t, self.num_kv_heads, self.head_dim), meta)
+        return self.o_proj(out.reshape(t, q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP: merged gate/up (column-parallel), down (row-parallel)."""
+
+    def __init__(self, arch: ModelArch, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        i = arch.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [i, i],
+                                                       bias=arch.mlp_bias, tp=tp, dtype=dtype)
+        self.down_proj = RowParallelLinear(i, arch.hidden_size, bias=arch.mlp_bias, tp=tp,
+                                           dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks; the residual is carried beside the hidden state."""
+
+    def __init__(self, arch: ModelArch, tp: TensorParallelGroup, dtype: torch.dtype,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, tp, dtype, rotary)
+        self.mlp = LlamaMLP(arch, tp, dtype)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack, or one pipeline stage of it: layers [layer_start, layer_end)."""
+
+    def __init__(self, arch: ModelArch, tp: TensorParallelGroup, dtype: torch.dtype,
+                 layer_start: int, layer_end: int, is_first: bool, is_last: bool) -> None:
+        super().__init__()
+        self.is_first, self.is_last = is_first, is_last
+        self.layer_start, self.layer_end = layer_start, layer_end
+        self.embed_tokens = (VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp=tp,
+                                                    dtype=dtype)
+                             if is_first or (is_last and arch.tie_word_embeddings) else None)
+        rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
+                                 arch.rope_scaling)
+        # Keyed by the global layer index so parameter names match the checkpoint's.
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(arch, tp, dtype, rotary)
+                                     for i in range(layer_start, layer_end)})
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype) if is_last else None
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                meta: AttentionMetadata, hidden: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stage 0 embeds `input_ids`; later stages continue from (hidden, residual)."""
+        if self.is_first:
+            assert self.embed_tokens is not None and input_ids is not None
+            hidden = self.embed_tokens(input_ids)
+        assert hidden is not None
+        for layer in self.layers.values():
+            hidden, residual = layer(positions, hidden, residual, meta)
+        if self.norm is not None:
+            hidden, _ = self.norm(hidden, residual)
+            residual = None
+        return hidden, residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder plus LM head; serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM."""
+
+    # checkpoint projection name -> (fused parameter name, shard id)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, arch: ModelArch, *, tp: TensorParallelGroup = SINGLE,
+                 dtype: torch.dtype = torch.float32, layer_range: tuple[int, int] | None = None
+                 ) -> None:
+        super().__init__()
+        self.arch = arch
+        start, end = layer_range or (0, arch.num_hidden_layers)
+        self.is_first, self.is_last = start == 0, end == arch.num_hidden_layers
+        self.model = LlamaModel(arch, tp, dtype, start, end, self.is_first, self.is_last)
+        self.lm_head: ParallelLMHead | None = None
+        if self.is_last:
+            self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp=tp, dtype=dtype)
+            if arch.tie_word_embeddings:
+                assert self.model.embed_tokens is not None
+                self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                meta: AttentionMetadata, hidden: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states [T, hidden] (final-normed on the last stage) and the residual."""
+        return self.model(input_ids, positions, meta, hidden, residual)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] for the rows that sample."""
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        """This stage's attention modules, in layer order (for binding KV caches)."""
+        return [layer.self_attn.attn for layer in self.model.layers.values()]  # type: ignore[union-attr]

@@ -1,0 +1,155 @@
+"""Load a Hugging Face model directory: config, lazily read safetensors, tokenizer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from meshserve.models.arch import CheckpointError, ModelArch
+from meshserve.models.llama import LlamaForCausalLM
+from meshserve.parallel.tp_group import SINGLE, TensorParallelGroup
+from meshserve.parallel.weights import WeightShapeError
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class SafetensorsSlice:
+    """A LazyTensor over one tensor of an open safetensors file: reads only what is asked."""
+
+    def __init__(self, name: str, file: str, handle: object) -> None:
+        self.name, self.file = name, file
+        self._slice = handle.get_slice(name)  # type: ignore[attr-defined]
+        self.shape = tuple(self._slice.get_shape())
+        dtype = self._slice.get_dtype()
+        if dtype not in _DTYPES:
+            raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype}, unsupported "
+                                  f"(supported: {', '.join(_DTYPES)})")
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def full(self) -> torch.Tensor:
+        return self._slice[:]
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's files: from model.safetensors.index.json, else every *.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted({model_dir / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{f}: missing file (listed in {index.name})")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: missing file: no model.safetensors or "
+                              "*.safetensors weights found")
+    return files
+
+
+def iter_checkpoint(files: list[Path], stack: ExitStack) -> Iterator[SafetensorsSlice]:
+    """Every tensor of the checkpoint as a lazy slice (files stay open within `stack`)."""
+    for f in files:
+        try:
+            handle = stack.enter_context(safe_open(str(f), framework="pt"))
+        except Exception as e:  # safetensors raises its own error types
+            raise CheckpointError(f"{f}: cannot be read as safetensors ({e})") from None
+        for name in handle.keys():
+            yield SafetensorsSlice(name, str(f), handle)
+
+
+def load_weights(model: LlamaForCausalLM, files: list[Path], progress: bool = True) -> None:
+    """Fill every parameter of `model` (this rank's shards only) from the checkpoint."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = _expected_shards(model, params)
+    loaded: set[tuple[str, object]] = set()
+    total = sum(len(safe_open(str(f), framework="pt").keys()) for f in files)
+    with ExitStack() as stack:
+        bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress,
+                   leave=False)
+        for tensor in iter_checkpoint(files, stack):
+            bar.update(1)
+            target = _target(model, tensor.name)
+            if target is None:
+                continue
+            name, shard = target
+            if name not in params:
+                if _belongs_elsewhere(model, name):
+                    continue
+                raise CheckpointError(f"{tensor.file}: unexpected tensor {tensor.name!r} "
+                                      "(no such parameter in the model)")
+            param = params[name]
+            try:
+                param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
+            except WeightShapeError as e:
+                raise CheckpointError(f"{tensor.file}: {e}") from None
+            loaded.add((name, shard))
+        bar.close()
+    missing = sorted(f"{n}" + (f" [{s}]" if s is not None else "")
+                     for n, s in expected - loaded)
+    if missing:
+        raise CheckpointError(f"{files[0].parent}: missing tensor(s) for {missing[:8]}"
+                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _target(model: LlamaForCausalLM, ckpt_name: str) -> tuple[str, object] | None:
+    if ckpt_name.endswith(_IGNORED_SUFFIXES):
+        return None
+    if ckpt_name == "lm_head.weight" and model.arch.tie_word_embeddings:
+        return None
+    for src, (dst, shard) in model.packed_modules.items():
+        if f".{src}." in ckpt_name:
+            return ckpt_name.replace(f".{src}.", f".{dst}."), shard
+    return ckpt_name, None
+
+
+def _belongs_elsewhere(model: LlamaForCausalLM, name: str) -> bool:
+    """A tensor of another pipeline stage (this rank skips it without reading it)."""
+    parts = name.split(".")
+    if name.startswith("model.layers.") and parts[2].isdigit():
+        return not model.model.layer_start <= int(parts[2]) < model.model.layer_end
+    return name.startswith(("model.embed_tokens.", "model.norm.", "lm_head."))
+
+
+def _expected_shards(model: LlamaForCausalLM,
+                     params: dict[str, torch.nn.Parameter]) -> set[tuple[str, object]]:
+    out: set[tuple[str, object]] = set()
+    for name in params:
+        if name == "lm_head.weight" and model.arch.tie_word_embeddings:
+            continue
+        if ".qkv_proj." in name:
+            out.update((name, s) for s in ("q", "k", "v"))
+        elif ".gate_up_proj." in name:
+            out.update((name, s) for s in (0, 1))
+        else:
+            out.add((name, None))
+    return out
+
+
+def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
+               tp: TensorParallelGroup = SINGLE, layer_range: tuple[int, int] | None = None,
+               device: torch.device | str = "cpu", progress: bool = True) -> LlamaForCausalLM:
+    """Build the model for this rank (its TP shard, its PP layers) and load its weights."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: missing model directory")
+    arch = ModelArch.from_dir(path)
+    files = safetensors_files(path)
+    with torch.device(device):
+        model = LlamaForCausalLM(arch, tp=tp, dtype=dtype, layer_range=layer_range)
+    load_weights(model, files, progress=progress)
+    return model.eval()

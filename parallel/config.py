@@ -1,0 +1,46 @@
+"""How the model is laid out over ranks: tensor, pipeline and data parallel degrees."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshserve.validation import require
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Parallel degrees; tp * pp * dp ranks in all."""
+
+    tp: int = 1
+    """Tensor-parallel degree (inside one NVLink domain)."""
+
+    pp: int = 1
+    """Pipeline-parallel degree (stages may cross nodes)."""
+
+    dp: int = 1
+    """Data-parallel replicas."""
+
+    backend: str = "auto"
+    """torch.distributed backend for tensors: auto (nccl on GPU, gloo on CPU), gloo, nccl."""
+
+    num_micro_batches: int | None = None
+    """Micro-batches in flight with pp > 1; null means pp."""
+
+    timeout_s: float = 60.0
+    """A rank silent this long is declared dead and every rank exits with an error."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            v = getattr(self, name)
+            require(isinstance(v, int) and v >= 1, f"parallel.{name}", v, "an int >= 1")
+        require(self.backend in BACKENDS, "parallel.backend", self.backend, f"one of {BACKENDS}")
+        require(self.num_micro_batches is None or self.num_micro_batches >= 1,
+                "parallel.num_micro_batches", self.num_micro_batches, "null or an int >= 1")
+        require(self.timeout_s > 0, "parallel.timeout_s", self.timeout_s, "a number of seconds > 0")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the layout needs."""
+        return self.tp * self.pp * self.dp

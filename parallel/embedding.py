@@ -1,0 +1,61 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous vocab range."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshserve.parallel.tp_group import SINGLE, TensorParallelGroup
+from meshserve.parallel.weights import LazyTensor, check_shape, set_weight_loader
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows are split over TP ranks; lookups are summed over the group."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp: TensorParallelGroup = SINGLE,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        # Pad so every rank holds the same number of rows; padded rows are never read.
+        self.vocab_local = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.vocab_local
+        self.vocab_end = min(self.vocab_start + self.vocab_local, vocab_size)
+        self.weight = set_weight_loader(
+            nn.Parameter(torch.zeros(self.vocab_local, hidden_size, dtype=dtype),
+                         requires_grad=False),
+            self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: LazyTensor, shard_id: object = None) -> None:
+        check_shape(loaded, (self.vocab_size, self.hidden_size))
+        n = self.vocab_end - self.vocab_start
+        param.data.narrow(0, 0, n).copy_(loaded.narrow(0, self.vocab_start, n))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
+        out = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection split over the vocabulary; full logits are gathered on demand."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, bias: bool = False,
+                 tp: TensorParallelGroup = SINGLE, dtype: torch.dtype | None = None) -> None:
+        super().__init__(vocab_size, hidden_size, tp=tp, dtype=dtype)
+        assert not bias, "LM-head bias is not used by the supported families"
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """Share the embedding's weight (tie_word_embeddings)."""
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [N, vocab_size] for the rows in `hidden` [N, hidden]."""
+        logits = F.linear(hidden, self.weight)
+        if self.tp.size > 1:
+            logits = self.tp.all_gather(logits, dim=-1)
+        return logits[..., : self.vocab_size]
