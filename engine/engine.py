@@ -193,6 +193,8 @@ class Engine:
         if logprob is not None:
             req.logprobs.append(logprob)
         delta = req.detok.add(token) if req.detok else ""
+        if seq.is_finished and req.detok:
+            delta += req.detok.flush()
         delta = self._apply_stop_strings(req, delta)
         if seq.is_finished:
             m.finish_time = now
@@ -208,7 +210,7 @@ class Engine:
         """Append `delta` to the text; on a stop string, cut there and finish the request."""
         before = len(req.text)
         req.text += delta
-        if not req.params.stop or req.seq.is_finished and not delta:
+        if not req.params.stop or not delta:
             return delta
         window_start = max(0, before - max(len(s) for s in req.params.stop))
         hits = [i for s in req.params.stop if (i := req.text.find(s, window_start)) != -1]
@@ -222,4 +224,4 @@ class Engine:
     @property
     def stats(self) -> SchedulerStats:
         """Scheduler and cache counters (for logs and metrics)."""
-        return self.scheduler.stats
+        return self.scheduler.stats()

@@ -41,8 +41,7 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     """Self-attention: fused QKV (column-parallel), rotary, paged attention, row-parallel out."""
 
-    def __init__(self, arch: ModelArch, tp: TensorParallelGroup, dtype: torch.dtype,
-                 rotary: RotaryEmbedding) -> None:
+    def __init__(self, arch: ModelArch, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
         d = arch.head_dim
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, d, arch.num_attention_heads,
@@ -53,20 +52,15 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_local_heads
         self.num_kv_heads = self.qkv_proj.num_local_kv_heads
         self.head_dim = d
-        self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, arch.sliding_window)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v.view(t, self.num_kv_heads, self.head_dim), meta)
-        return self.o_proj(out.reshape(t, q_size))
+        t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, h + 2 * hkv, self.head_dim)
+        qk = RotaryEmbedding.apply(qkv[:, :h + hkv], cos_sin)  # q and k rotated in one call
+        out = self.attn(qk[:, :h], qk[:, h:], qkv[:, h + hkv:], meta)
+        return self.o_proj(out.reshape(t, h * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -88,18 +82,18 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks; the residual is carried beside the hidden state."""
 
-    def __init__(self, arch: ModelArch, tp: TensorParallelGroup, dtype: torch.dtype,
-                 rotary: RotaryEmbedding) -> None:
+    def __init__(self, arch: ModelArch, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(arch, tp, dtype, rotary)
+        self.self_attn = LlamaAttention(arch, tp, dtype)
         self.mlp = LlamaMLP(arch, tp, dtype)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                residual: torch.Tensor | None, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn(cos_sin, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -115,10 +109,10 @@ class LlamaModel(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp=tp,
                                                     dtype=dtype)
                              if is_first or (is_last and arch.tie_word_embeddings) else None)
-        rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
-                                 arch.rope_scaling)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings,
+                                      arch.rope_theta, arch.rope_scaling)
         # Keyed by the global layer index so parameter names match the checkpoint's.
-        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(arch, tp, dtype, rotary)
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(arch, tp, dtype)
                                      for i in range(layer_start, layer_end)})
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype) if is_last else None
 
@@ -130,8 +124,9 @@ class LlamaModel(nn.Module):
             assert self.embed_tokens is not None and input_ids is not None
             hidden = self.embed_tokens(input_ids)
         assert hidden is not None
+        cos_sin = self.rotary.lookup(positions)
         for layer in self.layers.values():
-            hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(cos_sin, hidden, residual, meta)
         if self.norm is not None:
             hidden, _ = self.norm(hidden, residual)
             residual = None

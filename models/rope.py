@@ -40,13 +40,15 @@ class RotaryEmbedding(nn.Module):
                  scaling: dict[str, Any]) -> None:
         super().__init__()
         inv_freq = inv_frequencies(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k [T, Hkv, D] at positions [T]."""
-        cos, sin = self.cos[positions], self.sin[positions]
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, D/2] for `positions` [T]; computed once per step, shared by layers."""
+        return self.cos[positions], self.sin[positions]
+
+    @staticmethod
+    def apply(qk: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate qk [T, H, D] (queries and keys stacked on the head axis: one call for both)."""
+        return apply_rotary(qk, *cos_sin)

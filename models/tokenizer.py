@@ -91,3 +91,12 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (an incomplete character decodes as U+FFFD)."""
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        delta = full[len(prefix):] if len(full) > len(prefix) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,100 @@
+"""Shared fixtures: small random Hugging Face checkpoints built with transformers itself."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+FAMILIES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+
+BASE_SHAPE: dict[str, Any] = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+)
+
+
+def build_checkpoint(path: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
+    """Save a random `family` model with transformers' save_pretrained into `path`."""
+    import transformers
+
+    config_cls, model_cls = (getattr(transformers, n) for n in FAMILIES[family])
+    torch.manual_seed(seed)
+    config = config_cls(**{**BASE_SHAPE, **overrides})
+    model = model_cls(config).eval()
+    # Random init leaves biases at zero; give them values so bias handling is tested.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """make_checkpoint(family, **config_overrides) -> directory (cached per argument set)."""
+    cache: dict[str, Path] = {}
+
+    def make(family: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+        key = json.dumps([family, seed, overrides], sort_keys=True, default=str)
+        if key not in cache:
+            cache[key] = build_checkpoint(tmp_path_factory.mktemp(family), family, seed,
+                                          **overrides)
+        return cache[key]
+
+    return make
+
+
+def hf_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The transformers reference for a checkpoint directory."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> Callable[..., torch.nn.Module]:
+    """hf_reference(path, dtype) -> the transformers model (the oracle)."""
+    return hf_model
+
+
+TOKENIZER_TEXT = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "import os\nprint(os.path.join('a', 'b'))\n",
+    "for i in range(10):\n    if i % 2 == 0:\n        print(i)\n",
+]
+
+
+def add_tokenizer(path: Path, vocab_size: int) -> Path:
+    """Train a small byte-level BPE into `path` (tokenizer.json + tokenizer_config.json)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TOKENIZER_TEXT * 20, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>",
+        "chat_template": "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}# assistant:{% endif %}"}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def text_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Llama checkpoint with a real (tiny) BPE tokenizer, for text in / text out."""
+    path = build_checkpoint(tmp_path_factory.mktemp("text"), "llama", seed=5)
+    return add_tokenizer(path, BASE_SHAPE["vocab_size"])

@@ -1,0 +1,46 @@
+"""The bundled meshcoder pair: loads by short name, generates Python-looking text, and the
+draft shares the target's tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshserve import LLM, SamplingParams
+from meshserve.models.arch import ModelArch
+from meshserve.models.bundled import BUNDLED_DIR, bundled_models, resolve_model_dir
+
+
+def test_both_models_are_bundled_and_small() -> None:
+    assert {"meshcoder", "meshcoder-draft"} <= set(bundled_models())
+    total = sum(f.stat().st_size for f in BUNDLED_DIR.rglob("*") if f.is_file())
+    assert total < 25 * 2**20
+    target = ModelArch.from_dir(BUNDLED_DIR / "meshcoder")
+    draft = ModelArch.from_dir(BUNDLED_DIR / "meshcoder-draft")
+    assert 5e6 <= target.num_params <= 20e6
+    assert 1 / 11 <= draft.num_params / target.num_params <= 1 / 7
+    assert (BUNDLED_DIR / "meshcoder" / "tokenizer.json").read_bytes() == \
+        (BUNDLED_DIR / "meshcoder-draft" / "tokenizer.json").read_bytes()
+
+
+def test_training_report_is_written_down() -> None:
+    report = json.loads((BUNDLED_DIR / "train_report.json").read_text())
+    text = json.dumps(report)
+    for key in ("agreement", "loss"):
+        assert key in text
+
+
+@pytest.mark.parametrize("name", ["meshcoder", "meshcoder-draft"])
+def test_bundled_model_generates_code(name: str) -> None:
+    llm = LLM(name, progress=False)
+    out = llm.generate(["def fibonacci(n):", "import os\n\nclass "],
+                       SamplingParams(max_tokens=32, temperature=0.0))
+    for o in out:
+        assert o.token_ids and o.text
+    assert resolve_model_dir(name, None) == BUNDLED_DIR / name
+
+
+def test_unknown_bundled_name_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"model\.name='nope' has no bundled weights"):
+        resolve_model_dir("nope", None)
