@@ -1,0 +1,236 @@
+"""Paged KV cache bookkeeping: free pool, block tables, reference counts, prefix cache."""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from collections.abc import Sequence as Seq
+
+from meshserve.engine.prefix_cache import (
+    ROOT_HASH,
+    ROOT_UID,
+    PrefixCache,
+    PrefixCacheStats,
+    hash_block,
+)
+from meshserve.engine.sequence import Sequence
+from meshserve.validation import require
+
+_NEVER = sys.maxsize
+"""Registration progress of a sequence that met a hash collision: cache none of its blocks."""
+
+
+class NoFreeBlocksError(RuntimeError):
+    """A block was needed and none is free."""
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling of a / b for non-negative ints."""
+    return -(-a // b)
+
+
+class BlockManager:
+    """Fixed-size KV blocks shared by reference count, with an optional prefix cache.
+
+    Every block is in exactly one place: used (ref count > 0), free and uncached (`_free`,
+    handed out first, oldest first) or cached and unused (the prefix cache's LRU, evicted
+    least recently used first). A sequence's blocks are freed tail first, so the tail of
+    a prefix is evicted before its head.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *,
+                 enable_prefix_caching: bool = True) -> None:
+        require(num_blocks >= 1, "num_blocks", num_blocks, "an int >= 1")
+        require(block_size >= 1, "block_size", block_size, "an int >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.prefix_cache = PrefixCache(num_blocks, block_size) if enable_prefix_caching else None
+        self._ref_count = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._progress: dict[int, list[int]] = {}
+        """seq_id -> [leading blocks registered (or known cached), uid of the last of them]."""
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        """Prefix-cache counters (all zero when prefix caching is off)."""
+        return self.prefix_cache.stats if self.prefix_cache is not None else PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take: free ones plus unused cached ones."""
+        cache = self.prefix_cache
+        return len(self._free) + (cache.num_evictable if cache is not None else 0)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks some sequence holds."""
+        return self.num_blocks - self.num_free_blocks
+
+    def ref_count(self, block: int) -> int:
+        """How many block tables hold `block`."""
+        return self._ref_count[block]
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks for the longest prefix of `seq`'s tokens, leaving >= 1 token to compute."""
+        if self.prefix_cache is None:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        if max_blocks <= 0:
+            return []
+        self._hash_blocks(seq, max_blocks)
+        return self.prefix_cache.lookup(seq.block_hashes, seq.token_ids, max_blocks)
+
+    def admit(self, seq: Sequence, cached_blocks: Seq[int], num_new_tokens: int) -> bool:
+        """Give a blockless `seq` its cached blocks plus room for `num_new_tokens`; all or nothing."""
+        assert not seq.block_table and seq.num_computed_tokens == 0, seq
+        assert num_new_tokens >= 1
+        num_cached_tokens = len(cached_blocks) * self.block_size
+        assert num_cached_tokens + num_new_tokens <= seq.num_tokens
+        num_needed = cdiv(num_cached_tokens + num_new_tokens, self.block_size) - len(cached_blocks)
+        ref_count = self._ref_count
+        num_reclaimed = sum(1 for b in cached_blocks if ref_count[b] == 0)
+        if num_needed > self.num_free_blocks - num_reclaimed:
+            return False
+        cache = self.prefix_cache
+        for block in cached_blocks:
+            if ref_count[block] == 0:
+                assert cache is not None
+                cache.take(block)
+            ref_count[block] += 1
+        seq.block_table.extend(cached_blocks)
+        self._grow(seq.block_table, num_needed)
+        seq.num_computed_tokens = num_cached_tokens
+        if cache is not None:
+            last_uid = cache.uid_of(cached_blocks[-1]) if cached_blocks else ROOT_UID
+            self._progress[seq.seq_id] = [len(cached_blocks), last_uid]
+            self._record_lookup(cache.stats, seq, num_cached_tokens)
+        return True
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow `seq`'s block table to hold `num_new_tokens` more tokens; all or nothing."""
+        needed = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table)
+        if needed <= 0:
+            return True
+        if needed > self.num_free_blocks:
+            return False
+        self._grow(seq.block_table, needed)
+        return True
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register `seq`'s full blocks whose KV is computed and not yet cached."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        progress = self._progress[seq.seq_id]
+        start = progress[0]
+        if start >= num_full:
+            return
+        self._hash_blocks(seq, num_full)
+        bs, tokens, table, hashes = self.block_size, seq.token_ids, seq.block_table, seq.block_hashes
+        uid = progress[1]
+        for i in range(start, num_full):
+            uid = cache.register(table[i], uid, hashes[i], tokens[i * bs:(i + 1) * bs])
+            if uid == ROOT_UID:
+                progress[0] = _NEVER
+                return
+        progress[0], progress[1] = num_full, uid
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Share `parent`'s full blocks with blockless `child`; copy the partial last block.
+
+        Returns the (src, dst) block copy the model runner must do before the next step, or
+        None. Raises NoFreeBlocksError when a copy is needed and no block is free.
+        """
+        assert not child.block_table and child.num_computed_tokens == parent.num_computed_tokens
+        bs = self.block_size
+        num_full = parent.num_computed_tokens // bs
+        table = parent.block_table
+        assert len(table) == cdiv(parent.num_computed_tokens, bs), "fork only between steps"
+        copy = None
+        if len(table) > num_full:
+            if self.num_free_blocks == 0:
+                raise NoFreeBlocksError(f"no free KV block to fork sequence {parent.seq_id}")
+            copy = (table[num_full], self._take_block())
+        for block in table[:num_full]:
+            self._ref_count[block] += 1
+        child.block_table = table[:num_full]
+        if copy is not None:
+            child.block_table.append(copy[1])
+        if self.prefix_cache is not None:
+            self._progress[child.seq_id] = list(self._progress[parent.seq_id])
+        return copy
+
+    def free(self, seq: Sequence) -> None:
+        """Release all of `seq`'s blocks, tail first."""
+        for block in reversed(seq.block_table):
+            self._release(block)
+        seq.block_table.clear()
+        self._progress.pop(seq.seq_id, None)
+
+    def reset_prefix_cache(self) -> int:
+        """Uncache every unused cached block; return how many were freed."""
+        if self.prefix_cache is None:
+            return 0
+        blocks = self.prefix_cache.evict_all()
+        self._free.extend(blocks)
+        return len(blocks)
+
+    def check_invariants(self) -> None:
+        """Assert every block is in exactly one place (O(num_blocks); for tests)."""
+        ref_count, cache = self._ref_count, self.prefix_cache
+        assert all(r >= 0 for r in ref_count)
+        assert len(set(self._free)) == len(self._free), "a block is free twice"
+        for block in self._free:
+            assert ref_count[block] == 0 and (cache is None or not cache.is_cached(block)), block
+        num_unused = sum(r == 0 for r in ref_count)
+        assert num_unused == self.num_free_blocks, (num_unused, self.num_free_blocks)
+        if cache is not None:
+            cache.check_invariants()
+            for block in range(self.num_blocks):
+                assert cache.is_evictable(block) == (ref_count[block] == 0
+                                                     and cache.is_cached(block)), block
+
+    def _hash_blocks(self, seq: Sequence, num_blocks: int) -> None:
+        """Extend `seq.block_hashes` to its first `num_blocks` full blocks."""
+        hashes, tokens, bs = seq.block_hashes, seq.token_ids, self.block_size
+        parent = hashes[-1] if hashes else ROOT_HASH
+        for i in range(len(hashes), num_blocks):
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+            hashes.append(parent)
+
+    def _grow(self, table: list[int], num_blocks: int) -> None:
+        for _ in range(num_blocks):
+            table.append(self._take_block())
+
+    def _take_block(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            assert self.prefix_cache is not None
+            evicted = self.prefix_cache.evict_lru()
+            assert evicted is not None, "out of blocks: callers check num_free_blocks"
+            block = evicted
+        assert self._ref_count[block] == 0
+        self._ref_count[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        count = self._ref_count[block] - 1
+        assert count >= 0, f"block {block} freed twice"
+        self._ref_count[block] = count
+        if count == 0:
+            if self.prefix_cache is not None and self.prefix_cache.is_cached(block):
+                self.prefix_cache.release(block)
+            else:
+                self._free.append(block)
+
+    def _record_lookup(self, stats: PrefixCacheStats, seq: Sequence, num_hit_tokens: int) -> None:
+        if seq.num_preemptions:
+            stats.num_recompute_queries += seq.num_tokens
+            stats.num_recompute_hits += num_hit_tokens
+            return
+        stats.num_queries += seq.num_tokens
+        stats.num_hits += num_hit_tokens
+        stats.num_short_prompts += seq.num_tokens < self.block_size
+        seq.num_cached_tokens = num_hit_tokens

@@ -1,0 +1,314 @@
+"""Iteration-level scheduler: token budget, chunked prefill, preemption by recompute."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections import deque
+from collections.abc import Mapping
+from itertools import islice
+
+from meshserve.engine.block_manager import BlockManager, cdiv
+from meshserve.engine.config import EngineConfig
+from meshserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput, SchedulerStats
+from meshserve.engine.sequence import Sequence, SequenceStatus
+from meshserve.validation import require
+
+
+def _arrival_key(seq: Sequence) -> tuple[float, int]:
+    return (seq.arrival_time, seq.seq_id)
+
+
+class Scheduler:
+    """Chooses each step's sequences and KV blocks; pure Python, data in and data out.
+
+    Invariants: `running` is in arrival order; a sequence in flight (scheduled, not yet
+    updated) is neither scheduled again nor preempted; several outputs may be in flight.
+    """
+
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+        require(max_model_len >= 1, "max_model_len", max_model_len, "an int >= 1")
+        self.config = config
+        self.max_model_len = max_model_len
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._seqs: dict[int, Sequence] = {}
+        """Unfinished sequences by id."""
+        self._in_flight: set[int] = set()
+        self._block_copies: list[tuple[int, int]] = []
+        self._static_batch: set[int] = set()
+        """'static' policy: ids of the batch now being served; new admissions wait for it."""
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting for admission (new or preempted)."""
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Admitted sequences, in flight or not."""
+        return len(self.running)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Sequences scheduled and not yet updated."""
+        return len(self._in_flight)
+
+    def stats(self) -> SchedulerStats:
+        """A snapshot of the counters."""
+        bm = self.block_manager
+        return SchedulerStats(
+            num_waiting=len(self.waiting), num_running=len(self.running),
+            num_in_flight=len(self._in_flight), num_preemptions=self.num_preemptions,
+            num_used_blocks=bm.num_used_blocks, num_free_blocks=bm.num_free_blocks,
+            prefix_cache=dataclasses.replace(bm.stats))
+
+    def has_unfinished(self) -> bool:
+        """Whether any sequence is waiting or running."""
+        return bool(self._seqs)
+
+    def get(self, seq_id: int) -> Sequence | None:
+        """The unfinished sequence `seq_id`, or None."""
+        return self._seqs.get(seq_id)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; ValueError if it could never be served."""
+        self._validate(seq)
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Drop a waiting or running sequence and free its blocks; None if unknown."""
+        return self.finish(seq_id, SequenceStatus.FINISHED_ABORTED)
+
+    def finish(self, seq_id: int, status: SequenceStatus) -> Sequence | None:
+        """End a sequence with a FINISHED_* `status` (e.g. on a stop string); None if unknown."""
+        require(status.is_finished, "status", status, "a FINISHED_* status")
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        seq.set_finished(status)
+        self._retire(seq)
+        return seq
+
+    def fork(self, parent_id: int, child_seq_id: int) -> Sequence:
+        """Start `child_seq_id` as a copy of running `parent_id`, sharing its KV blocks."""
+        parent = self._seqs.get(parent_id)
+        require(parent is not None and parent.status is SequenceStatus.RUNNING
+                and parent_id not in self._in_flight, "parent_id", parent_id,
+                "a running sequence that is not in flight")
+        require(child_seq_id not in self._seqs, "child_seq_id", child_seq_id, "an unused id")
+        assert parent is not None
+        child = parent.fork(child_seq_id)
+        copy = self.block_manager.fork(parent, child)
+        if copy is not None:
+            self._block_copies.append(copy)
+        self._seqs[child_seq_id] = child
+        bisect.insort(self.running, child, key=_arrival_key)
+        if parent_id in self._static_batch:
+            self._static_batch.add(child_seq_id)
+        return child
+
+    def schedule(self, max_num_batched_tokens: int | None = None) -> SchedulerOutput:
+        """Pick the next step's chunks; `max_num_batched_tokens` may lower the budget (micro-batches)."""
+        budget = self.config.max_num_batched_tokens
+        if max_num_batched_tokens is not None:
+            require(max_num_batched_tokens >= 1, "max_num_batched_tokens",
+                    max_num_batched_tokens, "an int >= 1")
+            budget = min(budget, max_num_batched_tokens)
+        out = SchedulerOutput(block_copies=self._block_copies)
+        self._block_copies = []
+        budget, blocked = self._schedule_running(out, budget)
+        if not out.preempted_seq_ids and not blocked:
+            self._schedule_waiting(out, budget)
+        self._in_flight.update(s.seq_id for s in out.scheduled)
+        return out
+
+    def update(self, output: SchedulerOutput, sampled: Mapping[int, int]) -> list[Sequence]:
+        """Apply a step's results (seq_id -> sampled token); return the sequences that finished."""
+        finished: list[Sequence] = []
+        seqs, in_flight, bm = self._seqs, self._in_flight, self.block_manager
+        caching, bs = bm.prefix_cache is not None, bm.block_size
+        max_model_len = self.max_model_len
+        for sched in output.scheduled:
+            seq_id = sched.seq_id
+            in_flight.discard(seq_id)
+            seq = seqs.get(seq_id)
+            if seq is None:
+                continue  # aborted or finished while in flight
+            start = sched.start_pos
+            assert seq.num_computed_tokens == start, (seq, start)
+            end = seq.num_computed_tokens = start + len(sched.token_ids)
+            if sched.sample:
+                token = sampled[seq_id]
+                seq.append_token(token)
+                # cheap pre-check; num_tokens == end + 1 now
+                if (token in seq.stop_token_ids or len(seq.output_token_ids) >= seq.max_tokens
+                        or end + 1 >= max_model_len):
+                    status = self._stop_status(seq)
+                    if status is not None:
+                        seq.set_finished(status)
+                        finished.append(seq)
+            if caching and end // bs != start // bs:  # a block was completed
+                bm.cache_computed_blocks(seq)
+        if finished:
+            for seq in finished:
+                self._retire(seq)
+            self.running = [s for s in self.running if not s.is_finished]
+        return finished
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Decodes and unfinished prefills of running sequences, oldest first.
+
+        Returns the budget left and whether a sequence went without blocks (it waits for an
+        in-flight sequence to come back and be preempted; no younger one may take blocks now).
+        """
+        # The hot path (one decode per sequence, every step): kept inline on purpose.
+        running, in_flight, scheduled = self.running, self._in_flight, out.scheduled
+        block_size = self.block_manager.block_size
+        num_batched = 0
+        blocked = False
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            if seq.seq_id in in_flight:
+                i += 1
+                continue
+            start = seq.num_computed_tokens
+            end = num_tokens = seq.num_tokens
+            if end - start > budget:
+                end = start + self._num_new_tokens(end - start, budget)
+                if end == start:
+                    i += 1
+                    continue
+            table = seq.block_table
+            if len(table) * block_size < end and (
+                    blocked or not self._allocate_or_preempt(seq, end - start, out)):
+                if seq.status is SequenceStatus.RUNNING:
+                    blocked = True
+                    i += 1
+                continue  # else `seq` itself was preempted and left `running`
+            scheduled.append(ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start, table[:],
+                                          end == num_tokens))
+            num_batched += end - start
+            budget -= end - start
+            i += 1
+        out.num_batched_tokens += num_batched
+        return budget, blocked
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        """Find blocks for `seq` by preempting the latest arrivals; False if it must go without.
+
+        The victim is always the latest-arrived running sequence (possibly `seq` itself); when
+        that one is in flight nothing is preempted and `seq` waits, so the oldest sequence
+        always progresses and in-flight micro-batches cannot make two sequences thrash.
+        """
+        bm, running, in_flight = self.block_manager, self.running, self._in_flight
+        while not bm.allocate_slots(seq, num_new):
+            if running[-1].seq_id in in_flight:
+                return False
+            victim = self._preempt(len(running) - 1, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, j: int, out: SchedulerOutput) -> Sequence:
+        """Send running[j] back to the front of waiting; its KV will be recomputed."""
+        running = self.running
+        victim = running.pop(j)
+        self.block_manager.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = SequenceStatus.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted_seq_ids.append(victim.seq_id)
+        return victim
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences in order while budget, seats and blocks last."""
+        waiting, bm = self.waiting, self.block_manager
+        static = self.config.policy == "static"
+        if static and not self._static_batch and not self.running:
+            self._static_batch = {s.seq_id for s in islice(waiting, self.config.static_batch_size)}
+        max_num_seqs = self.config.max_num_seqs
+        while waiting and budget > 0 and len(self.running) < max_num_seqs:
+            seq = waiting[0]
+            if static and seq.seq_id not in self._static_batch:
+                break
+            cached = bm.find_cached_prefix(seq)
+            num_cached_tokens = len(cached) * bm.block_size
+            num_new = self._num_new_tokens(seq.num_tokens - num_cached_tokens, budget)
+            if num_new == 0 or not bm.admit(seq, cached, num_new):
+                break
+            waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_arrival_key)
+            self._emit(out, seq, num_new)
+            budget -= num_new
+
+    def _num_new_tokens(self, num_remaining: int, budget: int) -> int:
+        """Tokens to feed this step out of `num_remaining`; 0 means wait for more budget.
+
+        With chunked prefill off a prefill waits until it fits whole, except a preempted
+        sequence whose recompute exceeds the whole budget: it is chunked, or it never runs.
+        """
+        if num_remaining <= budget:
+            return num_remaining
+        config = self.config
+        if config.enable_chunked_prefill or num_remaining > config.max_num_batched_tokens:
+            return budget
+        return 0
+
+    @staticmethod
+    def _emit(out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        start = seq.num_computed_tokens
+        end = start + num_new
+        out.scheduled.append(ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start,
+                                          list(seq.block_table), end == seq.num_tokens))
+        out.num_batched_tokens += num_new
+
+    def _stop_status(self, seq: Sequence) -> SequenceStatus | None:
+        num_outputs = len(seq.output_token_ids)
+        if seq.last_token_id in seq.stop_token_ids and num_outputs >= seq.min_tokens:
+            return SequenceStatus.FINISHED_STOPPED
+        if num_outputs >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _retire(self, seq: Sequence) -> None:
+        """Forget a finished sequence and free its blocks (running list is the caller's)."""
+        del self._seqs[seq.seq_id]
+        self.block_manager.free(seq)
+        self._static_batch.discard(seq.seq_id)
+
+    def _validate(self, seq: Sequence) -> None:
+        config, bm = self.config, self.block_manager
+        num_prompt = seq.num_prompt_tokens
+        given = f"{num_prompt} tokens"
+        require(num_prompt >= 1, "prompt_token_ids", given, "at least 1 token")
+        require(num_prompt <= self.max_model_len, "prompt_token_ids", given,
+                f"at most max_model_len={self.max_model_len} tokens")
+        require(config.enable_chunked_prefill or num_prompt <= config.max_num_batched_tokens,
+                "prompt_token_ids", given, f"at most max_num_batched_tokens="
+                f"{config.max_num_batched_tokens} tokens when chunked prefill is off")
+        cache_tokens = bm.num_blocks * bm.block_size
+        require(cdiv(num_prompt, bm.block_size) <= bm.num_blocks, "prompt_token_ids", given,
+                f"at most {cache_tokens} tokens (the whole KV cache)")
+        require(seq.max_tokens >= 1, "max_tokens", seq.max_tokens, "an int >= 1")
+        # The last sampled token is never fed back, so KV holds at most total length - 1.
+        num_kv = max(num_prompt, min(num_prompt + seq.max_tokens, self.max_model_len) - 1)
+        require(cdiv(num_kv, bm.block_size) <= bm.num_blocks, "max_tokens", seq.max_tokens,
+                f"at most {cache_tokens - num_prompt + 1} for a {num_prompt}-token prompt: "
+                f"prompt and output must fit the KV cache of {cache_tokens} tokens")
+        require(seq.seq_id not in self._seqs, "seq_id", seq.seq_id, "an id not already queued")
+        require(seq.status is SequenceStatus.WAITING and not seq.block_table
+                and seq.num_computed_tokens == 0 and not seq.output_token_ids,
+                "seq", seq, "a new sequence (WAITING, no blocks, no output)")

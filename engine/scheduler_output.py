@@ -1,0 +1,88 @@
+"""What one scheduling step hands the model runner, and the scheduler's counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from meshserve.engine.prefix_cache import PrefixCacheStats
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step: tokens to feed at positions start_pos, start_pos+1, ...
+
+    The model runner writes token i's KV to slot
+    block_table[pos // block_size] * block_size + pos % block_size with pos = start_pos + i,
+    and reads positions < start_pos back through the same table.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    """A prefill chunk, or the one decode token."""
+
+    start_pos: int
+    """Position of token_ids[0]; the sequence's num_computed_tokens before the step."""
+
+    block_table: list[int]
+    """A copy of the sequence's block table, covering every position fed."""
+
+    sample: bool
+    """Whether this chunk ends the known tokens, so the model samples the next one."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens fed this step."""
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's batch: scheduled chunks, preempted sequences and block copies to do first."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    """Sum of len(token_ids) over `scheduled`."""
+
+    preempted_seq_ids: list[int] = field(default_factory=list)
+    """Sequences sent back to waiting (their KV is dropped and will be recomputed)."""
+
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(src, dst) whole-block KV copies (from forks) to perform before this step's forward."""
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in the step."""
+        return len(self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether there is nothing to run (no tokens and no copies)."""
+        return not self.scheduled and not self.block_copies
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot of the scheduler's counters."""
+
+    num_waiting: int
+    num_running: int
+    num_in_flight: int
+    """Running sequences scheduled but not yet updated."""
+
+    num_preemptions: int
+    num_used_blocks: int
+    """KV blocks held by some sequence."""
+
+    num_free_blocks: int
+    """Free plus evictable (cached, unused) KV blocks."""
+
+    prefix_cache: PrefixCacheStats
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat counters for logs and metrics (prefix-cache ones prefixed `prefix_cache_`)."""
+        out: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)
+                                 if f.name != "prefix_cache"}
+        for f in fields(self.prefix_cache):
+            out[f"prefix_cache_{f.name}"] = getattr(self.prefix_cache, f.name)
+        out["prefix_cache_hit_rate"] = self.prefix_cache.hit_rate
+        return out
