@@ -6,12 +6,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from meshserve.engine.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
-from meshserve.engine.model_runner import ModelRunner
+from meshserve.engine.executor import Executor, LocalExecutor, Logprob
 from meshserve.engine.outputs import RequestMetrics, RequestOutput
-from meshserve.engine.sampler import Sampler
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler import Scheduler
 from meshserve.engine.scheduler_output import SchedulerStats
@@ -19,10 +15,7 @@ from meshserve.engine.sequence import Sequence, SequenceStatus
 from meshserve.launch.run_config import MeshConfig
 from meshserve.models.arch import ModelArch
 from meshserve.models.bundled import resolve_model_dir
-from meshserve.models.loader import load_model
 from meshserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -30,55 +23,30 @@ class _Request:
     request_id: str
     seq: Sequence
     params: SamplingParams
-    generator: torch.Generator | None
     metrics: RequestMetrics
     detok: IncrementalDetokenizer | None
     text: str = ""
-    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' picks CUDA when present."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is visible: allowed are auto, cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, arch: ModelArch, device: torch.device) -> torch.dtype:
-    """'auto' computes in float32 on CPU and in the checkpoint's dtype on GPU."""
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else _DTYPES[arch.dtype]
-    return _DTYPES[name]
+    logprobs: list[Logprob] = field(default_factory=list)
 
 
 class Engine:
     """Continuous batching over a paged KV cache on one rank."""
 
-    def __init__(self, config: MeshConfig, *, progress: bool = True) -> None:
+    def __init__(self, config: MeshConfig, *, progress: bool = True,
+                 executor: Executor | None = None) -> None:
         self.config = config
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        self.device = resolve_device(config.device)
         self.model_dir = resolve_model_dir(config.model.name, config.model.path)
         self.arch = ModelArch.from_dir(self.model_dir)
-        self.dtype = resolve_dtype(config.model.dtype, self.arch, self.device)
-        model = load_model(self.model_dir, dtype=self.dtype, device=self.device, progress=progress)
         self.tokenizer = (Tokenizer(self.model_dir)
                           if (self.model_dir / "tokenizer.json").is_file() else None)
         self.max_model_len = self._max_model_len()
-        ec = config.engine
-        attn = model.attention_layers()[0]
-        block_bytes = bytes_per_block(len(model.attention_layers()), attn.num_kv_heads,
-                                      attn.head_dim, ec.block_size, self.dtype)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        self.num_blocks = num_kv_blocks(ec, block_bytes, self.device, weight_bytes)
-        cache = allocate_kv_cache(len(model.attention_layers()), self.num_blocks, ec.block_size,
-                                  attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
-        self.runner = ModelRunner(model, cache, ec.block_size, self.device)
-        self.scheduler = Scheduler(ec, self.num_blocks, self.max_model_len)
-        self.sampler = Sampler()
+        self.executor: Executor = executor or LocalExecutor(config, self.model_dir, self.arch,
+                                                            progress=progress)
+        self.device = self.executor.device
+        self.num_blocks = self.executor.num_blocks
+        self.scheduler = Scheduler(config.engine, self.num_blocks, self.max_model_len)
+        self._new_params: dict[int, SamplingParams] = {}
+        self._finished: list[int] = []
         self.eos_token_ids = set(self.arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -121,13 +89,9 @@ class Engine:
         seq = Sequence(seq_id, ids, max_tokens=params.max_tokens, stop_token_ids=stop_ids,
                        min_tokens=params.min_tokens, arrival_time=now)
         self.scheduler.add(seq)
-        gen = None
-        if not params.greedy:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed if params.seed is not None
-                            else hash((self.config.engine.seed, seq_id)) & (2**63 - 1))
+        self._new_params[seq_id] = params
         detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
-        self._requests[seq_id] = _Request(request_id, seq, params, gen,
+        self._requests[seq_id] = _Request(request_id, seq, params,
                                           RequestMetrics(now, num_prompt_tokens=len(ids)), detok)
         self._by_request_id[request_id] = seq_id
         return request_id
@@ -153,7 +117,13 @@ class Engine:
         req = self._requests.pop(seq_id)
         del self._by_request_id[request_id]
         req.seq.set_finished(SequenceStatus.FINISHED_ABORTED)
+        self._forget(seq_id)
         return True
+
+    def _forget(self, seq_id: int) -> None:
+        """Tell the executor (at the next step) that this sequence's state can go."""
+        if self._new_params.pop(seq_id, None) is None:
+            self._finished.append(seq_id)
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""
@@ -169,21 +139,17 @@ class Engine:
             m = self._requests[s.seq_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        self.runner.copy_blocks(out.block_copies)
-        logits, seq_ids = self.runner.execute(out.scheduled)
-        reqs = [self._requests[i] for i in seq_ids]
-        sampled = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs]) \
-            if seq_ids else None
-        tokens = dict(zip(seq_ids, sampled.token_ids)) if sampled else {}
-        self.scheduler.update(out, tokens)
+        new = {s.seq_id: self._new_params.pop(s.seq_id) for s in out.scheduled
+               if s.seq_id in self._new_params}
+        result = self.executor.execute(out, new, self._finished)
+        self._finished = []
+        self.scheduler.update(out, result.tokens)
         now = time.monotonic()
-        outputs = [self._advance(r, tokens[r.seq.seq_id],
-                                 sampled.logprobs[i] if sampled else None, now)
-                   for i, r in enumerate(reqs)]
-        return outputs
+        return [self._advance(self._requests[i], t, result.logprobs.get(i), now)
+                for i, t in result.tokens.items()]
 
     def _advance(self, req: _Request, token: int,
-                 logprob: tuple[float, list[tuple[int, float]]] | None, now: float) -> RequestOutput:
+                 logprob: Logprob | None, now: float) -> RequestOutput:
         seq, m = req.seq, req.metrics
         if m.first_token_time is None:
             m.first_token_time = now
@@ -200,6 +166,7 @@ class Engine:
             m.finish_time = now
             self._requests.pop(seq.seq_id, None)
             self._by_request_id.pop(req.request_id, None)
+            self._forget(seq.seq_id)
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids), text=req.text, new_token_ids=[token],
