@@ -22,7 +22,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """[B, num_blocks_per_seq] block tables -> [B, num_blocks_per_seq * block_size, Hkv, D]."""
     b, n = block_tables.shape
-    return cache[block_tables].view(b, n * cache.shape[1], *cache.shape[2:])
+    return cache.index_select(0, block_tables.reshape(-1)).view(b, n * cache.shape[1],
+                                                                 *cache.shape[2:])
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -33,18 +34,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     context_lens [B] counts the cached tokens including the query's own.
     """
     b, h, d = q.shape
-    k = gather_kv(k_cache, block_tables)  # [B, L, Hkv, D]
-    v = gather_kv(v_cache, block_tables)
-    hkv, length = k.shape[2], k.shape[1]
-    pos = torch.arange(length, device=q.device)
+    k = gather_kv(k_cache, block_tables).transpose(1, 2)  # [B, Hkv, L, D] (a strided view)
+    v = gather_kv(v_cache, block_tables).transpose(1, 2)
+    pos = torch.arange(k.shape[2], device=q.device)
     mask = pos.unsqueeze(0) < context_lens.unsqueeze(1)  # [B, L]
     if sliding_window is not None:
         mask &= pos.unsqueeze(0) > (context_lens.unsqueeze(1) - 1 - sliding_window)
-    qg = q.view(b, hkv, h // hkv, d)  # query heads grouped by their KV head
-    scores = torch.einsum("bkgd,blkd->bkgl", qg, k).float() * scale
-    scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1).to(v.dtype)
-    return torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(b, h, d)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=k.shape[1] != h)
+    return out.view(b, h, d)
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -69,4 +67,22 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
         scale=scale, enable_gqa=hkv != h)
+    return out.transpose(0, 1)
+
+
+def causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   sliding_window: int | None = None) -> torch.Tensor:
+    """A chunk that starts at position 0 attends only to itself: no cache read needed.
+
+    q [Q, H, D], k and v [Q, Hkv, D] -> [Q, H, D].
+    """
+    num_q, h = q.shape[:2]
+    mask = None
+    if sliding_window is not None and num_q > sliding_window:
+        pos = torch.arange(num_q, device=q.device)
+        diff = pos.unsqueeze(1) - pos.unsqueeze(0)
+        mask = (diff >= 0) & (diff < sliding_window)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+        is_causal=mask is None, scale=scale, enable_gqa=k.shape[1] != h)
     return out.transpose(0, 1)

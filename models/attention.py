@@ -71,8 +71,12 @@ class Attention(nn.Module):
             out[:n_dec] = self._decode(q[:n_dec], meta)
         for c in meta.prefills:
             sl = slice(c.token_start, c.token_start + c.num_tokens)
-            out[sl] = ref.paged_prefill(q[sl], self.k_cache, self.v_cache, c.block_table,
-                                        c.start_pos, self.scale, self.sliding_window)
+            if c.start_pos == 0:
+                out[sl] = ref.causal_prefill(q[sl], k[sl], v[sl], self.scale,
+                                             self.sliding_window)
+            else:
+                out[sl] = ref.paged_prefill(q[sl], self.k_cache, self.v_cache, c.block_table,
+                                            c.start_pos, self.scale, self.sliding_window)
         return out
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
