@@ -29,6 +29,31 @@ class _Request:
     logprobs: list[Logprob] = field(default_factory=list)
 
 
+@dataclass
+class StepTiming:
+    """Where step time goes: the scheduler's own (pure Python) work vs the executor's."""
+
+    num_steps: int = 0
+    num_tokens: int = 0
+    scheduler_s: float = 0.0
+    """schedule() + update()."""
+    execute_s: float = 0.0
+    """Model forward, sampling and (multi-rank) communication."""
+
+    def add(self, scheduler_s: float, execute_s: float, num_tokens: int) -> None:
+        """Account one step."""
+        self.num_steps += 1
+        self.num_tokens += num_tokens
+        self.scheduler_s += scheduler_s
+        self.execute_s += execute_s
+
+    @property
+    def scheduler_share(self) -> float:
+        """Scheduler time as a share of step time."""
+        total = self.scheduler_s + self.execute_s
+        return self.scheduler_s / total if total else 0.0
+
+
 class Engine:
     """Continuous batching over a paged KV cache on one rank."""
 
@@ -46,6 +71,7 @@ class Engine:
         self.num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(config.engine, self.num_blocks, self.max_model_len)
         self._new_params: dict[int, SamplingParams] = {}
+        self.timing = StepTiming()
         self._finished: list[int] = []
         self.eos_token_ids = set(self.arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -131,9 +157,11 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward pass; outputs of the requests it advanced."""
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        t1 = time.perf_counter()
         now = time.monotonic()
         for s in out.scheduled:
             m = self._requests[s.seq_id].metrics
@@ -141,9 +169,12 @@ class Engine:
                 m.first_scheduled_time = now
         new = {s.seq_id: self._new_params.pop(s.seq_id) for s in out.scheduled
                if s.seq_id in self._new_params}
+        t2 = time.perf_counter()
         result = self.executor.execute(out, new, self._finished)
+        t3 = time.perf_counter()
         self._finished = []
         self.scheduler.update(out, result.tokens)
+        self.timing.add(t1 - t0 + time.perf_counter() - t3, t3 - t2, out.num_batched_tokens)
         now = time.monotonic()
         return [self._advance(self._requests[i], t, result.logprobs.get(i), now)
                 for i, t in result.tokens.items()]
