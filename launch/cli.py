@@ -10,6 +10,7 @@ from meshserve.launch.config import GROUPS, ConfigError, presets
 
 VERBS: dict[str, tuple[str, str]] = {
     "generate": ("meshserve.launch.generate", "complete the configured prompts and print speed"),
+    "bench": ("meshserve.launch.bench", "run a BENCH.md workload on meshserve and its peers"),
 }
 
 

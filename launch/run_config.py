@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from meshserve.bench.checkpoints import DEFAULT_CACHE_DIR, SPECS
+from meshserve.bench.peer_names import DEFAULT_PEERS, is_peer
 from meshserve.engine.config import EngineConfig
 from meshserve.models.config import ModelConfig
 from meshserve.parallel.cluster import ClusterConfig
@@ -39,6 +41,73 @@ class GenerateConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """What `meshserve bench` runs, against which peers, and where it writes the result."""
+
+    workload: str = "longtail"
+    """A workload name (longtail, shared-prefix, latency, short, online) or a JSON workload file."""
+    num_requests: int | None = None
+    """Keep only the first N requests of the workload; null keeps all."""
+    rate: float | None = None
+    """Requests/s of Poisson arrivals (needed by 'online'); null: all arrive at t=0."""
+    seed: int = 0
+    """Seed of the generated workloads' token ids and arrivals."""
+    model: str | None = None
+    """A BENCH.md checkpoint (tiny, big) built on first use and cached; used as model.path."""
+    cache_dir: str = DEFAULT_CACHE_DIR
+    """Where the built BENCH.md checkpoints are kept."""
+    peers: list[str] = field(default_factory=lambda: list(DEFAULT_PEERS))
+    """Engines compared with meshserve: hf-static-<B> (generate, batches of B), hf-continuous."""
+    repeats: int = 3
+    """Timed rounds after the warm-up, each running every engine once (alternating)."""
+    warmup: bool = True
+    """Run every engine once, untimed, before the rounds."""
+    out: str = "bench-results"
+    """Directory for result.json and result.png."""
+    roofline: bool = True
+    """Measure memory bandwidth and matmul rate first, for MBU and MFU."""
+    roofline_read_bytes: int = 2 << 30
+    """Size of the fp32 tensor read to measure memory bandwidth."""
+    roofline_matmul_size: int = 2048
+    """N of the N x N x N fp32 matmul timed for the FLOP/s ceiling."""
+    hf_max_batch_tokens: int = 512
+    """max_batch_tokens of transformers' continuous batching (BENCH.md: 512 beats its 8192)."""
+    slo_ttft_s: float = 2.0
+    """Time-to-first-token objective for goodput, seconds."""
+    slo_tpot_s: float = 0.2
+    """Time-per-output-token objective for goodput, seconds."""
+    progress: bool = True
+    """Show a progress bar."""
+    plot: bool = True
+    """Write result.png."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.workload), "bench.workload", self.workload,
+                "a workload name or a JSON workload file")
+        require(self.num_requests is None or self.num_requests >= 1, "bench.num_requests",
+                self.num_requests, "null or an int >= 1")
+        require(self.rate is None or self.rate > 0, "bench.rate", self.rate,
+                "null or requests/s > 0")
+        require(self.workload != "online" or self.rate is not None, "bench.rate", self.rate,
+                "a rate in requests/s when bench.workload=online")
+        require(self.model is None or self.model in SPECS, "bench.model", self.model,
+                f"null or one of {sorted(SPECS)} (use model.path for a directory)")
+        bad = [p for p in self.peers if not is_peer(p)]
+        require(not bad and len(set(self.peers)) == len(self.peers), "bench.peers", self.peers,
+                "distinct names among hf-static-<B> (B >= 1) and hf-continuous")
+        require(self.repeats >= 1, "bench.repeats", self.repeats, "an int >= 1")
+        require(bool(self.out), "bench.out", self.out, "a directory path")
+        require(self.roofline_read_bytes >= 1 << 20, "bench.roofline_read_bytes",
+                self.roofline_read_bytes, "at least 1 MiB")
+        require(self.roofline_matmul_size >= 16, "bench.roofline_matmul_size",
+                self.roofline_matmul_size, "an int >= 16")
+        require(self.hf_max_batch_tokens >= 1, "bench.hf_max_batch_tokens",
+                self.hf_max_batch_tokens, "an int >= 1")
+        require(self.slo_ttft_s > 0 and self.slo_tpot_s > 0, "bench.slo_ttft_s/slo_tpot_s",
+                (self.slo_ttft_s, self.slo_tpot_s), "seconds > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class MeshConfig:
     """Everything one meshserve run is configured by (Hydra groups and verb options)."""
 
@@ -54,6 +123,8 @@ class MeshConfig:
     """The workload the service is for."""
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     """Options of `meshserve generate`."""
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    """Options of `meshserve bench`."""
     device: str = "auto"
     """auto (CUDA when present), cpu or cuda."""
     threads: int | None = None
