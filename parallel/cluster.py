@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from meshserve.validation import require
 
 DEVICE_TYPES = ("cuda", "cpu")
+SOURCES = ("datasheet", "calibrated", "detected")
+DTYPE_PEAKS = {"bfloat16": "peak_tflops_bf16", "float16": "peak_tflops_bf16",
+               "float32": "peak_tflops_fp32"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,6 +20,10 @@ class ClusterConfig:
     """Preset name."""
     device_type: str = "cpu"
     """cuda or cpu."""
+    device_name: str = ""
+    """What each device is (for display), e.g. 'H100 SXM 80GB'."""
+    source: str = "datasheet"
+    """Where the figures come from: datasheet, calibrated (measured here) or detected."""
     num_nodes: int = 1
     """Nodes."""
     devices_per_node: int = 2
@@ -27,22 +34,27 @@ class ClusterConfig:
     """Memory per device, GB."""
     memory_bandwidth_gbs: float = 27.0
     """Per-device memory bandwidth (HBM, or DRAM per CPU rank), GB/s."""
+    node_memory_bandwidth_gbs: float | None = None
+    """Memory bandwidth all devices of a node share (CPU ranks on one socket); null: none."""
     peak_tflops_bf16: float = 0.18
-    """Dense bf16 matmul rate per device, TFLOP/s."""
+    """Dense bf16 (and fp16) matmul rate per device, TFLOP/s."""
     peak_tflops_fp32: float = 0.084
     """Dense fp32 matmul rate per device, TFLOP/s."""
     intra_node_bandwidth_gbs: float = 2.2
-    """Per-device bandwidth inside an NVLink domain (NVLink, or shared memory), GB/s."""
+    """Per-device, per-direction bandwidth inside an NVLink domain (NVLink, or shared memory), GB/s."""
     intra_node_latency_us: float = 300.0
-    """Per-message latency inside a node, µs."""
+    """Latency of one message (one ring step) inside a node, µs."""
     inter_node_bandwidth_gbs: float = 2.2
-    """Per-device bandwidth between nodes (InfiniBand / RoCE), GB/s."""
+    """Per-device bandwidth between nodes and between NVLink domains (InfiniBand, PCIe), GB/s."""
     inter_node_latency_us: float = 300.0
-    """Per-message latency between nodes, µs."""
+    """Latency of one message (one ring step) between nodes or domains, µs."""
+    layer_overhead_us: float = 0.0
+    """Fixed time per decoder layer per forward besides the roofline (launches, Python), µs."""
 
     def __post_init__(self) -> None:
         require(self.device_type in DEVICE_TYPES, "cluster.device_type", self.device_type,
                 f"one of {DEVICE_TYPES}")
+        require(self.source in SOURCES, "cluster.source", self.source, f"one of {SOURCES}")
         for n in ("num_nodes", "devices_per_node", "nvlink_domain_size"):
             require(getattr(self, n) >= 1, f"cluster.{n}", getattr(self, n), "an int >= 1")
         require(self.devices_per_node % self.nvlink_domain_size == 0, "cluster.nvlink_domain_size",
@@ -50,8 +62,25 @@ class ClusterConfig:
         for n in ("device_memory_gb", "memory_bandwidth_gbs", "peak_tflops_bf16",
                   "peak_tflops_fp32", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs"):
             require(getattr(self, n) > 0, f"cluster.{n}", getattr(self, n), "a number > 0")
+        for n in ("intra_node_latency_us", "inter_node_latency_us", "layer_overhead_us"):
+            require(getattr(self, n) >= 0, f"cluster.{n}", getattr(self, n), "a number >= 0")
+        require(self.node_memory_bandwidth_gbs is None or self.node_memory_bandwidth_gbs > 0,
+                "cluster.node_memory_bandwidth_gbs", self.node_memory_bandwidth_gbs,
+                "null or a number > 0")
 
     @property
     def num_devices(self) -> int:
         """Devices in the whole cluster."""
         return self.num_nodes * self.devices_per_node
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense matmul FLOP/s per device for a compute dtype (float32, bfloat16, float16)."""
+        require(dtype in DTYPE_PEAKS, "dtype", dtype, f"one of {tuple(DTYPE_PEAKS)}")
+        return getattr(self, DTYPE_PEAKS[dtype]) * 1e12
+
+    def memory_bandwidth(self, active_devices_per_node: int = 1) -> float:
+        """Bytes/s one device reads while `active_devices_per_node` devices of its node run."""
+        bw = self.memory_bandwidth_gbs
+        if self.node_memory_bandwidth_gbs is not None:
+            bw = min(bw, self.node_memory_bandwidth_gbs / max(1, active_devices_per_node))
+        return bw * 1e9

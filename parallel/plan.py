@@ -1,0 +1,137 @@
+"""The Plan the runtime consumes: degrees, where every rank runs, which layers each stage has.
+
+Ranks follow the mesh axes ("dp", "pp", "tp") with tp varying fastest (as parallel/mesh.py
+builds its groups), and rank r runs on the r-th device counting node by node. A TP group is
+then tp consecutive devices: it stays inside an NVLink domain exactly when tp divides the
+domain size. Consecutive stages of a replica are tp devices apart, so PP is what crosses
+nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshserve.parallel.cluster import ClusterConfig
+from meshserve.parallel.cost_model import Layout
+from meshserve.validation import require
+
+ROLES = ("mixed", "prefill", "decode")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankPlacement:
+    """Where one rank runs and what it does."""
+
+    rank: int
+    """Global rank."""
+    node: int
+    """Node index."""
+    local_device: int
+    """Device index on its node (CUDA_VISIBLE_DEVICES order)."""
+    dp_rank: int
+    """Replica."""
+    pp_rank: int
+    """Pipeline stage."""
+    tp_rank: int
+    """Rank inside its TP group."""
+    role: str = "mixed"
+    """mixed (prefill and decode), or prefill / decode once serving is disaggregated."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A layout the runtime can start: degrees, rank placement, stage layer ranges."""
+
+    tp: int
+    """Tensor-parallel degree."""
+    pp: int
+    """Pipeline stages."""
+    dp: int
+    """Replicas."""
+    num_micro_batches: int
+    """Micro-batches in flight during decode (1 when pp == 1)."""
+    stage_layers: tuple[tuple[int, int], ...]
+    """[start, end) decoder layers of each stage."""
+    placements: tuple[RankPlacement, ...]
+    """One per rank, in rank order."""
+    prefill_decode_split: tuple[int, int] | None = None
+    """Replicas doing prefill and decode when disaggregated; null: every replica does both."""
+    warnings: tuple[str, ...] = ()
+    """Rules the plan had to break (a TP group across NVLink domains) and why."""
+    explanation: str = ""
+    """Why this plan was chosen."""
+    candidates: tuple = field(default=(), compare=False)
+    """Every candidate the planner weighed (planner.Candidate), best first."""
+
+    def __post_init__(self) -> None:
+        require(len(self.placements) == self.world_size, "plan.placements", len(self.placements),
+                f"tp*pp*dp = {self.world_size} placements")
+        require(len(self.stage_layers) == self.pp, "plan.stage_layers", self.stage_layers,
+                f"{self.pp} ranges")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan needs."""
+        return self.tp * self.pp * self.dp
+
+    def rank_of(self, *, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        """The global rank at these mesh coordinates."""
+        return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
+
+
+def place_ranks(tp: int, pp: int, dp: int, cluster: ClusterConfig) -> tuple[RankPlacement, ...]:
+    """Every rank's node and device: rank r on device r, mesh axes (dp, pp, tp), tp fastest."""
+    world = tp * pp * dp
+    require(world <= cluster.num_devices, "parallel.tp*pp*dp", world,
+            f"at most the cluster's {cluster.num_devices} devices")
+    per_node = cluster.devices_per_node
+    return tuple(RankPlacement(rank=r, node=r // per_node, local_device=r % per_node,
+                               dp_rank=r // (tp * pp), pp_rank=r // tp % pp, tp_rank=r % tp)
+                 for r in range(world))
+
+
+def tp_within_domain(tp: int, cluster: ClusterConfig) -> bool:
+    """Whether every TP group of tp consecutive devices stays inside one NVLink domain."""
+    return cluster.nvlink_domain_size % tp == 0
+
+
+def layout_for(tp: int, stage_layers: list[tuple[int, int]], num_micro_batches: int,
+               cluster: ClusterConfig) -> Layout:
+    """The cost model's view of replica 0 placed on `cluster`."""
+    pp = len(stage_layers)
+    places = place_ranks(tp, pp, 1, cluster)
+    nodes = [places[s * tp].node for s in range(pp)]
+    return Layout(tp=tp, stage_layers=tuple(end - start for start, end in stage_layers),
+                  num_micro_batches=num_micro_batches if pp > 1 else 1,
+                  tp_link="intra" if tp_within_domain(tp, cluster) else "inter",
+                  stage_links=tuple("intra" if a == b else "inter"
+                                    for a, b in zip(nodes, nodes[1:])),
+                  active_devices_per_node=min(cluster.devices_per_node, tp * pp))
+
+
+def balanced_layer_ranges(num_layers: int, pp: int, *, layer: float, first: float = 0.0,
+                          last: float = 0.0) -> list[tuple[int, int]]:
+    """[start, end) layers per stage minimising the slowest stage, every stage >= 1 layer.
+
+    Each layer costs `layer`; stage 0 also pays `first` (embedding) and the last stage
+    `last` (LM head). Among equally good splits, earlier stages take more layers.
+    (parallel/stages.py has the same rule as a DP over StageCosts; merge the two.)
+    """
+    require(1 <= pp <= num_layers, "parallel.pp", pp, f"1..num_hidden_layers={num_layers}")
+    require(layer > 0 and first >= 0 and last >= 0, "stage costs", (layer, first, last),
+            "layer > 0, first and last >= 0")
+    extras = [(first if s == 0 else 0.0) + (last if s == pp - 1 else 0.0) for s in range(pp)]
+
+    def capacity(bound: float) -> list[int]:  # most layers each stage takes under `bound`
+        return [int((bound - e) / layer + 1e-9) for e in extras]
+
+    # The optimum is one stage's cost, extra + n * layer: try those in increasing order.
+    bounds = sorted({e + n * layer for e in extras for n in range(1, num_layers + 1)})
+    bound = next(b for b in bounds if min(capacity(b)) >= 1 and sum(capacity(b)) >= num_layers)
+    ranges, start = [], 0
+    for s, cap in enumerate(capacity(bound)):
+        n = min(cap, num_layers - start - (pp - 1 - s))
+        ranges.append((start, start + n))
+        start += n
+    assert start == num_layers, ranges
+    return ranges
