@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import cast
 
-from meshserve.engine.executor import Executor, LocalExecutor, Logprob
+from meshserve.engine.executor import Executor, LocalExecutor, Logprob, PipelinedExecutor
+from meshserve.engine.micro_batch import micro_batch_budget
 from meshserve.engine.outputs import RequestMetrics, RequestOutput
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler import Scheduler
-from meshserve.engine.scheduler_output import SchedulerStats
+from meshserve.engine.scheduler_output import SchedulerOutput, SchedulerStats
 from meshserve.engine.sequence import Sequence, SequenceStatus
+from meshserve.launch.ranks import RankEnv
 from meshserve.launch.run_config import MeshConfig
 from meshserve.models.arch import ModelArch
 from meshserve.models.bundled import resolve_model_dir
@@ -65,8 +70,12 @@ class Engine:
         self.tokenizer = (Tokenizer(self.model_dir)
                           if (self.model_dir / "tokenizer.json").is_file() else None)
         self.max_model_len = self._max_model_len()
-        self.executor: Executor = executor or LocalExecutor(config, self.model_dir, self.arch,
+        self.executor: Executor = executor or make_executor(config, self.model_dir, self.arch,
                                                             progress=progress)
+        self._max_in_flight: int = getattr(self.executor, "max_in_flight", 1)
+        # Micro-batches in the pipeline (pp > 1), oldest first, with their scheduler and
+        # executor seconds so far.
+        self._in_flight: deque[tuple[SchedulerOutput, float, float]] = deque()
         self.device = self.executor.device
         self.num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(config.engine, self.num_blocks, self.max_model_len)
@@ -146,17 +155,27 @@ class Engine:
         self._forget(seq_id)
         return True
 
+    def reset_prefix_cache(self) -> int:
+        """Uncache every unused cached KV block (e.g. between benchmark runs); return how many."""
+        return self.scheduler.reset_prefix_cache()
+
     def _forget(self, seq_id: int) -> None:
         """Tell the executor (at the next step) that this sequence's state can go."""
         if self._new_params.pop(seq_id, None) is None:
             self._finished.append(seq_id)
 
     def has_unfinished(self) -> bool:
-        """Whether any request is waiting or running."""
-        return self.scheduler.has_unfinished()
+        """Whether any request is waiting or running, or a micro-batch is in the pipeline."""
+        return self.scheduler.has_unfinished() or bool(self._in_flight)
+
+    def shutdown(self) -> None:
+        """Release the executor's ranks, process groups and ports."""
+        self.executor.shutdown()
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward pass; outputs of the requests it advanced."""
+        if self._max_in_flight > 1:
+            return self._step_pipelined()
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.scheduled:
@@ -178,6 +197,49 @@ class Engine:
         now = time.monotonic()
         return [self._advance(self._requests[i], t, result.logprobs.get(i), now)
                 for i, t in result.tokens.items()]
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Fill the pipeline with micro-batches (disjoint sequences, balanced by tokens),
+        then finish the oldest; outputs of the requests it advanced."""
+        executor = cast(PipelinedExecutor, self.executor)
+        while len(self._in_flight) < self._max_in_flight:
+            t0 = time.perf_counter()
+            out = self.scheduler.schedule(self._micro_batch_budget())
+            if not out.scheduled:
+                break
+            now = time.monotonic()
+            for s in out.scheduled:
+                m = self._requests[s.seq_id].metrics
+                if m.first_scheduled_time is None:
+                    m.first_scheduled_time = now
+            new = {s.seq_id: self._new_params.pop(s.seq_id) for s in out.scheduled
+                   if s.seq_id in self._new_params}
+            t1 = time.perf_counter()
+            executor.submit(out, new, self._finished)
+            self._finished = []
+            self._in_flight.append((out, t1 - t0, time.perf_counter() - t1))
+        if not self._in_flight:
+            return []
+        out, scheduler_s, execute_s = self._in_flight.popleft()
+        t0 = time.perf_counter()
+        result = executor.collect()
+        t1 = time.perf_counter()
+        self.scheduler.update(out, result.tokens)
+        self.timing.add(scheduler_s + time.perf_counter() - t1, execute_s + t1 - t0,
+                        out.num_batched_tokens)
+        now = time.monotonic()
+        requests = self._requests  # a request aborted while in flight is gone
+        return [self._advance(requests[i], t, result.logprobs.get(i), now)
+                for i, t in result.tokens.items() if i in requests]
+
+    def _micro_batch_budget(self) -> int:
+        in_flight = {s.seq_id for out, _, _ in self._in_flight for s in out.scheduled}
+        sched = self.scheduler
+        pending = sum(s.num_tokens - s.num_computed_tokens for s in sched.running
+                      if s.seq_id not in in_flight)
+        pending += sum(s.num_tokens for s in sched.waiting)
+        return micro_batch_budget(pending, self._max_in_flight - len(self._in_flight),
+                                  self.config.engine.max_num_batched_tokens)
 
     def _advance(self, req: _Request, token: int,
                  logprob: Logprob | None, now: float) -> RequestOutput:
@@ -223,3 +285,14 @@ class Engine:
     def stats(self) -> SchedulerStats:
         """Scheduler and cache counters (for logs and metrics)."""
         return self.scheduler.stats()
+
+
+def make_executor(config: MeshConfig, model_dir: Path, arch: ModelArch, *,
+                  progress: bool = True) -> Executor:
+    """This process alone for a one-rank layout, else the driver of tp x pp ranks."""
+    env = RankEnv.from_environ()
+    if config.parallel.world_size == 1 and (env is None or env.world_size == 1):
+        return LocalExecutor(config, model_dir, arch, progress=progress)
+    from meshserve.engine.distributed_executor import DistributedExecutor
+
+    return DistributedExecutor(config, model_dir, arch, progress=progress)

@@ -53,6 +53,21 @@ class Executor(Protocol):
         ...
 
 
+class PipelinedExecutor(Executor, Protocol):
+    """An executor that takes up to `max_in_flight` steps before the oldest one returns."""
+
+    max_in_flight: int
+
+    def submit(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
+               finished: Sequence[int]) -> None:
+        """Start a step; its sequences are disjoint from every step still in flight."""
+        ...
+
+    def collect(self) -> StepResult:
+        """The result of the oldest step in flight."""
+        ...
+
+
 def resolve_device(name: str) -> torch.device:
     """'auto' picks CUDA when present."""
     if name == "auto":

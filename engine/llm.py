@@ -10,8 +10,11 @@ from tqdm import tqdm
 from meshserve.engine.engine import Engine
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.sampling_params import SamplingParams
+from meshserve.engine.worker import run_worker_rank
 from meshserve.launch.config import load_config, presets
+from meshserve.launch.ranks import RankEnv
 from meshserve.launch.run_config import MeshConfig
+from meshserve.models.bundled import resolve_model_dir
 
 
 def model_overrides(model: str | None) -> list[str]:
@@ -28,13 +31,32 @@ def model_overrides(model: str | None) -> list[str]:
 
 
 class LLM:
-    """Generate completions for a batch of prompts with continuous batching."""
+    """Generate completions for a batch of prompts with continuous batching.
+
+    With parallel.tp / parallel.pp > 1 the ranks are started by this object (or, under
+    torchrun, found running): on every rank but 0 the constructor serves rank 0 until it
+    shuts down and then exits the process, so one script runs on every rank.
+    """
 
     def __init__(self, model: str | None = None, overrides: Sequence[str] = (), *,
                  config: MeshConfig | None = None, progress: bool = True) -> None:
         self.config = config or load_config(model_overrides(model) + list(overrides))
+        env = RankEnv.from_environ()
+        if env is not None and env.is_worker:
+            model_dir = resolve_model_dir(self.config.model.name, self.config.model.path)
+            raise SystemExit(run_worker_rank(self.config, model_dir, env))
         self.engine = Engine(self.config, progress=progress)
         self.progress = progress
+
+    def shutdown(self) -> None:
+        """Stop the ranks (if several) and free their process groups and ports."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     @property
     def tokenizer(self):  # noqa: ANN201 - the engine's Tokenizer or None

@@ -3,25 +3,41 @@
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 from meshserve.engine.llm import LLM
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.launch.config import load_config
+from meshserve.launch.ranks import RankFailure
 
 
 def run(overrides: list[str]) -> int:
-    """Load the model, generate, print; returns the exit code."""
+    """Load the model, generate, print; returns the exit code (1 when a rank failed).
+
+    With parallel.tp / pp > 1 the ranks are self-spawned, or under torchrun every rank
+    runs this and all but rank 0 serve it (they exit inside LLM()).
+    """
     cfg = load_config(overrides)
     t0 = time.perf_counter()
-    llm = LLM(config=cfg)
+    try:
+        llm = LLM(config=cfg)
+    except RankFailure as e:
+        print(f"meshserve generate: {e}", file=sys.stderr)
+        return 1
     load_s = time.perf_counter() - t0
     g = cfg.generate
     params = SamplingParams(max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p,
                             top_k=g.top_k, seed=g.seed, ignore_eos=g.ignore_eos)
     t1 = time.perf_counter()
-    outs = llm.generate(list(g.prompts), params)
+    try:
+        outs = llm.generate(list(g.prompts), params)
+    except RankFailure as e:
+        print(f"meshserve generate: {e}", file=sys.stderr)
+        return 1
+    finally:
+        llm.shutdown()
     wall = time.perf_counter() - t1
     for prompt, out in zip(g.prompts, outs):
         print(f"--- prompt: {prompt!r}  ({out.finish_reason}, {len(out.token_ids)} tokens)")

@@ -163,8 +163,8 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] (final-normed on the last stage) and the residual."""
         return self.model(input_ids, positions, meta, hidden, residual)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] for the rows that sample."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [N, vocab] for the rows that sample, on TP rank 0; None on other TP ranks."""
         assert self.lm_head is not None, "only the last pipeline stage computes logits"
         return self.lm_head(hidden)
 

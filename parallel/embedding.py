@@ -42,7 +42,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection split over the vocabulary; full logits are gathered on demand."""
+    """Output projection split over the vocabulary; full logits are gathered on TP rank 0
+    only, the rank that samples."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, bias: bool = False,
                  tp: TensorParallelGroup = SINGLE, dtype: torch.dtype | None = None) -> None:
@@ -53,9 +54,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Share the embedding's weight (tie_word_embeddings)."""
         self.weight = embedding.weight
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits [N, vocab_size] for the rows in `hidden` [N, hidden]."""
-        logits = F.linear(hidden, self.weight)
-        if self.tp.size > 1:
-            logits = self.tp.all_gather(logits, dim=-1)
-        return logits[..., : self.vocab_size]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary logits [N, vocab_size] for the rows in `hidden` [N, hidden] on TP
+        rank 0; None on the other TP ranks (they only contribute their vocabulary shard)."""
+        logits = self.tp.gather(F.linear(hidden, self.weight), dim=-1, dst=0)
+        return None if logits is None else logits[..., : self.vocab_size]

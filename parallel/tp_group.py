@@ -1,11 +1,33 @@
-"""The tensor-parallel group a sharded layer talks to, passed to it explicitly."""
+"""The tensor-parallel group a sharded layer talks to, passed to it explicitly.
+
+Every TP collective goes through this object, so a faster transport (a shared-memory
+CPU AllReduce, say) can replace torch.distributed here without touching the layers.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class CommCounters:
+    """Collectives this rank took part in, and the bytes it contributed to them."""
+
+    num_all_reduce: int = 0
+    all_reduce_bytes: int = 0
+    num_gather: int = 0
+    gather_bytes: int = 0
+
+    def snapshot(self) -> CommCounters:
+        """A copy, for per-step differences."""
+        return CommCounters(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def __sub__(self, other: CommCounters) -> CommCounters:
+        return CommCounters(**{f.name: getattr(self, f.name) - getattr(other, f.name)
+                               for f in fields(self)})
 
 
 @dataclass(frozen=True)
@@ -15,6 +37,8 @@ class TensorParallelGroup:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    counters: CommCounters = field(default_factory=CommCounters, compare=False, repr=False)
+    """Collectives issued at size > 1 (size 1 communicates nothing and counts nothing)."""
 
     def __post_init__(self) -> None:
         assert self.size >= 1 and 0 <= self.rank < self.size, (self.rank, self.size)
@@ -23,6 +47,8 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the group in place (no-op at size 1)."""
         if self.size > 1:
+            self.counters.num_all_reduce += 1
+            self.counters.all_reduce_bytes += x.numel() * x.element_size()
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -33,6 +59,17 @@ class TensorParallelGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def gather(self, x: torch.Tensor, dim: int = -1, dst: int = 0) -> torch.Tensor | None:
+        """Every rank's `x` concatenated along `dim` on TP rank `dst`; None on the others."""
+        if self.size == 1:
+            return x
+        self.counters.num_gather += 1
+        self.counters.gather_bytes += x.numel() * x.element_size()
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == dst else None
+        dist.gather(x, parts, group=self.group, group_dst=dst)
+        return torch.cat(parts, dim=dim) if parts is not None else None
 
     def divide(self, n: int, what: str) -> int:
         """n / size, with a clear error when it doesn't divide."""

@@ -1,0 +1,198 @@
+"""The driver's side of a multi-rank run (tensor and/or pipeline parallel).
+
+The driver is rank 0: it runs the engine (one scheduler), broadcasts each micro-batch's
+metadata to every rank over a gloo CPU group, runs pipeline stage 0 (TP rank 0) itself,
+and collects the tokens the last stage samples. With pp > 1, up to `max_in_flight`
+micro-batches are in the pipeline at once: `submit` one, `collect` the oldest.
+
+Under a launcher (torchrun) the other ranks are already running; otherwise the driver
+spawns them and owns them: when one dies, all are stopped and the next call raises
+RankFailure naming it. A rank silent for `parallel.timeout_s` counts as failed.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import time
+import weakref
+from collections import deque
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from meshserve.engine.executor import StepResult
+from meshserve.engine.sampling_params import SamplingParams
+from meshserve.engine.scheduler_output import SchedulerOutput
+from meshserve.engine.stage_worker import StepMessage
+from meshserve.engine.worker import STARTUP_TIMEOUT_S, check_layout, max_in_flight, start_rank
+from meshserve.launch.ranks import RankEnv, RankFailure, SpawnedRanks, launcher_store
+from meshserve.launch.run_config import MeshConfig
+from meshserve.models.arch import ModelArch
+from meshserve.parallel.broadcast import ObjectBroadcaster
+from meshserve.parallel.p2p import ObjectChannel
+
+WORKER_MODULE = "meshserve.engine.worker"
+
+
+class DistributedExecutor:
+    """Runs each step over tp x pp ranks; this process is rank 0 (stage 0, TP rank 0)."""
+
+    def __init__(self, config: MeshConfig, model_dir: Path, arch: ModelArch, *,
+                 progress: bool = True) -> None:
+        t0 = time.perf_counter()
+        world_size = config.parallel.world_size
+        env = RankEnv.from_environ()
+        if env is not None and env.is_worker:
+            raise ValueError(f"RANK={env.rank}: only rank 0 drives a run; the other ranks "
+                             "serve it (meshserve.engine.worker.run_worker_rank)")
+        check_layout(config, arch, env.world_size if env else world_size)
+        self.max_in_flight = max_in_flight(config)
+        self._failure: str | None = None
+        self._timeout_s = config.parallel.timeout_s
+        self._num_in_flight = 0
+        self._step_id = 0
+        self._local: deque[StepResult] = deque()
+        self._threads = torch.get_num_threads()
+        self._spawned: SpawnedRanks | None = None
+        startup = timedelta(seconds=max(STARTUP_TIMEOUT_S, config.parallel.timeout_s))
+        if env is None:
+            threads = config.threads or max(1, (torch.get_num_threads() or 1) // world_size)
+            torch.set_num_threads(threads)
+            env = RankEnv.driver(world_size)
+            self._spawned = SpawnedRanks(world_size, WORKER_MODULE,
+                                         pickle.dumps((config, str(model_dir))), threads, startup)
+            store = self._spawned.store
+        else:
+            if config.threads:
+                torch.set_num_threads(config.threads)
+            store = launcher_store(env, startup)
+        assert store is not None
+        # Runs at interpreter exit too: no spawned rank outlives its driver.
+        self._finalizer = weakref.finalize(self, _stop_ranks, self._spawned)
+        try:
+            self.groups, self.worker = start_rank(
+                config, model_dir, env, store, progress=progress,
+                check=self._spawned.check if self._spawned else lambda: None)
+        except BaseException:
+            self._stop_after_failure()
+            raise
+        self.device = self.worker.device
+        self.num_blocks = self.worker.num_blocks
+        self._broadcaster = ObjectBroadcaster(self.groups.cpu_group, src=self.groups.driver_rank)
+        self._results = (ObjectChannel(self.groups.result_group, self.max_in_flight)
+                         if self.groups.result_group is not None else None)
+        if progress:
+            d = self.groups.dims
+            print(f"meshserve: {d.world_size} ranks ready (tp={d.tp}, pp={d.pp}) in "
+                  f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+    def submit(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
+               finished: Sequence[int]) -> None:
+        """Send a micro-batch into the pipeline and run stage 0 on it."""
+        self._check()
+        msg = StepMessage(self._step_id, out.scheduled, out.num_batched_tokens,
+                          out.block_copies, dict(new_params), list(finished))
+        self._step_id += 1
+        try:
+            self._broadcaster.send(msg)
+            result = self.worker.run(msg)
+        except Exception as e:
+            raise self._fail(e) from e
+        self._num_in_flight += 1
+        if result is not None:  # pp == 1: this rank samples
+            self._local.append(result)
+
+    def collect(self) -> StepResult:
+        """Tokens of the oldest micro-batch in flight."""
+        assert self._num_in_flight > 0, "collect() without submit()"
+        self._num_in_flight -= 1
+        if self._local:
+            return self._local.popleft()
+        assert self._results is not None
+        self._check()
+        try:
+            result = self._results.recv(src=self.groups.sampler_rank)
+        except Exception as e:
+            raise self._fail(e) from e
+        assert isinstance(result, StepResult), result
+        return result
+
+    def execute(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
+                finished: Sequence[int]) -> StepResult:
+        """Run one step to completion (no pipelining)."""
+        self.submit(out, new_params, finished)
+        return self.collect()
+
+    def _check(self) -> None:
+        if self._failure is None and self._spawned is not None and self._spawned.failure:
+            self._fail(RankFailure(self._spawned.failure))
+        if self._failure is not None:
+            raise RankFailure(self._failure)
+
+    def _fail(self, error: BaseException) -> RankFailure:
+        """Record why the run broke, stop every rank, and return the error to raise."""
+        if self._failure is None:
+            # A rank that just died explains the error best; its exit shows within moments.
+            cause = self._spawned.wait_for_failure(1.0) if self._spawned is not None else None
+            detail = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            if cause:
+                self._failure = f"{cause}; all ranks stopped"
+            elif "Timed out" in detail:
+                self._failure = (f"a rank did not answer within parallel.timeout_s="
+                                 f"{self._timeout_s:g} s ({detail}); all ranks stopped")
+            else:
+                self._failure = f"a step failed: {detail}; all ranks stopped"
+            self._stop_after_failure()
+        return RankFailure(self._failure)
+
+    def _stop_after_failure(self) -> None:
+        if self._spawned is not None:
+            self._spawned.expect_exit()
+            self._spawned.stop(grace_s=0.0)
+        torch.set_num_threads(self._threads)
+        groups = getattr(self, "groups", None)
+        if groups is not None:
+            groups.destroy()
+        else:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def shutdown(self) -> None:
+        """Stop every rank, free the process groups and the rendezvous port."""
+        if self._failure is not None or not hasattr(self, "groups"):
+            return
+        self._failure = "the executor was shut down"
+        try:
+            while self._num_in_flight:  # the sampling rank's sends must be received
+                self.collect_quietly()
+            if self._spawned is not None:
+                self._spawned.expect_exit()
+            self._broadcaster.send(None)
+            self.worker.drain()
+        except Exception:  # noqa: BLE001 - the ranks are stopped by force below
+            pass
+        if self._spawned is not None:
+            self._spawned.stop(grace_s=10.0)
+        self.groups.destroy()
+        torch.set_num_threads(self._threads)
+        self._finalizer.detach()
+
+    def collect_quietly(self) -> None:
+        """Receive and drop the oldest in-flight result (shutdown)."""
+        self._num_in_flight -= 1
+        if self._local:
+            self._local.popleft()
+        elif self._results is not None:
+            self._results.recv(src=self.groups.sampler_rank)
+
+
+def _stop_ranks(spawned: SpawnedRanks | None) -> None:
+    """Last resort at interpreter exit: no spawned rank outlives its driver."""
+    if spawned is not None:
+        spawned.expect_exit()
+        spawned.stop(grace_s=0.0)

@@ -1,0 +1,178 @@
+"""A rank's life: join the run, load its stage, then serve the driver's steps until told to stop.
+
+`start_rank` is shared by the driver and the workers; `serve` is the loop of every rank
+but the driver; `python -m meshserve.engine.worker` is how a self-spawned rank starts.
+Any failure ends the rank with a message naming it and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshserve.engine.executor import resolve_device, resolve_dtype
+from meshserve.engine.stage_worker import StageWorker
+from meshserve.launch.ranks import (
+    SPAWNED_BY,
+    RankEnv,
+    launcher_store,
+    store_barrier,
+    watch_parent,
+)
+from meshserve.launch.run_config import MeshConfig
+from meshserve.models.arch import ModelArch
+from meshserve.parallel.broadcast import BroadcastInbox, ObjectBroadcaster
+from meshserve.parallel.mesh import ParallelDims, ProcessGroups
+from meshserve.parallel.p2p import ObjectChannel
+from meshserve.parallel.stages import decoder_costs, stage_layer_ranges
+
+STARTUP_TIMEOUT_S = 600.0
+"""Longest wait for every rank to start and load its weights (the run's timeout_s applies
+once they have)."""
+
+
+def max_in_flight(config: MeshConfig) -> int:
+    """Micro-batches the driver keeps in the pipeline: one per stage unless configured."""
+    p = config.parallel
+    return 1 if p.pp == 1 else (p.num_micro_batches or p.pp)
+
+
+def check_layout(config: MeshConfig, arch: ModelArch, world_size: int) -> ParallelDims:
+    """The validated dimensions, or ValueError naming what doesn't fit (before any rank starts)."""
+    dims = ParallelDims.from_config(config.parallel, world_size)
+    dims.check_model(num_attention_heads=arch.num_attention_heads,
+                     num_key_value_heads=arch.num_key_value_heads,
+                     num_hidden_layers=arch.num_hidden_layers,
+                     intermediate_size=arch.intermediate_size)
+    if dims.dp != 1:
+        raise ValueError(f"parallel.dp={dims.dp}: data-parallel replicas are not served yet; "
+                         "allowed is 1 (start one meshserve per replica)")
+    return dims
+
+
+def rank_device(config: MeshConfig, env: RankEnv) -> torch.device:
+    """This rank's device: the CPU, or the GPU of its local rank."""
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+    return device
+
+
+def _backend(config: MeshConfig, device: torch.device) -> str:
+    backend = config.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        if device.type != "cuda":
+            raise ValueError("parallel.backend='nccl' needs device=cuda: allowed on CPU are "
+                             "auto and gloo")
+        return "cpu:gloo,cuda:nccl"
+    return backend
+
+
+def start_rank(config: MeshConfig, model_dir: Path, env: RankEnv, store: dist.Store, *,
+               check: Callable[[], None] = lambda: None, progress: bool = False
+               ) -> tuple[ProcessGroups, StageWorker]:
+    """Join the process groups, load this rank's stage and agree on the KV block count.
+
+    `check` is called while waiting for other ranks and raises to give up (the driver
+    uses it to notice a rank that died during startup).
+    """
+    arch = ModelArch.from_dir(model_dir)
+    dims = check_layout(config, arch, env.world_size)
+    device = rank_device(config, env)
+    dtype = resolve_dtype(config.model.dtype, arch, device)
+    timeout_s = config.parallel.timeout_s
+    startup_s = max(STARTUP_TIMEOUT_S, timeout_s)
+    # Ranks start seconds apart; meet in the store first, so that the process groups,
+    # which time out after timeout_s, only see ranks that are all there.
+    store_barrier(store, "started", env.world_size, startup_s, check)
+    dist.init_process_group(_backend(config, device), store=dist.PrefixStore("pg", store),
+                            rank=env.rank, world_size=env.world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    node_ids: list[str | None] = [None] * env.world_size
+    dist.all_gather_object(node_ids, env.node_id)
+    groups = ProcessGroups.build(dims, rank=env.rank, node_ids=[str(n) for n in node_ids],
+                                 device_type=device.type, timeout=timedelta(seconds=timeout_s))
+    costs = decoder_costs(hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
+                          num_attention_heads=arch.num_attention_heads,
+                          num_key_value_heads=arch.num_key_value_heads,
+                          head_dim=arch.head_dim, vocab_size=arch.vocab_size)
+    layer_range = stage_layer_ranges(arch.num_hidden_layers, dims.pp, costs)[groups.pp_rank]
+    worker = StageWorker(config, model_dir, groups, layer_range, device, dtype,
+                         max_in_flight(config), progress=progress)
+    store_barrier(store, "loaded", env.world_size, startup_s, check)
+    num_blocks = torch.tensor([worker.local_num_blocks()], dtype=torch.int64)
+    dist.all_reduce(num_blocks, op=dist.ReduceOp.MIN, group=groups.cpu_group)
+    worker.allocate(int(num_blocks.item()))
+    return groups, worker
+
+
+def serve(groups: ProcessGroups, worker: StageWorker, num_in_flight: int) -> None:
+    """Run every step the driver broadcasts until it broadcasts None; the sampling rank
+    sends each step's tokens to the driver."""
+    inbox = BroadcastInbox(ObjectBroadcaster(groups.cpu_group, src=groups.driver_rank))
+    results = None
+    if groups.is_sampler and groups.result_group is not None:
+        results = ObjectChannel(groups.result_group, max_pending=num_in_flight)
+    while (msg := inbox.get()) is not None:
+        result = worker.run(msg)  # type: ignore[arg-type]
+        if results is not None:
+            results.send(result, dst=groups.driver_rank)
+    worker.drain()
+    if results is not None:
+        results.drain()
+    inbox.join()
+
+
+def _exit_now(message: str, code: int) -> None:
+    """Print and leave at once: after a failure, tearing down gloo could wait on dead peers."""
+    print(message, file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+def run_worker_rank(config: MeshConfig, model_dir: Path, env: RankEnv) -> int:
+    """A worker rank from start to clean exit (returns 0); on any failure it prints why and
+    ends the process (code 2 for a configuration error, 1 otherwise)."""
+    label = f"meshserve rank {env.rank}"
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    signal.signal(signal.SIGTERM, lambda *_: _exit_now(
+        f"{label}: stopped: another rank failed or the driver is shutting down", 143))
+    if SPAWNED_BY in os.environ:
+        watch_parent(int(os.environ[SPAWNED_BY]),
+                     lambda: _exit_now(f"{label}: stopping: the driver (rank 0) is gone", 1))
+    groups = None
+    try:
+        store = launcher_store(env, timedelta(seconds=STARTUP_TIMEOUT_S))
+        groups, worker = start_rank(config, model_dir, env, store)
+        label = f"meshserve {groups.describe()}"
+        serve(groups, worker, max_in_flight(config))
+    except ValueError as e:
+        _exit_now(f"{label}: {e}", 2)
+    except Exception as e:  # noqa: BLE001 - every failure ends the rank
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        _exit_now(f"{label}: stopping after a failure: {reason}", 1)
+    groups.destroy()
+    return 0
+
+
+def main() -> int:
+    """Entry point of a self-spawned rank: the config arrives pickled on stdin."""
+    config, model_dir = pickle.load(sys.stdin.buffer)
+    env = RankEnv.from_environ()
+    assert env is not None, "started without RANK / WORLD_SIZE"
+    return run_worker_rank(config, Path(model_dir), env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

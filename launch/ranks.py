@@ -1,0 +1,218 @@
+"""Where this process stands among the ranks of a run, and starting the ranks ourselves.
+
+Under a launcher (torchrun, or anything that sets RANK / WORLD_SIZE / MASTER_ADDR /
+MASTER_PORT the way env:// expects) every rank reads its place from the environment.
+Without one, the driver self-spawns: it hosts the rendezvous store on a port the OS
+picks on 127.0.0.1 and starts ranks 1..N-1 as child processes with the same variables.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
+
+SPAWNED_BY = "MESHSERVE_PARENT_PID"
+"""Set in self-spawned ranks: the driver's pid (a rank exits when its driver is gone)."""
+
+
+class RankFailure(RuntimeError):
+    """Another rank died, hung or failed: the run cannot go on."""
+
+
+def node_identity() -> str:
+    """The node this rank runs on, as the launcher reports it."""
+    for var in ("MESHSERVE_NODE_ID", "GROUP_RANK", "SLURM_NODEID", "OMPI_COMM_WORLD_NODE_RANK"):
+        if os.environ.get(var):
+            return f"{var}={os.environ[var]}"
+    return socket.gethostname()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankEnv:
+    """This process's rank as a launcher (or our own spawner) described it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_id: str
+
+    @classmethod
+    def from_environ(cls) -> RankEnv | None:
+        """The launcher's variables, or None when no launcher started this process."""
+        env = os.environ
+        if "RANK" not in env or "WORLD_SIZE" not in env:
+            return None
+        try:
+            rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+            local_rank = int(env.get("LOCAL_RANK", rank))
+            local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        except ValueError:
+            raise ValueError(f"RANK={env['RANK']!r} WORLD_SIZE={env['WORLD_SIZE']!r}: allowed are "
+                             "integers, as torchrun sets them") from None
+        if not 0 <= rank < world:
+            raise ValueError(f"RANK={rank} with WORLD_SIZE={world}: allowed is 0 <= RANK < "
+                             "WORLD_SIZE")
+        return cls(rank=rank, world_size=world, local_rank=local_rank,
+                   local_world_size=local_world, node_id=node_identity())
+
+    @classmethod
+    def driver(cls, world_size: int) -> RankEnv:
+        """Rank 0 of a self-spawned run on this machine."""
+        return cls(rank=0, world_size=world_size, local_rank=0, local_world_size=world_size,
+                   node_id=node_identity())
+
+    @property
+    def is_worker(self) -> bool:
+        """Whether this rank serves the driver rather than running the scheduler."""
+        return self.rank != 0
+
+
+def launcher_store(env: RankEnv, timeout: timedelta) -> dist.Store:
+    """The launcher's rendezvous store (env://), under a prefix unique to this attempt."""
+    store, _, _ = next(rendezvous("env://", rank=env.rank, world_size=env.world_size,
+                                  timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"meshserve/{attempt}", store)
+
+
+def store_barrier(store: dist.Store, name: str, world_size: int, timeout_s: float,
+                  check: Callable[[], None] = lambda: None) -> None:
+    """Wait until all `world_size` ranks reached `name`; `check` raises to stop waiting."""
+    store.add(name, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(name, 0) < world_size:
+        check()
+        if time.monotonic() > deadline:
+            raise RankFailure(f"only {store.add(name, 0)} of {world_size} ranks reached "
+                              f"'{name}' within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class SpawnedRanks:
+    """Ranks 1..N-1 of a self-spawned run: child processes this driver owns and reaps."""
+
+    def __init__(self, world_size: int, module: str, payload: bytes, threads_per_rank: int,
+                 timeout: timedelta) -> None:
+        self.world_size = world_size
+        self._store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                                    timeout=timeout, wait_for_workers=False)
+        self.port = self._store.port
+        self.store: dist.Store | None = dist.PrefixStore("meshserve/0", self._store)
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.failure: str | None = None
+        self._stopping = False
+        base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port),
+                    WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                    OMP_NUM_THREADS=str(threads_per_rank), **{SPAWNED_BY: str(os.getpid())})
+        base.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        try:
+            for rank in range(1, world_size):
+                env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+                proc = subprocess.Popen([sys.executable, "-m", module], env=env,
+                                        stdin=subprocess.PIPE)
+                self.procs[rank] = proc
+                assert proc.stdin is not None
+                proc.stdin.write(payload)
+                proc.stdin.close()
+        except BaseException:
+            self.stop(grace_s=0.0)
+            raise
+        self._watch = threading.Thread(target=self._watch_children, name="meshserve-ranks",
+                                       daemon=True)
+        self._watch.start()
+
+    def _watch_children(self) -> None:
+        """Stop every rank as soon as one dies: no rank outlives a failed run."""
+        while not self._stopping:
+            if self._poll() is not None:
+                self._kill_all(signal.SIGTERM)
+                return
+            time.sleep(0.1)
+
+    def _poll(self) -> str | None:
+        """The first rank found dead (recorded in `failure`), unless they are expected to exit."""
+        if self.failure is None and not self._stopping:
+            for rank, proc in self.procs.items():
+                code = proc.poll()
+                if code is not None:
+                    self.failure = f"rank {rank} {_describe_exit(code)}"
+                    break
+        return self.failure
+
+    def wait_for_failure(self, timeout_s: float) -> str | None:
+        """A rank's death seen within `timeout_s` (the cause of a failed collective), or None."""
+        deadline = time.monotonic() + timeout_s
+        while self._poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.failure
+
+    def check(self) -> None:
+        """Raise RankFailure if a rank has died."""
+        if self._poll() is not None:
+            raise RankFailure(self.failure)
+
+    def _kill_all(self, sig: signal.Signals) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait for every rank to exit; False if some are still running after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
+    def expect_exit(self) -> None:
+        """The ranks are about to be told to exit: their exits are no failure any more."""
+        self._stopping = True
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Let the ranks exit on their own for `grace_s`, then terminate, then kill them;
+        reap all of them and close the store (its port is free afterwards)."""
+        self._stopping = True
+        if not self.wait(grace_s):
+            self._kill_all(signal.SIGTERM)
+            if not self.wait(2.0):
+                self._kill_all(signal.SIGKILL)
+                self.wait(10.0)
+        self.store = None
+        self._store = None  # type: ignore[assignment]  # the last reference: the server closes
+
+
+def watch_parent(parent_pid: int, on_lost: Callable[[], None]) -> None:
+    """Call `on_lost` (on a daemon thread) once the process `parent_pid` is gone."""
+
+    def run() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        on_lost()
+
+    threading.Thread(target=run, name="meshserve-parent", daemon=True).start()

@@ -1,0 +1,202 @@
+"""The parallel layout of a run: validated dimensions, rank placement, process groups.
+
+Mesh axes are ("dp", "pp", "tp"), tp varying fastest. Every group is built once, here,
+from one validated `ParallelDims`: the TP and PP groups from a DeviceMesh over the
+tensor backend (gloo or NCCL), plus gloo CPU groups for step metadata and results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshserve.parallel.config import ParallelConfig
+from meshserve.parallel.tp_group import TensorParallelGroup
+from meshserve.validation import require
+
+MESH_AXES = ("dp", "pp", "tp")
+
+IDLE_TIMEOUT = timedelta(days=365)
+"""How long a worker waits for the driver's next step: idle is not failure (see ProcessGroups)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """tp x pp x dp ranks, checked against the world size and against the model's shape."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "world_size"):
+            v = getattr(self, name)
+            require(isinstance(v, int) and v >= 1, f"parallel.{name}", v, "an int >= 1")
+        if self.tp * self.pp * self.dp != self.world_size:
+            raise ValueError(
+                f"parallel.tp * parallel.pp * parallel.dp = {self.tp} * {self.pp} * {self.dp} = "
+                f"{self.tp * self.pp * self.dp} ranks, but the world has {self.world_size}: "
+                "allowed are degrees whose product is the number of ranks started")
+
+    @classmethod
+    def from_config(cls, config: ParallelConfig, world_size: int | None = None) -> ParallelDims:
+        """The config's degrees; `world_size` (from the launcher) defaults to their product."""
+        return cls(tp=config.tp, pp=config.pp, dp=config.dp,
+                   world_size=config.world_size if world_size is None else world_size)
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        """Sizes along MESH_AXES."""
+        return (self.dp, self.pp, self.tp)
+
+    def check_model(self, *, num_attention_heads: int, num_key_value_heads: int,
+                    num_hidden_layers: int, intermediate_size: int) -> None:
+        """ValueError naming the parallel degree a model shape cannot be split by."""
+        tp, pp = self.tp, self.pp
+
+        def divisors(n: int) -> str:
+            return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+        if num_attention_heads % tp:
+            raise ValueError(f"parallel.tp={tp} does not divide num_attention_heads="
+                             f"{num_attention_heads}: allowed tp: {divisors(num_attention_heads)}")
+        if num_key_value_heads % tp and tp % num_key_value_heads:
+            raise ValueError(f"parallel.tp={tp} neither divides nor is a multiple of "
+                             f"num_key_value_heads={num_key_value_heads}: allowed is a divisor "
+                             "(KV heads split) or a multiple (KV heads replicated)")
+        if intermediate_size % tp:
+            raise ValueError(f"parallel.tp={tp} does not divide intermediate_size="
+                             f"{intermediate_size}: allowed tp: {divisors(intermediate_size)}")
+        if pp > num_hidden_layers:
+            raise ValueError(f"parallel.pp={pp} exceeds num_hidden_layers={num_hidden_layers}: "
+                             "every stage needs at least one layer")
+
+
+def place_ranks(node_ids: Sequence[str], dims: ParallelDims) -> list[int]:
+    """Global ranks in mesh order (dp, pp, tp): each TP group on one node, PP neighbours
+    free to cross nodes. `node_ids[r]` is the node the launcher put rank r on.
+
+    Nodes are taken in order of their lowest rank and their ranks in increasing order, so
+    rank 0 always sits at mesh position (0, 0, 0), the driver's.
+    """
+    require(len(node_ids) == dims.world_size, "node_ids", len(node_ids),
+            f"one per rank ({dims.world_size})")
+    by_node: dict[str, list[int]] = {}
+    for rank, node in enumerate(node_ids):
+        by_node.setdefault(node, []).append(rank)
+    for node, ranks in by_node.items():
+        if len(ranks) % dims.tp:
+            raise ValueError(
+                f"parallel.tp={dims.tp}: node {node!r} has {len(ranks)} ranks, so a "
+                "tensor-parallel group would span nodes; allowed is a tp that divides every "
+                f"node's rank count ({', '.join(f'{n}: {len(r)}' for n, r in by_node.items())})")
+    order = [r for ranks in by_node.values() for r in ranks]
+    assert order[0] == 0 and sorted(order) == list(range(dims.world_size)), order
+    return order
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessGroups:
+    """This rank's place in the mesh and every group it talks on.
+
+    `cpu_group` carries the driver's step metadata to the ranks of its replica. Workers
+    build it with IDLE_TIMEOUT, the driver with the run's timeout: a worker may wait for
+    the next step indefinitely (the driver notices a dead or stuck rank and stops them all),
+    while the driver never waits on a rank longer than the timeout.
+    """
+
+    dims: ParallelDims
+    rank: int
+    mesh: DeviceMesh
+    dp_rank: int
+    pp_rank: int
+    tp_rank: int
+    tp: TensorParallelGroup
+    pp_group: dist.ProcessGroup | None
+    """Same tp rank, every stage; None at pp == 1."""
+    cpu_group: dist.ProcessGroup
+    """gloo, every rank of this replica (metadata from the driver)."""
+    result_group: dist.ProcessGroup | None
+    """gloo, the driver and the sampling rank (sampled tokens); None at pp == 1."""
+    driver_rank: int
+    """Global rank of this replica's driver (stage 0, TP rank 0)."""
+    sampler_rank: int
+    """Global rank that samples (last stage, TP rank 0)."""
+
+    @property
+    def is_driver(self) -> bool:
+        """Whether this rank runs the scheduler."""
+        return self.rank == self.driver_rank
+
+    @property
+    def is_sampler(self) -> bool:
+        """Whether this rank samples tokens."""
+        return self.rank == self.sampler_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank embeds tokens."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank computes logits."""
+        return self.pp_rank == self.dims.pp - 1
+
+    def describe(self, rank: int | None = None) -> str:
+        """'rank 3 (dp 0, pp stage 1 of 2, tp rank 1 of 2)' for logs and errors."""
+        rank = self.rank if rank is None else rank
+        coords = (self.mesh.mesh == rank).nonzero()[0].tolist()
+        dp, pp, tp = coords
+        d = self.dims
+        where = f"pp stage {pp} of {d.pp}, tp rank {tp} of {d.tp}"
+        return f"rank {rank} ({f'dp {dp}, ' if d.dp > 1 else ''}{where})"
+
+    @classmethod
+    def build(cls, dims: ParallelDims, *, rank: int, node_ids: Sequence[str],
+              device_type: str, timeout: timedelta) -> ProcessGroups:
+        """Create every group; all ranks call this together, after init_process_group."""
+        order = place_ranks(node_ids, dims)
+        mesh = DeviceMesh(device_type, torch.tensor(order).view(dims.mesh_shape),
+                          mesh_dim_names=MESH_AXES)
+        coords = mesh.get_coordinate()
+        assert coords is not None, rank
+        dp_rank, pp_rank, tp_rank = coords
+        grid = mesh.mesh  # [dp, pp, tp] global ranks
+        tp = (TensorParallelGroup(tp_rank, dims.tp, mesh.get_group("tp"))
+              if dims.tp > 1 else TensorParallelGroup())
+        pp_group = mesh.get_group("pp") if dims.pp > 1 else None
+        cpu_group = None
+        for d in range(dims.dp):  # every rank creates every group, in the same order
+            g = dist.new_group(grid[d].flatten().tolist(), backend="gloo",
+                               timeout=timeout if rank == int(grid[d, 0, 0]) else IDLE_TIMEOUT)
+            if d == dp_rank:
+                cpu_group = g
+        result_group = None
+        if dims.pp > 1:
+            for d in range(dims.dp):
+                g = dist.new_group([int(grid[d, 0, 0]), int(grid[d, -1, 0])], backend="gloo",
+                                   timeout=timeout)
+                if d == dp_rank:
+                    result_group = g
+        assert cpu_group is not None
+        return cls(dims=dims, rank=rank, mesh=mesh, dp_rank=dp_rank, pp_rank=pp_rank,
+                   tp_rank=tp_rank, tp=tp, pp_group=pp_group, cpu_group=cpu_group,
+                   result_group=result_group, driver_rank=int(grid[dp_rank, 0, 0]),
+                   sampler_rank=int(grid[dp_rank, -1, 0]))
+
+    def stage_rank(self, pp_rank: int) -> int:
+        """Global rank of stage `pp_rank` at this rank's dp and tp coordinates."""
+        return int(self.mesh.mesh[self.dp_rank, pp_rank, self.tp_rank])
+
+    def destroy(self) -> None:
+        """Tear down every process group of this process (explicitly: gloo may abort at
+        interpreter exit otherwise)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()

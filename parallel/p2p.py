@@ -1,0 +1,97 @@
+"""Point-to-point traffic of a pipeline: activations to the next stage, results to the driver.
+
+Sends never block the sender (isend, buffers kept until done), so a stage hands its
+micro-batch on and starts the next one; at most `max_pending` sends stay outstanding.
+Receives block, bounded by the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+
+class PendingSends:
+    """isend works, each with the buffers it reads, kept alive until complete."""
+
+    def __init__(self, max_pending: int) -> None:
+        assert max_pending >= 1, max_pending
+        self.max_pending = max_pending
+        self._works: deque[tuple[dist.Work, tuple[torch.Tensor, ...]]] = deque()
+
+    def add(self, work: dist.Work | None, *buffers: torch.Tensor) -> None:
+        """Track a send; waits for the oldest ones beyond `max_pending`."""
+        assert work is not None
+        self._works.append((work, buffers))
+        while len(self._works) > self.max_pending:
+            self._works.popleft()[0].wait()
+
+    def drain(self) -> None:
+        """Wait for every outstanding send."""
+        while self._works:
+            self._works.popleft()[0].wait()
+
+
+class StageLink:
+    """Hidden states and residuals between neighbouring stages at the same TP rank.
+
+    Both travel as one [2, T, hidden] tensor (one message instead of two); the receiver
+    knows T from the step's metadata, so no shape goes over the wire.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, prev_rank: int | None,
+                 next_rank: int | None, max_pending: int) -> None:
+        assert group is not None or (prev_rank is None and next_rank is None)
+        self.group, self.prev_rank, self.next_rank = group, prev_rank, next_rank
+        self._pending = PendingSends(max_pending)
+        self.num_bytes_sent = 0
+
+    def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        """Hand (hidden, residual) [T, hidden] each to the next stage."""
+        assert self.next_rank is not None
+        buf = torch.stack((hidden, residual))
+        self._pending.add(dist.isend(buf, dst=self.next_rank, group=self.group), buf)
+        self.num_bytes_sent += buf.numel() * buf.element_size()
+
+    def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous stage's (hidden, residual) for a micro-batch of `num_tokens`."""
+        assert self.prev_rank is not None
+        buf = torch.empty(2, num_tokens, hidden_size, dtype=dtype, device=device)
+        dist.recv(buf, src=self.prev_rank, group=self.group)
+        return buf[0], buf[1]
+
+    def drain(self) -> None:
+        """Wait until the next stage has taken every activation sent."""
+        self._pending.drain()
+
+
+class ObjectChannel:
+    """Pickled objects between two ranks of a CPU (gloo) group: a length, then the bytes."""
+
+    def __init__(self, group: dist.ProcessGroup, max_pending: int) -> None:
+        self.group = group
+        self._pending = PendingSends(2 * max_pending)  # two sends per object
+
+    def send(self, obj: object, dst: int) -> None:
+        """Send `obj` to global rank `dst` without waiting for it to be received."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        header = torch.tensor([len(data)], dtype=torch.int64)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._pending.add(dist.isend(header, dst=dst, group=self.group), header)
+        self._pending.add(dist.isend(payload, dst=dst, group=self.group), payload)
+
+    def recv(self, src: int) -> object:
+        """The next object from global rank `src`."""
+        header = torch.empty(1, dtype=torch.int64)
+        dist.recv(header, src=src, group=self.group)
+        payload = torch.empty(int(header.item()), dtype=torch.uint8)
+        dist.recv(payload, src=src, group=self.group)
+        return pickle.loads(payload.numpy().tobytes())
+
+    def drain(self) -> None:
+        """Wait until every object sent has been received."""
+        self._pending.drain()

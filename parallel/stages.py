@@ -1,0 +1,75 @@
+"""Pipeline stages: which decoder layers each stage runs, balanced by cost.
+
+Stage 0 also embeds the tokens and the last stage also runs the final norm and the LM
+head, so an even split of the layers leaves the last stage slowest whenever the LM head
+is large (Llama-3-8B: the head reads as many bytes as ~2.4 decoder layers). Costs here
+are weight bytes read per decode step, the quantity a bandwidth-bound decode pays for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshserve.validation import require
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageCosts:
+    """Relative cost of one decoder layer and of the extras of the first and last stage."""
+
+    layer: float
+    """One decoder layer."""
+    embed: float = 0.0
+    """Stage 0's token embedding."""
+    head: float = 0.0
+    """The last stage's final norm and LM head."""
+
+    def __post_init__(self) -> None:
+        require(self.layer > 0, "costs.layer", self.layer, "a cost > 0")
+        require(self.embed >= 0 and self.head >= 0, "costs.embed/head",
+                (self.embed, self.head), "costs >= 0")
+
+
+def decoder_costs(*, hidden_size: int, intermediate_size: int, num_attention_heads: int,
+                  num_key_value_heads: int, head_dim: int, vocab_size: int) -> StageCosts:
+    """Weights read per decode step: attention and SwiGLU MLP per layer; the LM head reads
+    vocab x hidden; the embedding reads one row per token, which is next to nothing."""
+    attn = hidden_size * head_dim * (2 * num_attention_heads + 2 * num_key_value_heads)
+    mlp = 3 * hidden_size * intermediate_size
+    return StageCosts(layer=float(attn + mlp + 2 * hidden_size), embed=float(hidden_size),
+                      head=float(vocab_size * hidden_size + hidden_size))
+
+
+def stage_layer_ranges(num_layers: int, num_stages: int,
+                       costs: StageCosts | None = None) -> list[tuple[int, int]]:
+    """[start, end) layer range per stage, every stage at least one layer, minimising the
+    cost of the slowest stage; among equally good splits earlier stages take more layers."""
+    require(num_stages >= 1, "parallel.pp", num_stages, "an int >= 1")
+    require(num_layers >= num_stages, "parallel.pp", num_stages,
+            f"at most num_hidden_layers={num_layers} (every stage needs a layer)")
+    costs = costs or StageCosts(layer=1.0)
+
+    def cost(stage: int, n: int) -> float:
+        extra = (costs.embed if stage == 0 else 0.0) + \
+            (costs.head if stage == num_stages - 1 else 0.0)
+        return extra + n * costs.layer
+
+    # best[s][j]: the smallest max-cost of stages 0..s-1 running the first j layers.
+    inf = float("inf")
+    best = [[inf] * (num_layers + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for j in range(s, num_layers - (num_stages - s) + 1):
+            best[s][j] = min(max(best[s - 1][i], cost(s - 1, j - i)) for i in range(s - 1, j))
+    # Walk back from the last stage, giving each stage the fewest layers that stay optimal,
+    # which leaves the most to the stages before it.
+    bound = best[num_stages][num_layers]
+    ranges: list[tuple[int, int]] = []
+    end = num_layers
+    for s in range(num_stages, 0, -1):
+        start = max(i for i in range(s - 1, end)
+                    if max(best[s - 1][i], cost(s - 1, end - i)) <= bound)
+        ranges.append((start, end))
+        end = start
+    assert end == 0, ranges
+    return ranges[::-1]
