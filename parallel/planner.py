@@ -91,6 +91,11 @@ class Candidate:
         return f"tp={self.tp} pp={self.pp} dp={self.dp}"
 
 
+def gb(nbytes: float) -> str:
+    """'141.1 GB' (three significant digits below 1 GB)."""
+    return f"{nbytes / GB:.1f} GB" if nbytes >= GB else f"{nbytes / GB:.3g} GB"
+
+
 def divisors(n: int) -> list[int]:
     """Divisors of n, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -133,9 +138,8 @@ def evaluate(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig
     need = scenario.prompt_len + scenario.output_len
     if weights + act > usable:
         return replace(cand, rejected=(
-            f"weights {weights / GB:.1f} GB + activations {act / GB:.1f} GB per device > "
-            f"{usable / GB:.1f} GB usable ({cluster.device_memory_gb:g} GB x "
-            f"{options.memory_utilization:g})"))
+            f"weights {gb(weights)} + activations {gb(act)} per device > {gb(usable)} usable "
+            f"({cluster.device_memory_gb:g} GB x {options.memory_utilization:g})"))
     if capacity < need:
         return replace(cand, rejected=f"KV cache holds {capacity} tokens < one request's {need}")
     if not tp_within_domain(tp, cluster):

@@ -1,0 +1,147 @@
+"""Cost model: parameter counts, roofline step times, collectives, pipelines, memory."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from meshserve.launch.config import load_config
+from meshserve.models.arch import ModelArch
+from meshserve.parallel.cluster import ClusterConfig
+from meshserve.parallel.cost_model import (
+    CostModel,
+    Layout,
+    StepWork,
+    decode_bound_tokens_per_s,
+    p2p_s,
+    ring_allgather_s,
+    ring_allreduce_s,
+)
+from meshserve.parallel.model_shape import ModelShape
+
+
+def shape(model: str, dtype: str = "bfloat16") -> ModelShape:
+    arch = ModelArch.from_hf_dict(load_config([f"model={model}"]).model.arch)
+    return ModelShape.from_arch(arch, dtype)
+
+
+def cluster(name: str) -> ClusterConfig:
+    return load_config([f"cluster={name}"]).cluster
+
+
+H100 = cluster("dgx-h100")
+
+
+def test_shape_counts_match_the_architecture() -> None:
+    s = shape("llama-3-8b")
+    assert s.num_params == 8_030_261_248 == ModelArch.from_hf_dict(
+        load_config(["model=llama-3-8b"]).model.arch).num_params
+    assert s.layer_params() == 218_112_000
+    assert s.layer_matmul_flops() == 436_207_616
+    assert s.kv_bytes_per_token() == 2 * 8 * 128 * 2 == 4096
+    assert s.kv_bytes_per_token(tp=16) == 2 * 1 * 128 * 2  # 8 KV heads replicated to one per rank
+    assert s.tp_error(3) == "tp=3 does not divide num_attention_heads=32"
+    assert s.tp_error(16) is None
+
+
+def test_70b_bf16_is_141_gb_and_does_not_fit_one_80_gb_gpu() -> None:
+    s = shape("llama-3-70b")
+    assert s.num_params == 70_553_706_496
+    assert s.weight_bytes == 141_107_412_992
+    assert s.weight_bytes > H100.device_memory_gb * 1e9
+    assert s.kv_bytes_per_token() * s.num_layers == 327_680
+
+
+def test_decode_bound_llama_3_8b_on_h100_is_about_209_tokens_per_s() -> None:
+    # 3.35 TB/s / 16.06 GB of weights.
+    assert decode_bound_tokens_per_s(shape("llama-3-8b"), H100) == pytest.approx(208.586, abs=1e-3)
+
+
+def test_batch_1_decode_reads_the_weights_but_only_one_embedding_row() -> None:
+    cm = CostModel(shape("llama-3-8b"), H100, Layout(tp=1, stage_layers=(32,)))
+    # 2 x (all params - the untied input embedding) + one token's K/V in 32 layers + one row.
+    nbytes = 2 * (8_030_261_248 - 525_336_576) + 32 * 4096 + 4096 * 2
+    assert cm.tpot_s(1, 0) == pytest.approx(nbytes / 3.35e12, rel=1e-12)
+    assert 1 / cm.tpot_s(1, 0) == pytest.approx(223.18, abs=0.01)
+
+
+def test_prefill_is_compute_bound() -> None:
+    cm = CostModel(shape("llama-3-8b"), H100, Layout(tp=1, stage_layers=(32,)))
+    cost = cm.step(StepWork.prefill(1024))
+    # The layers are compute-bound; the LM head (one logits row) is bound by reading itself.
+    flops = 32 * (1024 * 436_207_616 + 4 * 32 * 128 * 1024 * 1025 / 2)
+    assert cost.compute_s == pytest.approx(flops / 989e12, rel=1e-12)
+    assert cost.memory_s == pytest.approx((2 * (525_336_576 + 4096) + 1024 * 8192) / 3.35e12, rel=1e-9)
+    assert cost.total_s == pytest.approx(cost.compute_s + cost.memory_s)
+    assert cost.comm_s == cost.bubble_s == 0.0
+    assert cm.ttft_s(1024) == cost.total_s
+
+
+def test_ring_collectives() -> None:
+    assert ring_allreduce_s(8, 1e6, 450e9, 1.5e-6) == pytest.approx(14 * 1.5e-6 + 1.75e6 / 450e9)
+    assert ring_allreduce_s(1, 1e9, 1.0, 1.0) == 0.0
+    assert ring_allgather_s(4, 4e6, 50e9, 5e-6) == pytest.approx(3 * 5e-6 + 3e6 / 50e9)
+    assert p2p_s(1e6, 50e9, 5e-6) == pytest.approx(5e-6 + 2e-5)
+
+
+def test_tp_step_pays_two_allreduces_per_layer_plus_embedding_and_logits() -> None:
+    s = shape("llama-3-8b")
+    cm = CostModel(s, H100, Layout(tp=8, stage_layers=(32,)))
+    act = 4 * 4096 * 2  # 4 tokens of hidden states
+    expect = (2 * 32 + 1) * ring_allreduce_s(8, act, 450e9, 1.5e-6) + ring_allgather_s(
+        8, 4 * 128256 * 4, 450e9, 1.5e-6)
+    assert cm.step(StepWork.decode(4, 100)).comm_s == pytest.approx(expect, rel=1e-12)
+    across = CostModel(s, H100, Layout(tp=8, stage_layers=(32,), tp_link="inter"))
+    assert across.step(StepWork.decode(4, 100)).comm_s > 3 * cm.step(StepWork.decode(4, 100)).comm_s
+
+
+def test_pipeline_bubbles_shrink_with_micro_batches() -> None:
+    s = shape("llama-3-8b")
+    lay = Layout(tp=1, stage_layers=(16, 16), stage_links=("inter",), num_micro_batches=1)
+    one = CostModel(s, H100, lay)
+    two = CostModel(s, H100, dataclasses.replace(lay, num_micro_batches=2))
+    work = StepWork.decode(64, 1000)
+    c1, c2 = one.step(work), two.step(work)
+    stages = [one.stage_time(i, work).total_s for i in range(2)]
+    send = p2p_s(64 * 4096 * 2, 50e9, 5e-6)
+    assert c1.total_s == pytest.approx(sum(stages) + send)  # one micro-batch: a relay
+    assert c1.bubble_s == pytest.approx(c1.total_s - sum(stages) / 2)
+    assert c1.bubble_s / c1.total_s == pytest.approx(0.5, abs=0.05)
+    assert c2.bubble_s / c2.total_s < 0.1
+    parts = c2.compute_s + c2.memory_s + c2.comm_s + c2.overhead_s + c2.bubble_s
+    assert parts == pytest.approx(c2.total_s)
+    assert one.step(StepWork.decode(1, 1000)).total_s == two.step(StepWork.decode(1, 1000)).total_s
+
+
+def test_memory_weights_activations_and_kv_capacity() -> None:
+    cm = CostModel(shape("llama-3-8b"), H100, Layout(tp=1, stage_layers=(32,)))
+    assert cm.stage_weight_bytes(0) == 16_060_522_496
+    act = cm.activation_bytes(2048, 32)
+    assert act == 2048 * (4 * 4096 + 2 * 14336) * 2 + 32 * 128256 * 4 == 200_966_144
+    assert cm.kv_capacity_tokens(72e9, act) == 425_251
+    split = CostModel(shape("llama-3-8b"), H100,
+                      Layout(tp=2, stage_layers=(17, 15), stage_links=("intra",)))
+    # Stage 0 holds the embedding, the last stage the LM head; TP halves both.
+    assert split.stage_weight_bytes(0) == 2 * (17 * 109_060_096 + 262_668_288)
+    assert split.stage_weight_bytes(1) == 2 * (15 * 109_060_096 + 262_668_288 + 4096)
+    assert split.kv_capacity_tokens(100e9, 0) == int((100e9 - split.stage_weight_bytes(0))
+                                                      // (17 * 2048))
+
+
+def test_cpu_ranks_share_the_sockets_bandwidth() -> None:
+    cpu = cluster("local-cpu")
+    assert cpu.memory_bandwidth(1) == 27e9
+    assert cpu.memory_bandwidth(2) == 15.5e9
+    assert H100.memory_bandwidth(8) == 3350e9
+    assert cpu.peak_flops("float32") == pytest.approx(84e9)
+    with pytest.raises(ValueError, match=r"dtype='int8' is invalid"):
+        cpu.peak_flops("int8")
+
+
+def test_cluster_rejects_bad_values_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"cluster.nvlink_domain_size=3 is invalid: allowed is "
+                                         r"a divisor of devices_per_node=8"):
+        ClusterConfig(devices_per_node=8, nvlink_domain_size=3)
+    with pytest.raises(ValueError, match=r"cluster.source='guess' is invalid"):
+        ClusterConfig(source="guess")
