@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from meshserve.bench.checkpoints import DEFAULT_CACHE_DIR, SPECS
 from meshserve.bench.peer_names import DEFAULT_PEERS, is_peer
 from meshserve.engine.config import EngineConfig
+from meshserve.launch.analysis_config import CalibrateConfig, DiagnoseConfig, PlanConfig
 from meshserve.models.config import ModelConfig
 from meshserve.parallel.cluster import ClusterConfig
 from meshserve.parallel.config import ParallelConfig
@@ -125,6 +126,12 @@ class MeshConfig:
     """Options of `meshserve generate`."""
     bench: BenchConfig = field(default_factory=BenchConfig)
     """Options of `meshserve bench`."""
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """Options of `meshserve plan`."""
+    diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
+    """Options of `meshserve diagnose`."""
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+    """Options of `meshserve calibrate`."""
     device: str = "auto"
     """auto (CUDA when present), cpu or cuda."""
     threads: int | None = None

@@ -96,6 +96,11 @@ def gb(nbytes: float) -> str:
     return f"{nbytes / GB:.1f} GB" if nbytes >= GB else f"{nbytes / GB:.3g} GB"
 
 
+def figure(x: float) -> str:
+    """20,704 / 2,524 / 23.01: whole numbers from 100 up, three significant digits below."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
 def divisors(n: int) -> list[int]:
     """Divisors of n, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -143,8 +148,11 @@ def evaluate(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig
     if capacity < need:
         return replace(cand, rejected=f"KV cache holds {capacity} tokens < one request's {need}")
     if not tp_within_domain(tp, cluster):
-        cand = replace(cand, warning=(f"TP={tp} spans NVLink domains of "
-                                      f"{cluster.nvlink_domain_size} (runs over the slower link)"))
+        cand = replace(cand, warning=(
+            f"TP={tp} over PCIe/network: the devices share no NVLink"
+            if cluster.nvlink_domain_size == 1 else
+            f"TP={tp} spans NVLink domains of {cluster.nvlink_domain_size} (runs over the "
+            "slower link)"))
     return replace(cand, prediction=predict(cost, scenario, dp=dp, kv_capacity_tokens=capacity))
 
 
@@ -233,19 +241,22 @@ def explain(ranked: list[Candidate], cands: list[Candidate], scenario: ScenarioC
             else f"batch {p.batch} per replica")
     lines = [f"Chose {best.degrees}: {scenario.name} ranks by {name} ({scenario.objective}); "
              f"at {load}: TTFT {p.ttft_ms:.1f} ms, TPOT {p.tpot_ms:.2f} ms, "
-             f"{p.throughput_tok_s:.0f} tok/s; goodput {p.goodput_req_s:.2f} req/s"
+             f"{figure(p.throughput_tok_s)} tok/s; goodput {p.goodput_req_s:.2f} req/s"
              + ("." if p.meets_slo else " (misses the SLOs).")]
-    where = ("inside each" if tp_within_domain(best.tp, cluster) else "across")
-    lines.append(f"TP={best.tp} stays {where} {cluster.nvlink_domain_size}-device NVLink domain"
-                 if where == "inside each" else
-                 f"TP={best.tp} runs across NVLink domains of {cluster.nvlink_domain_size}")
-    lines[-1] += (f"; {best.pp} pipeline stage(s), {best.dp} replica(s) on {cluster.num_nodes} "
-                  f"node(s) x {cluster.devices_per_node} {cluster.device_name or cluster.device_type}.")
+    if best.tp == 1:
+        where = "No TP (no collectives)"
+    elif tp_within_domain(best.tp, cluster):
+        where = f"TP={best.tp} stays inside each {cluster.nvlink_domain_size}-device NVLink domain"
+    else:
+        where = f"TP={best.tp} crosses NVLink domains of {cluster.nvlink_domain_size}"
+    lines.append(f"{where}; {best.pp} pipeline stage(s), {best.dp} replica(s) on "
+                 f"{cluster.num_nodes} node(s) x {cluster.devices_per_node} "
+                 f"{cluster.device_name or cluster.device_type}.")
     if len(ranked) > 1:
         nxt, top = ranked[1], metric(best, scenario)
         rel = (metric(nxt, scenario) - top) / top if top else 0.0
         simpler = score(nxt, scenario) > score(best, scenario)
-        lines.append(f"Runner-up {nxt.degrees}: {name} {metric(nxt, scenario):.4g} {unit} "
+        lines.append(f"Runner-up {nxt.degrees}: {name} {figure(metric(nxt, scenario))} {unit} "
                      f"({rel:+.1%})" + (", within the margin, so the simpler layout wins."
                                          if simpler else "."))
     rejected = [c for c in cands if c.rejected]

@@ -1,0 +1,158 @@
+"""`meshserve plan`: rank (tp, pp, dp) layouts of a model on a cluster for a scenario.
+
+`meshserve plan model=llama-3-70b cluster=dgx-h100-2node scenario=chatbot [format=json]`
+prints every candidate (memory per device, KV capacity, predicted TTFT / TPOT / throughput,
+or why it was rejected), the choice with its reasons, and the chosen rank map.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from dataclasses import asdict
+from typing import Any
+
+from meshserve.launch.config import load_config
+from meshserve.launch.run_config import MeshConfig
+from meshserve.models.arch import ModelArch
+from meshserve.models.bundled import resolve_model_dir
+from meshserve.models.config import ModelConfig
+from meshserve.parallel.cluster import ClusterConfig
+from meshserve.parallel.model_shape import ModelShape
+from meshserve.parallel.plan import Plan
+from meshserve.parallel.planner import Candidate, PlannerOptions, options_for, plan, resolve_dtype
+from meshserve.parallel.topology import detect_cluster
+
+
+def shorthand(overrides: list[str], verb: str) -> list[str]:
+    """Let `format=json` stand for `<verb>.format=json`."""
+    return [f"{verb}.{ov}" if ov.startswith("format=") else ov for ov in overrides]
+
+
+def resolve_arch(model: ModelConfig) -> ModelArch:
+    """The model's shape: the preset's `arch` dict, else config.json of its directory."""
+    if model.arch:
+        return ModelArch.from_hf_dict(dict(model.arch), source=f"model.arch of {model.name}")
+    return ModelArch.from_dir(resolve_model_dir(model.name, model.path))
+
+
+def model_shape(cfg: MeshConfig, cluster: ClusterConfig) -> ModelShape:
+    """The cost model's view of the configured model in the dtype it will run in."""
+    arch = resolve_arch(cfg.model)
+    return ModelShape.from_arch(arch, resolve_dtype(cfg.model.dtype, arch.dtype,
+                                                     cluster.device_type))
+
+
+def planning_cluster(cfg: MeshConfig) -> ClusterConfig:
+    """The cluster preset, or this machine's GPUs with plan.detect=true."""
+    if not cfg.plan.detect:
+        return cfg.cluster
+    detected = detect_cluster()
+    if detected is None:
+        raise ValueError("plan.detect=true found no CUDA devices; allowed on a GPU machine, "
+                         "else pick a preset with cluster=<name>")
+    return detected
+
+
+def run(overrides: list[str]) -> int:
+    """Plan and print; returns the exit code."""
+    cfg = load_config(shorthand(overrides, "plan"))
+    cluster = planning_cluster(cfg)
+    shape = model_shape(cfg, cluster)
+    options = PlannerOptions(**{**asdict(options_for(cfg)),
+                                "allow_cross_domain_tp": cfg.plan.allow_cross_domain_tp})
+    chosen = plan(shape, cluster, cfg.scenario, options)
+    if cfg.plan.format == "json":
+        print(json.dumps(plan_json(chosen, cfg, cluster, shape), indent=1))
+    else:
+        print(plan_table(chosen, cfg, cluster, shape))
+    return 0
+
+
+def prediction_dict(c: Candidate) -> dict[str, Any] | None:
+    """A candidate's predicted figures, rounded for reading."""
+    if c.prediction is None:
+        return None
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(c.prediction).items()}
+
+
+def candidate_dict(c: Candidate) -> dict[str, Any]:
+    """One candidate for the JSON output."""
+    return {"tp": c.tp, "pp": c.pp, "dp": c.dp, "stage_layers": [list(r) for r in c.stage_layers],
+            "weight_gb_per_device": round(c.weight_gb, 3),
+            "activation_gb_per_device": round(c.activation_gb, 3),
+            "kv_capacity_tokens": c.kv_capacity_tokens, "predicted": prediction_dict(c),
+            "rejected": c.rejected, "warning": c.warning}
+
+
+def plan_json(p: Plan, cfg: MeshConfig, cluster: ClusterConfig, shape: ModelShape) -> dict[str, Any]:
+    """The plan as JSON: chosen degrees and predictions first, then candidates and ranks."""
+    best = p.candidates[0]
+    return {
+        "model": cfg.model.name, "num_params": shape.num_params, "dtype": shape.dtype,
+        "cluster": cluster.name, "scenario": cfg.scenario.name,
+        "objective": cfg.scenario.objective,
+        "tp": p.tp, "pp": p.pp, "dp": p.dp, "num_micro_batches": p.num_micro_batches,
+        "stage_layers": [list(r) for r in p.stage_layers],
+        "predicted": prediction_dict(best), "weight_gb_per_device": round(best.weight_gb, 3),
+        "kv_capacity_tokens": best.kv_capacity_tokens,
+        "warnings": list(p.warnings), "explanation": p.explanation,
+        "candidates": [candidate_dict(c) for c in p.candidates],
+        "rank_map": [asdict(pl) for pl in p.placements],
+    }
+
+
+COLUMNS = ("", "tp", "pp", "dp", "weights/dev", "KV tokens", "max req", "batch", "TTFT ms",
+           "TPOT ms", "tok/s", "goodput/s", "note")
+
+
+def candidate_row(i: int, c: Candidate) -> list[str]:
+    """One table row: rank (* for the chosen), degrees, memory, predictions or the reason."""
+    head = ["*1" if i == 0 else (str(i + 1) if c.rejected is None else "-"),
+            str(c.tp), str(c.pp), str(c.dp), f"{c.weight_gb:.1f} GB"]
+    p = c.prediction
+    if p is None:
+        return head + [""] * 7 + [f"rejected: {c.rejected}"]
+    note = (f"rejected: {c.rejected}" if c.rejected else c.warning) or (
+        "" if p.meets_slo else "misses the SLOs")
+    return head + [f"{c.kv_capacity_tokens:,}", str(p.max_concurrency), str(p.batch),
+                   f"{p.ttft_ms:.1f}", f"{p.tpot_ms:.2f}", f"{p.throughput_tok_s:,.0f}",
+                   f"{p.goodput_req_s:.2f}", note]
+
+
+def table(rows: list[list[str]], right: int) -> list[str]:
+    """Aligned text columns; the first `right` columns after the first are right-aligned."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for r in rows:
+        cells = [v.rjust(w) if 0 < i <= right else v.ljust(w)
+                 for i, (v, w) in enumerate(zip(r, widths))]
+        out.append("  ".join(cells).rstrip())
+    return out
+
+
+def plan_table(p: Plan, cfg: MeshConfig, cluster: ClusterConfig, shape: ModelShape) -> str:
+    """The human-readable plan."""
+    sc = cfg.scenario
+    shown = p.candidates if not cfg.plan.top else p.candidates[:cfg.plan.top]
+    lines = [
+        f"model {cfg.model.name} ({shape.num_params / 1e9:.1f}B params, {shape.dtype}) on "
+        f"{cluster.name} ({cluster.num_nodes} x {cluster.devices_per_node} "
+        f"{cluster.device_name or cluster.device_type}, NVLink domain "
+        f"{cluster.nvlink_domain_size}, {cluster.source})",
+        f"scenario {sc.name}: {sc.objective}; prompt {sc.prompt_len}, output {sc.output_len}, "
+        f"prefix hit {sc.shared_prefix_fraction:g}, max batch {sc.max_batch}; SLO TTFT "
+        f"{sc.ttft_slo_ms:g} ms, TPOT {sc.tpot_slo_ms:g} ms", ""]
+    lines += table([list(COLUMNS)] + [candidate_row(i, c) for i, c in enumerate(shown)], 11)
+    if len(shown) < len(p.candidates):
+        lines.append(f"... {len(p.candidates) - len(shown)} more (plan.top=0 shows all)")
+    lines += ["", textwrap.fill(p.explanation, 100)]
+    lines += [f"warning: {w}" for w in p.warnings]
+    stages = ", ".join(f"stage {i}: layers {a}-{b - 1}" for i, (a, b) in enumerate(p.stage_layers))
+    lines += ["", f"chosen: tp={p.tp} pp={p.pp} dp={p.dp}, {p.num_micro_batches} micro-batch(es); "
+              f"{stages}", ""]
+    ranks = [["rank", "node", "device", "dp", "pp", "tp", "role"]] + [
+        [str(pl.rank), str(pl.node), str(pl.local_device), str(pl.dp_rank), str(pl.pp_rank),
+         str(pl.tp_rank), pl.role] for pl in p.placements]
+    lines += table(ranks, 5)
+    return "\n".join(lines)

@@ -1,0 +1,57 @@
+"""`meshserve plan` as a user runs it: JSON for machines, a table for people, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+MESHSERVE = str(Path(sys.executable).with_name("meshserve"))
+
+
+def meshserve(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([MESHSERVE, *args], capture_output=True, text=True, timeout=300,
+                          env=env)
+
+
+def test_plan_json_for_70b_on_two_dgx_h100() -> None:
+    out = meshserve("plan", "model=llama-3-70b", "cluster=dgx-h100-2node", "scenario=chatbot",
+                    "format=json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert (plan["tp"], plan["pp"], plan["dp"]) == (8, 1, 2)
+    assert plan["stage_layers"] == [[0, 80]] and plan["num_micro_batches"] == 1
+    predicted = plan["predicted"]
+    for key in ("ttft_ms", "tpot_ms", "throughput_tok_s", "goodput_req_s", "batch"):
+        assert predicted[key] > 0, key
+    assert predicted["meets_slo"] is True
+    degrees = [(c["tp"], c["pp"], c["dp"]) for c in plan["candidates"]]
+    assert degrees[:2] == [(8, 1, 2), (8, 2, 1)]
+    assert len(degrees) == 15 and degrees.index((8, 2, 1)) < degrees.index((16, 1, 1))
+    tp16 = plan["candidates"][degrees.index((16, 1, 1))]
+    assert tp16["rejected"].startswith("TP=16 spans NVLink domains of 8")
+    no_fit = plan["candidates"][degrees.index((1, 1, 16))]
+    assert no_fit["rejected"].startswith("weights 141.1 GB") and no_fit["predicted"] is None
+    assert [(r["node"], r["dp_rank"]) for r in plan["rank_map"]] == [(0, 0)] * 8 + [(1, 1)] * 8
+
+
+def test_plan_table_for_8b_offline_on_pcie_l40s() -> None:
+    out = meshserve("plan", "model=llama-3-8b", "cluster=l40s-pcie", "scenario=offline",
+                    "plan.top=3")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("model llama-3-8b (8.0B params, bfloat16) on l40s-pcie")
+    assert lines[4].split()[:4] == ["*1", "1", "1", "8"]
+    assert "... 7 more (plan.top=0 shows all)" in out.stdout
+    assert "chosen: tp=1 pp=1 dp=8, 1 micro-batch(es); stage 0: layers 0-31" in out.stdout
+    assert out.stdout.rstrip().splitlines()[-1].split() == ["7", "0", "7", "7", "0", "0", "mixed"]
+
+
+def test_plan_that_cannot_fit_exits_2_naming_the_reasons() -> None:
+    out = meshserve("plan", "model=llama-3-70b", "cluster=local-cpu")
+    assert out.returncode == 2
+    assert "no layout fits" in out.stderr and "tp=2 pp=1 dp=1: weights" in out.stderr
+    assert "Traceback" not in out.stderr
