@@ -13,6 +13,7 @@ RankFailure naming it. A rank silent for `parallel.timeout_s` counts as failed.
 from __future__ import annotations
 
 import pickle
+import subprocess
 import sys
 import time
 import weakref
@@ -33,6 +34,7 @@ from meshserve.launch.run_config import MeshConfig
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.broadcast import ObjectBroadcaster
 from meshserve.parallel.p2p import ObjectChannel
+from meshserve.parallel.tp_group import CommCounters
 
 WORKER_MODULE = "meshserve.engine.worker"
 
@@ -88,6 +90,21 @@ class DistributedExecutor:
             d = self.groups.dims
             print(f"meshserve: {d.world_size} ranks ready (tp={d.tp}, pp={d.pp}) in "
                   f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+    @property
+    def rank_processes(self) -> dict[int, subprocess.Popen[bytes]]:
+        """The self-spawned ranks' processes by rank (empty under a launcher)."""
+        return dict(self._spawned.procs) if self._spawned is not None else {}
+
+    @property
+    def rendezvous_port(self) -> int | None:
+        """The self-spawned run's store port on 127.0.0.1 (None under a launcher)."""
+        return self._spawned.port if self._spawned is not None else None
+
+    @property
+    def comm_counters(self) -> CommCounters:
+        """TP collectives this rank (stage 0, TP rank 0) has issued."""
+        return self.groups.tp.counters
 
     def submit(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
                finished: Sequence[int]) -> None:

@@ -233,11 +233,16 @@ class Engine:
                 for i, t in result.tokens.items() if i in requests]
 
     def _micro_batch_budget(self) -> int:
+        """Tokens that could run now (running sequences not in flight, waiting ones as far
+        as free KV blocks go) shared evenly by the free pipeline slots."""
         in_flight = {s.seq_id for out, _, _ in self._in_flight for s in out.scheduled}
         sched = self.scheduler
         pending = sum(s.num_tokens - s.num_computed_tokens for s in sched.running
                       if s.seq_id not in in_flight)
-        pending += sum(s.num_tokens for s in sched.waiting)
+        if sched.waiting:
+            bm = sched.block_manager
+            pending += min(sum(s.num_tokens for s in sched.waiting),
+                           bm.num_free_blocks * bm.block_size)
         return micro_batch_budget(pending, self._max_in_flight - len(self._in_flight),
                                   self.config.engine.max_num_batched_tokens)
 
