@@ -55,3 +55,27 @@ def test_plan_that_cannot_fit_exits_2_naming_the_reasons() -> None:
     assert out.returncode == 2
     assert "no layout fits" in out.stderr and "tp=2 pp=1 dp=1: weights" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_diagnose_json_names_the_bottleneck(tmp_path: Path) -> None:
+    steps = tmp_path / "steps.jsonl"
+    steps.write_text("\n".join(json.dumps(r) for r in [
+        {"num_decode_seqs": 8, "num_decode_context_tokens": 8000, "wall_s": 0.006,
+         "scheduler_s": 0.0005},
+        {"num_decode_seqs": 8, "num_decode_context_tokens": 8100, "wall_s": 0.006}]) + "\n")
+    out = meshserve("diagnose", f"diagnose.records={steps}", "model=llama-3-8b",
+                    "cluster=dgx-h100", "scenario=chatbot", "format=json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert (d["tp"], d["num_steps"], d["bottleneck"]) == (1, 2, "decode_memory")
+    assert d["total_s"] == 0.012 and abs(sum(d["seconds"].values()) - 0.012) < 1e-12
+    assert "speculative decoding" in d["strategy"]
+
+
+def test_diagnose_bad_record_names_line_and_field(tmp_path: Path) -> None:
+    steps = tmp_path / "steps.jsonl"
+    steps.write_text('{"wall_s": 0.1}\n{"wall_s": 0.1, "num_tokens": 3}\n')
+    out = meshserve("diagnose", f"diagnose.records={steps}", "model=llama-3-8b",
+                    "cluster=dgx-h100")
+    assert out.returncode == 2
+    assert f"{steps}:2: unknown field(s) ['num_tokens']" in out.stderr

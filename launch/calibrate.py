@@ -1,0 +1,38 @@
+"""`meshserve calibrate [cluster=<base>] [calibrate.name=...] [calibrate.out=...]`: measure
+this machine (matmul rate, memory bandwidth, per-layer overhead, AllReduce and p2p per group
+size) and write a cluster preset: the base preset with the measured figures in place.
+
+Use it afterwards as `cluster=<name>` (default: conf/cluster/calibrated.yaml). Run it on an
+otherwise idle machine: other work on the cores shows up as a slower machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from meshserve.engine.executor import resolve_device
+from meshserve.launch.config import CONF_DIR, load_config
+from meshserve.parallel.calibrate import calibrate, preset_yaml
+
+
+def run(overrides: list[str]) -> int:
+    """Measure, write the preset, print what was measured; returns the exit code."""
+    cfg = load_config(overrides)
+    opts = cfg.calibrate
+    device = resolve_device(cfg.device)
+    if device.type == "cuda" and max(opts.world_sizes) > torch.cuda.device_count():
+        raise ValueError(f"calibrate.world_sizes={opts.world_sizes} is invalid: allowed is at "
+                         f"most the {torch.cuda.device_count()} visible GPUs")
+    cal = calibrate(world_sizes=list(opts.world_sizes), sizes=list(opts.message_bytes),
+                    read_bytes=opts.read_bytes, matmul_size=opts.matmul_size,
+                    repeats=opts.repeats, device=device)
+    cluster = cal.to_cluster(cfg.cluster, opts.name)
+    out = Path(opts.out).expanduser() if opts.out else CONF_DIR / "cluster" / f"{opts.name}.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = preset_yaml(cluster, cal)
+    out.write_text(text)
+    print("\n".join(line for line in text.splitlines() if line.startswith("#")))
+    print(f"wrote {out} (use it as cluster={opts.name} when it is in conf/cluster/)")
+    return 0

@@ -1,0 +1,297 @@
+"""Measure this machine for the cost model: matmul rate, memory bandwidth (alone and with
+every rank reading at once), AllReduce and p2p times per group size; write a cluster preset.
+
+Collectives run in spawned ranks (gloo on CPU, NCCL on GPUs) meeting on a free 127.0.0.1
+port. Times over several message sizes are fitted to t = a + b·S, then read through the
+cost model's own formulas: AllReduce a = 2(n-1)·α, b = 2(n-1)/n / B; p2p a = α, b = 1 / B.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+
+import torch
+
+from meshserve.parallel.cluster import ClusterConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of ys over xs, both clipped at >= 0."""
+    assert len(xs) == len(ys) >= 2, (xs, ys)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
+    return max(0.0, my - slope * mx), slope
+
+
+def allreduce_link(world: int, intercept_s: float, slope_s_per_byte: float) -> tuple[float, float]:
+    """(latency per ring step s, bandwidth bytes/s) from an AllReduce fit over `world` ranks."""
+    assert world >= 2
+    latency = intercept_s / (2 * (world - 1))
+    bandwidth = 2 * (world - 1) / world / slope_s_per_byte if slope_s_per_byte else float("inf")
+    return latency, bandwidth
+
+
+def sig(x: float, digits: int = 4) -> float:
+    """`x` rounded to `digits` significant digits."""
+    return float(f"{x:.{digits}g}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """The fastest of `repeats` timed calls after one warm-up."""
+    fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def matmul_tflops(n: int, dtype: str, device: torch.device, repeats: int) -> float:
+    """Dense n x n x n matmul rate, TFLOP/s."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device, DTYPES[dtype])
+    b = torch.randn(n, n, generator=gen).to(device, DTYPES[dtype])
+    return 2 * n**3 / best_time(lambda: a @ b, repeats, device) / 1e12
+
+
+def read_gbs(nbytes: int, device: torch.device, repeats: int) -> float:
+    """GB/s reading an fp32 tensor of `nbytes` (its sum)."""
+    x = torch.ones(nbytes // 4, device=device)
+    return x.numel() * 4 / best_time(lambda: x.sum(), repeats, device) / 1e9
+
+
+def gemv_gbs(nbytes: int, device: torch.device, repeats: int) -> float:
+    """GB/s of a vector-matrix product over an fp32 matrix of `nbytes`: how decode reads."""
+    cols = 4096
+    w = torch.ones(max(1, nbytes // 4 // cols), cols, device=device)
+    v = torch.ones(1, w.shape[0], device=device)
+    return w.numel() * 4 / best_time(lambda: v @ w, repeats, device) / 1e9
+
+
+def layer_overhead_us(device: torch.device, repeats: int) -> float:
+    """Fixed cost of one decoder layer's ~20 ops at a width where the math is free: the
+    dispatch and launch time a real layer pays on top of its roofline, µs."""
+    d, heads, tokens = 64, 4, 1
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    w = {k: torch.randn(*shape, generator=gen).to(device) for k, shape in {
+        "qkv": (d, 3 * d), "o": (d, d), "gate_up": (d, 4 * d), "down": (2 * d, d),
+        "norm": (d,), "cos": (tokens, d // heads), "sin": (tokens, d // heads)}.items()}
+    x = torch.randn(tokens, d, generator=gen).to(device)
+
+    def norm(h: torch.Tensor) -> torch.Tensor:
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w["norm"]
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:  # [H, T, Dh]
+        a, b = t.chunk(2, dim=-1)
+        return t * w["cos"] + torch.cat((-b, a), dim=-1) * w["sin"]
+
+    def layer() -> torch.Tensor:
+        q, k, v = (norm(x) @ w["qkv"]).view(tokens, 3, heads, d // heads).permute(1, 2, 0, 3)
+        attn = torch.nn.functional.scaled_dot_product_attention(rotate(q), rotate(k), v)
+        h = x + attn.transpose(0, 1).reshape(tokens, d) @ w["o"]
+        gate, up = (norm(h) @ w["gate_up"]).chunk(2, dim=-1)
+        return h + (torch.nn.functional.silu(gate) * up) @ w["down"]
+
+    with torch.inference_mode():
+        return best_time(layer, max(repeats, 20), device) * 1e6
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveTimes:
+    """Seconds per message size for one group size."""
+
+    world: int
+    """Ranks in the group."""
+    sizes: list[int]
+    """Message bytes."""
+    allreduce_s: list[float]
+    """AllReduce of each size (median over repeats, slowest rank)."""
+    p2p_s: list[float] = field(default_factory=list)
+    """One-way send of each size between ranks 0 and 1 (half a ping-pong)."""
+    concurrent_gemv_gbs: float = 0.0
+    """Read bandwidth of each rank while all ranks read at once."""
+
+
+def _rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int,
+               read_bytes: int, use_cuda: bool, out: object) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    device = torch.device(f"cuda:{rank}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        dist.barrier()
+        gemv = gemv_gbs(read_bytes, device, repeats)  # every rank at once: shared bandwidth
+        allreduce, p2p = [], []
+        for size in sizes:
+            x = torch.ones(max(1, size // 4), device=device)
+            times = []
+            for _ in range(repeats + 1):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(x)
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+            t = torch.tensor([statistics.median(times[1:])], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time counts
+            allreduce.append(float(t.cpu()))
+            p2p.append(_ping_pong(rank, x, repeats, device) if world == 2 else 0.0)
+        if rank == 0:
+            out.put(CollectiveTimes(world=world, sizes=sizes, allreduce_s=allreduce,  # type: ignore[attr-defined]
+                                    p2p_s=p2p if world == 2 else [], concurrent_gemv_gbs=gemv))
+    finally:
+        dist.destroy_process_group()
+
+
+def _ping_pong(rank: int, x: torch.Tensor, repeats: int, device: torch.device) -> float:
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        else:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+        _sync(device)
+        times.append((time.perf_counter() - t0) / 2)
+    return statistics.median(times[1:])
+
+
+def measure_collectives(world: int, sizes: list[int], repeats: int, read_bytes: int,
+                        use_cuda: bool = False, timeout_s: float = 300.0) -> CollectiveTimes:
+    """AllReduce (and p2p at world 2) times with `world` spawned ranks on this machine."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main,
+                         args=(r, world, port, sizes, repeats, read_bytes, use_cuda, out))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return out.get(timeout=1.0)
+            except queue.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"calibration with {world} ranks failed (exit codes "
+                                       f"{failed}, or no result in {timeout_s:g} s)") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """Everything measured, in the units of ClusterConfig."""
+
+    device_type: str
+    """cpu or cuda."""
+    tflops: dict[str, float]
+    """Matmul TFLOP/s per dtype (one rank alone)."""
+    read_gbs: float
+    """Reading a large tensor (sum), one rank alone."""
+    gemv_gbs: float
+    """Vector-matrix product (decode's access pattern), one rank alone."""
+    layer_overhead_us: float
+    """Fixed time of a stand-in decoder layer at negligible width."""
+    collectives: list[CollectiveTimes]
+    """Per group size."""
+
+    def links(self) -> dict[str, tuple[float, float]]:
+        """'allreduce-<n>' / 'p2p': (latency µs, bandwidth GB/s) fitted from the times."""
+        fits: dict[str, tuple[float, float]] = {}
+        for c in self.collectives:
+            lat, bw = allreduce_link(c.world, *fit_line(c.sizes, c.allreduce_s))
+            fits[f"allreduce-{c.world}"] = (lat * 1e6, bw / 1e9)
+            if c.p2p_s:
+                a, b = fit_line(c.sizes, c.p2p_s)
+                fits["p2p"] = (a * 1e6, (1 / b if b else float("inf")) / 1e9)
+        return fits
+
+    def to_cluster(self, base: ClusterConfig, name: str) -> ClusterConfig:
+        """`base` with the measured figures in place (one node: inter = intra)."""
+        widest = max(self.collectives, key=lambda c: c.world)
+        lat_us, bw_gbs = self.links()[f"allreduce-{widest.world}"]
+        node_bw = widest.concurrent_gemv_gbs * widest.world
+        return replace(
+            base, name=name, source="calibrated", memory_bandwidth_gbs=sig(self.gemv_gbs),
+            node_memory_bandwidth_gbs=sig(node_bw) if self.device_type == "cpu" else None,
+            peak_tflops_fp32=sig(self.tflops["float32"]),
+            peak_tflops_bf16=sig(self.tflops.get("bfloat16", self.tflops["float32"])),
+            intra_node_bandwidth_gbs=sig(bw_gbs), intra_node_latency_us=sig(lat_us),
+            inter_node_bandwidth_gbs=sig(bw_gbs), inter_node_latency_us=sig(lat_us),
+            layer_overhead_us=sig(self.layer_overhead_us, 3))
+
+
+def calibrate(*, world_sizes: list[int], sizes: list[int], read_bytes: int, matmul_size: int,
+              repeats: int, device: torch.device) -> Calibration:
+    """Run every measurement (a few seconds to a minute on CPU)."""
+    torch.set_num_threads(1)
+    tflops = {dt: matmul_tflops(matmul_size, dt, device, repeats) for dt in DTYPES}
+    use_cuda = device.type == "cuda"
+    return Calibration(
+        device_type=device.type, tflops=tflops, read_gbs=read_gbs(read_bytes, device, repeats),
+        gemv_gbs=gemv_gbs(read_bytes, device, repeats),
+        layer_overhead_us=layer_overhead_us(device, repeats),
+        collectives=[measure_collectives(w, sizes, repeats, read_bytes, use_cuda)
+                     for w in world_sizes])
+
+
+def preset_yaml(cluster: ClusterConfig, cal: Calibration) -> str:
+    """A conf/cluster preset holding `cluster`, with the raw measurements as comments."""
+    notes = [f"# Written by `meshserve calibrate` on {time.strftime('%Y-%m-%d %H:%M')}.",
+             "# matmul TFLOP/s: " + ", ".join(f"{k} {v:.4g}" for k, v in cal.tflops.items()),
+             f"# memory GB/s, one rank: sum {cal.read_gbs:.1f}, vector-matrix {cal.gemv_gbs:.1f}",
+             f"# stand-in decoder layer at width 64: {cal.layer_overhead_us:.1f} us"]
+    for c in cal.collectives:
+        notes.append(f"# {c.world} ranks: vector-matrix {c.concurrent_gemv_gbs:.1f} GB/s each; "
+                     "AllReduce " + ", ".join(f"{s}B {t * 1e6:.0f}us"
+                                              for s, t in zip(c.sizes, c.allreduce_s)))
+        if c.p2p_s:
+            notes.append("#   p2p " + ", ".join(f"{s}B {t * 1e6:.0f}us"
+                                                 for s, t in zip(c.sizes, c.p2p_s)))
+    notes += [f"# fit {k}: latency {lat:.1f} us, bandwidth {bw:.3g} GB/s"
+              for k, (lat, bw) in cal.links().items()]
+    notes.append("# One node measured: inter-node figures repeat the intra-node ones.")
+    body = ["defaults:", "  - cluster_schema"]
+    body += [f"{f}: {json.dumps(getattr(cluster, f))}" for f in cluster.__dataclass_fields__]
+    return "\n".join(notes + body) + "\n"

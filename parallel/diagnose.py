@@ -1,0 +1,161 @@
+"""Where a workload's step time went, by cause, against the cost model; the bottleneck and
+what to do about it.
+
+Each step's executor time (wall minus scheduler) is split with the cost model's prediction
+for the same work: compute-bound time (mostly prefill), memory-bound time (mostly decode),
+TP collectives (measured when the record has them), pipeline bubbles; what the roofline
+doesn't explain (launches, Python per layer, a stale calibration) is "other". When a step
+ran faster than predicted, the predicted parts are scaled down to the measured time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+
+from meshserve.parallel.cost_model import CostModel, StepWork
+from meshserve.validation import require
+
+CAUSES = ("prefill_compute", "decode_memory", "communication", "pipeline_bubbles", "scheduler",
+          "other")
+
+STRATEGIES = {
+    "prefill_compute": "prefill is compute-bound: raise prefix-cache hits (shared system "
+                       "prompts), chunk long prompts so decodes keep flowing, more TP for TTFT, "
+                       "or disaggregate prefill onto its own workers",
+    "decode_memory": "decode re-reads the weights and KV every step: put more sequences in each "
+                     "step (continuous batching, larger engine.max_num_seqs), speculative "
+                     "decoding while batches are small, or more TP to split the weight reads",
+    "communication": "collectives dominate: keep TP inside an NVLink domain, trade TP for PP "
+                     "across nodes or for DP replicas, or carry more tokens per AllReduce",
+    "pipeline_bubbles": "stages wait on each other: keep num_micro_batches >= pp with enough "
+                        "sequences in flight, rebalance the stage layer ranges, or use fewer stages",
+    "scheduler": "the scheduler's Python is on the critical path: more tokens per step, overlap "
+                 "scheduling with execution, fewer sequences rescanned per step",
+    "other": "time the roofline does not explain (kernel launches, Python per layer, syncs): "
+             "CUDA graphs for decode, fused kernels; or recalibrate with `meshserve calibrate`",
+}
+
+SCENARIO_LEVERS = {  # DESIGN.md's scenario table
+    "chatbot": "small batches, speculative decoding, prefix caching",
+    "codegen": "continuous batching, large batches, TP",
+    "offline": "largest batch, least TP, consider disaggregation",
+    "rag": "prefix caching, medium batches",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """What one engine step did and how long it took."""
+
+    num_prefill_tokens: int = 0
+    """Prompt tokens computed (prefix-cache hits excluded)."""
+    num_prefill_seqs: int = 0
+    """Sequences with a prefill chunk in the step."""
+    num_prefill_cached_tokens: int = 0
+    """Tokens those chunks attend to from the cache (prefix hits, earlier chunks)."""
+    num_decode_seqs: int = 0
+    """Sequences decoding one token each."""
+    num_decode_context_tokens: int = 0
+    """KV tokens the decoding sequences read (the sum of their contexts)."""
+    wall_s: float
+    """The step's wall time: schedule, execute, update."""
+    scheduler_s: float = 0.0
+    """Of which the scheduler's own work."""
+    comm_s: float | None = None
+    """Of which communication, when the executor measures it."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            require(v is None or v >= 0, f"step.{f.name}", v, "a number >= 0")
+        require(self.scheduler_s <= self.wall_s, "step.scheduler_s", self.scheduler_s,
+                f"at most wall_s={self.wall_s}")
+        require((self.num_prefill_tokens > 0) == (self.num_prefill_seqs > 0),
+                "step.num_prefill_seqs", self.num_prefill_seqs,
+                "> 0 exactly when num_prefill_tokens > 0")
+
+    def work(self) -> StepWork:
+        """The step as cost-model work (prefill chunks taken as equal in length)."""
+        work = StepWork.decode(self.num_decode_seqs, 0) + StepWork(
+            num_kv_read=self.num_decode_context_tokens,
+            num_attended=self.num_decode_context_tokens)
+        if self.num_prefill_seqs:
+            s = self.num_prefill_seqs
+            work = work + StepWork.prefill(self.num_prefill_tokens / s,
+                                           self.num_prefill_cached_tokens / s, s)
+        return work
+
+
+@dataclass(frozen=True, kw_only=True)
+class Diagnosis:
+    """Time by cause over all steps, the bottleneck and the strategy for it."""
+
+    seconds: dict[str, float]
+    """Seconds per cause (CAUSES), summing to the total wall time."""
+    total_s: float
+    """Wall time of all steps."""
+    predicted_s: float
+    """The cost model's executor time for the same steps."""
+    num_steps: int
+    """Steps read."""
+    bottleneck: str
+    """The cause with the most time."""
+    strategy: str
+    """What to do about it."""
+
+    @property
+    def shares(self) -> dict[str, float]:
+        """Fraction of the wall time per cause."""
+        return {k: v / self.total_s if self.total_s else 0.0 for k, v in self.seconds.items()}
+
+    @property
+    def model_accuracy(self) -> float:
+        """Predicted / measured executor time (1.0: the cost model is exact)."""
+        measured = self.total_s - self.seconds["scheduler"]
+        return self.predicted_s / measured if measured else float("nan")
+
+    def as_dict(self) -> dict[str, object]:
+        """For JSON."""
+        return {**asdict(self), "shares": self.shares, "model_accuracy": self.model_accuracy}
+
+
+def split_step(record: StepRecord, cost: CostModel) -> tuple[dict[str, float], float]:
+    """One step's seconds per cause, and the cost model's prediction of its executor time."""
+    c = cost.step(record.work())
+    executor = record.wall_s - record.scheduler_s
+    parts = {"prefill_compute": c.compute_s, "decode_memory": c.memory_s,
+             "communication": c.comm_s, "pipeline_bubbles": c.bubble_s, "other": c.overhead_s}
+    if record.comm_s is not None:
+        parts["communication"] = min(record.comm_s, executor)
+    predicted = sum(parts.values())
+    if predicted > executor:  # faster than predicted: shrink the modelled parts to fit
+        fixed = parts["communication"] if record.comm_s is not None else 0.0
+        scale = (executor - fixed) / (predicted - fixed) if predicted > fixed else 0.0
+        parts = {k: v if (k == "communication" and record.comm_s is not None) else v * scale
+                 for k, v in parts.items()}
+    else:
+        parts["other"] += executor - predicted
+    return {**parts, "scheduler": record.scheduler_s}, c.total_s
+
+
+def diagnose(records: Iterable[StepRecord], cost: CostModel,
+             scenario: str | None = None) -> Diagnosis:
+    """Split the steps' time by cause; name the bottleneck and the strategy for it."""
+    seconds = dict.fromkeys(CAUSES, 0.0)
+    total = predicted = 0.0
+    n = 0
+    for r in records:
+        parts, pred = split_step(r, cost)
+        for k, v in parts.items():
+            seconds[k] += v
+        total += r.wall_s
+        predicted += pred
+        n += 1
+    require(n > 0, "diagnose.records", n, "at least one step record")
+    bottleneck = max(CAUSES, key=lambda k: seconds[k])
+    strategy = STRATEGIES[bottleneck]
+    if scenario in SCENARIO_LEVERS:
+        strategy += f"; for {scenario} the usual levers are {SCENARIO_LEVERS[scenario]}"
+    return Diagnosis(seconds=seconds, total_s=total, predicted_s=predicted, num_steps=n,
+                     bottleneck=bottleneck, strategy=strategy)

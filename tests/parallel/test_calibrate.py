@@ -1,0 +1,76 @@
+"""calibrate: fitting latency and bandwidth, the written preset, one real run with 2 ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshserve.parallel.calibrate import (
+    Calibration,
+    CollectiveTimes,
+    allreduce_link,
+    fit_line,
+    preset_yaml,
+)
+from meshserve.parallel.cluster import ClusterConfig
+from meshserve.parallel.cost_model import p2p_s, ring_allreduce_s
+
+SIZES = [4096, 1 << 16, 1 << 20, 1 << 23]
+
+
+def test_fit_recovers_the_ring_allreduce_model() -> None:
+    for world, lat, bw in ((2, 300e-6, 2.2e9), (4, 1.5e-6, 450e9)):
+        times = [ring_allreduce_s(world, s, bw, lat) for s in SIZES]
+        got_lat, got_bw = allreduce_link(world, *fit_line(SIZES, times))
+        assert got_lat == pytest.approx(lat) and got_bw == pytest.approx(bw)
+
+
+def test_fit_clips_noise_to_physical_values() -> None:
+    assert fit_line([1, 2, 3], [3.0, 2.0, 1.0]) == (2.0, 0.0)  # time can't fall with size
+    assert fit_line([1, 2], [-1.0, 1.0]) == (0.0, 2.0)
+
+
+def calibration() -> Calibration:
+    times = CollectiveTimes(world=2, sizes=SIZES,
+                            allreduce_s=[ring_allreduce_s(2, s, 2e9, 500e-6) for s in SIZES],
+                            p2p_s=[p2p_s(s, 4e9, 100e-6) for s in SIZES], concurrent_gemv_gbs=15.0)
+    return Calibration(device_type="cpu", tflops={"float32": 0.08123456, "bfloat16": 0.15},
+                       read_gbs=27.0, gemv_gbs=20.0, layer_overhead_us=61.23, collectives=[times])
+
+
+def test_calibration_becomes_a_cluster_preset() -> None:
+    cal = calibration()
+    assert cal.links() == {"allreduce-2": (pytest.approx(500.0), pytest.approx(2.0)),
+                           "p2p": (pytest.approx(100.0), pytest.approx(4.0))}
+    c = cal.to_cluster(ClusterConfig(), "here")
+    assert (c.name, c.source, c.memory_bandwidth_gbs, c.node_memory_bandwidth_gbs) == (
+        "here", "calibrated", 20.0, 30.0)
+    assert (c.peak_tflops_fp32, c.peak_tflops_bf16, c.layer_overhead_us) == (0.08123, 0.15, 61.2)
+    assert (c.intra_node_latency_us, c.intra_node_bandwidth_gbs) == (500.0, 2.0)
+    data = yaml.safe_load(preset_yaml(c, cal))
+    assert data.pop("defaults") == ["cluster_schema"]
+    assert ClusterConfig(**data) == c
+
+
+@pytest.mark.slow
+def test_calibrate_verb_measures_this_machine(tmp_path: Path) -> None:
+    out = tmp_path / "mine.yaml"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [str(Path(sys.executable).with_name("meshserve")), "calibrate", "device=cpu",
+         f"calibrate.out={out}", "calibrate.name=mine", "calibrate.read_bytes=8388608",
+         "calibrate.matmul_size=128", "calibrate.repeats=2",
+         "calibrate.message_bytes=[4096,262144]"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    data = yaml.safe_load(out.read_text())
+    data.pop("defaults")
+    c = ClusterConfig(**data)
+    assert c.name == "mine" and c.source == "calibrated" and c.device_type == "cpu"
+    assert c.memory_bandwidth_gbs > 0 and c.intra_node_bandwidth_gbs > 0
+    assert "fit allreduce-2" in run.stdout and f"wrote {out}" in run.stdout

@@ -1,0 +1,100 @@
+"""diagnose: step time split by cause against the cost model, bottleneck and strategy."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshserve.launch.config import load_config
+from meshserve.models.arch import ModelArch
+from meshserve.parallel.cost_model import CostModel, Layout, StepWork
+from meshserve.parallel.diagnose import CAUSES, StepRecord, diagnose, split_step
+from meshserve.parallel.model_shape import ModelShape
+
+CFG = load_config(["model=llama-3-8b", "cluster=dgx-h100"])
+SHAPE = ModelShape.from_arch(ModelArch.from_hf_dict(CFG.model.arch), "bfloat16")
+H100 = CFG.cluster
+
+
+def model(tp: int = 1, stages: tuple[int, ...] = (32,), micro: int = 1) -> CostModel:
+    links = ("intra",) * (len(stages) - 1)
+    return CostModel(SHAPE, H100, Layout(tp=tp, stage_layers=stages, stage_links=links,
+                                         num_micro_batches=micro))
+
+
+def decode_record(cost: CostModel, batch: int, context: int, slowdown: float = 1.0,
+                  **kw: float) -> StepRecord:
+    wall = cost.step(StepWork.decode(batch, context)).total_s * slowdown + kw.get("scheduler_s", 0)
+    return StepRecord(num_decode_seqs=batch, num_decode_context_tokens=batch * context,
+                      wall_s=wall, **kw)
+
+
+def test_decode_at_its_roofline_is_memory_bound() -> None:
+    cost = model()
+    d = diagnose([decode_record(cost, 8, 1000)] * 10, cost)
+    expect = cost.step(StepWork.decode(8, 1000))
+    assert d.bottleneck == "decode_memory" and d.num_steps == 10
+    assert d.seconds["decode_memory"] == pytest.approx(10 * expect.memory_s)
+    assert d.seconds["other"] == pytest.approx(0.0, abs=1e-12)
+    assert d.model_accuracy == pytest.approx(1.0)
+    assert sum(d.seconds.values()) == pytest.approx(d.total_s)
+    assert d.strategy.startswith("decode re-reads the weights")
+
+
+def test_long_prompts_are_prefill_compute() -> None:
+    cost = model()
+    work = StepWork.prefill(1024, 0, 2)
+    rec = StepRecord(num_prefill_tokens=2048, num_prefill_seqs=2, wall_s=cost.step(work).total_s)
+    d = diagnose([rec], cost, scenario="rag")
+    assert d.bottleneck == "prefill_compute"
+    assert d.shares["prefill_compute"] == pytest.approx(cost.step(work).compute_s / rec.wall_s)
+    assert d.strategy.endswith("for rag the usual levers are prefix caching, medium batches")
+
+
+def test_time_the_roofline_cannot_explain_is_other() -> None:
+    cost = model()
+    d = diagnose([decode_record(cost, 1, 100, slowdown=3.0)], cost)
+    assert d.bottleneck == "other"
+    assert d.shares["other"] == pytest.approx(2 / 3)
+    assert d.model_accuracy == pytest.approx(1 / 3)
+
+
+def test_faster_than_predicted_scales_the_parts_down() -> None:
+    cost = model()
+    parts, predicted = split_step(decode_record(cost, 8, 1000, slowdown=0.5), cost)
+    assert sum(parts.values()) == pytest.approx(predicted / 2)
+    assert parts["other"] == 0.0
+
+
+def test_measured_communication_counts_as_is() -> None:
+    cost = model(tp=8)
+    base = cost.step(StepWork.decode(1, 100)).total_s
+    rec = StepRecord(num_decode_seqs=1, num_decode_context_tokens=100, wall_s=4 * base,
+                     comm_s=3 * base)
+    parts, _ = split_step(rec, cost)
+    assert parts["communication"] == pytest.approx(3 * base)
+    assert diagnose([rec], cost).bottleneck == "communication"
+
+
+def test_one_micro_batch_over_four_stages_is_mostly_bubble() -> None:
+    cost = model(stages=(8, 8, 8, 8), micro=1)
+    d = diagnose([decode_record(cost, 64, 500)], cost)
+    assert d.bottleneck == "pipeline_bubbles"
+    assert d.shares["pipeline_bubbles"] == pytest.approx(0.75, abs=0.03)
+
+
+def test_scheduler_overhead() -> None:
+    cost = model()
+    step = cost.step(StepWork.decode(4, 10)).total_s
+    d = diagnose([decode_record(cost, 4, 10, scheduler_s=2 * step)], cost)
+    assert d.bottleneck == "scheduler" and d.seconds["scheduler"] == pytest.approx(2 * step)
+    assert set(d.as_dict()["seconds"]) == set(CAUSES)
+
+
+def test_bad_records_are_rejected() -> None:
+    with pytest.raises(ValueError, match=r"step.scheduler_s=2.0 is invalid: allowed is at most "
+                                         r"wall_s=1.0"):
+        StepRecord(wall_s=1.0, scheduler_s=2.0)
+    with pytest.raises(ValueError, match=r"step.num_prefill_seqs=0 is invalid"):
+        StepRecord(num_prefill_tokens=5, wall_s=1.0)
+    with pytest.raises(ValueError, match=r"diagnose.records=0 is invalid"):
+        diagnose([], model())
