@@ -10,6 +10,7 @@ import pytest
 from meshserve.launch.config import load_config
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.cluster import ClusterConfig
+from meshserve.parallel.config import ParallelConfig
 from meshserve.parallel.model_shape import ModelShape
 from meshserve.parallel.plan import balanced_layer_ranges, place_ranks
 from meshserve.parallel.planner import (
@@ -171,3 +172,11 @@ def test_plan_for_takes_configured_degrees_or_plans_under_auto() -> None:
 def test_planner_options_are_validated() -> None:
     with pytest.raises(ValueError, match=r"plan.memory_utilization=1.5 is invalid"):
         PlannerOptions(memory_utilization=1.5)
+
+
+@pytest.mark.skipif("auto" not in {f.name for f in dataclasses.fields(ParallelConfig)},
+                    reason="parallel=auto needs ParallelConfig.auto (see conf/parallel/auto.yaml)")
+def test_parallel_auto_preset_plans() -> None:
+    cfg = load_config(["parallel=auto", "model=llama-3-8b", "cluster=dgx-h100"])
+    chosen = plan_for(cfg, ModelArch.from_hf_dict(cfg.model.arch))
+    assert (chosen.tp, chosen.pp, chosen.dp) == (4, 1, 2)
