@@ -49,7 +49,7 @@ class CalibrateConfig:
     out: str | None = None
     """Preset file to write; null writes conf/cluster/<name>.yaml in the package."""
     world_sizes: list[int] = field(default_factory=lambda: [2])
-    """Group sizes for AllReduce and p2p (ranks spawned on this machine)."""
+    """Group sizes for AllReduce and p2p (ranks spawned here); [] keeps the base preset's links."""
     message_bytes: list[int] = field(default_factory=lambda: [4096, 1 << 16, 1 << 20, 1 << 23])
     """Message sizes timed; latency and bandwidth are fitted over them."""
     read_bytes: int = 256 << 20

@@ -22,7 +22,7 @@ def run(overrides: list[str]) -> int:
     cfg = load_config(overrides)
     opts = cfg.calibrate
     device = resolve_device(cfg.device)
-    if device.type == "cuda" and max(opts.world_sizes) > torch.cuda.device_count():
+    if device.type == "cuda" and max(opts.world_sizes, default=0) > torch.cuda.device_count():
         raise ValueError(f"calibrate.world_sizes={opts.world_sizes} is invalid: allowed is at "
                          f"most the {torch.cuda.device_count()} visible GPUs")
     cal = calibrate(world_sizes=list(opts.world_sizes), sizes=list(opts.message_bytes),

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -138,7 +139,7 @@ class CollectiveTimes:
 
 
 def _rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int,
-               read_bytes: int, use_cuda: bool, out: object) -> None:
+               read_bytes: int, use_cuda: bool, out: Any) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -165,7 +166,7 @@ def _rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int,
             allreduce.append(float(t.cpu()))
             p2p.append(_ping_pong(rank, x, repeats, device) if world == 2 else 0.0)
         if rank == 0:
-            out.put(CollectiveTimes(world=world, sizes=sizes, allreduce_s=allreduce,  # type: ignore[attr-defined]
+            out.put(CollectiveTimes(world=world, sizes=sizes, allreduce_s=allreduce,
                                     p2p_s=p2p if world == 2 else [], concurrent_gemv_gbs=gemv))
     finally:
         dist.destroy_process_group()
@@ -248,18 +249,23 @@ class Calibration:
         return fits
 
     def to_cluster(self, base: ClusterConfig, name: str) -> ClusterConfig:
-        """`base` with the measured figures in place (one node: inter = intra)."""
+        """`base` with the measured figures in place (one node: inter = intra). Without
+        collective measurements the links and the node's shared bandwidth stay `base`'s."""
+        measured = replace(
+            base, name=name, source="calibrated", memory_bandwidth_gbs=sig(self.gemv_gbs),
+            peak_tflops_fp32=sig(self.tflops["float32"]),
+            peak_tflops_bf16=sig(self.tflops.get("bfloat16", self.tflops["float32"])),
+            layer_overhead_us=sig(self.layer_overhead_us, 3))
+        if not self.collectives:
+            return measured
         widest = max(self.collectives, key=lambda c: c.world)
         lat_us, bw_gbs = self.links()[f"allreduce-{widest.world}"]
         node_bw = widest.concurrent_gemv_gbs * widest.world
         return replace(
-            base, name=name, source="calibrated", memory_bandwidth_gbs=sig(self.gemv_gbs),
+            measured,
             node_memory_bandwidth_gbs=sig(node_bw) if self.device_type == "cpu" else None,
-            peak_tflops_fp32=sig(self.tflops["float32"]),
-            peak_tflops_bf16=sig(self.tflops.get("bfloat16", self.tflops["float32"])),
             intra_node_bandwidth_gbs=sig(bw_gbs), intra_node_latency_us=sig(lat_us),
-            inter_node_bandwidth_gbs=sig(bw_gbs), inter_node_latency_us=sig(lat_us),
-            layer_overhead_us=sig(self.layer_overhead_us, 3))
+            inter_node_bandwidth_gbs=sig(bw_gbs), inter_node_latency_us=sig(lat_us))
 
 
 def calibrate(*, world_sizes: list[int], sizes: list[int], read_bytes: int, matmul_size: int,
@@ -291,7 +297,8 @@ def preset_yaml(cluster: ClusterConfig, cal: Calibration) -> str:
                                                  for s, t in zip(c.sizes, c.p2p_s)))
     notes += [f"# fit {k}: latency {lat:.1f} us, bandwidth {bw:.3g} GB/s"
               for k, (lat, bw) in cal.links().items()]
-    notes.append("# One node measured: inter-node figures repeat the intra-node ones.")
+    notes.append("# One node measured: inter-node figures repeat the intra-node ones."
+                 if cal.collectives else "# No collectives measured: links are the base preset's.")
     body = ["defaults:", "  - cluster_schema"]
     body += [f"{f}: {json.dumps(getattr(cluster, f))}" for f in cluster.__dataclass_fields__]
     return "\n".join(notes + body) + "\n"

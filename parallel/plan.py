@@ -10,6 +10,7 @@ nodes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from meshserve.parallel.cluster import ClusterConfig
 from meshserve.parallel.cost_model import Layout
@@ -60,7 +61,7 @@ class Plan:
     """Rules the plan had to break (a TP group across NVLink domains) and why."""
     explanation: str = ""
     """Why this plan was chosen."""
-    candidates: tuple = field(default=(), compare=False)
+    candidates: tuple[Any, ...] = field(default=(), compare=False)
     """Every candidate the planner weighed (planner.Candidate), best first."""
 
     def __post_init__(self) -> None:

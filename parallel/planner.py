@@ -187,10 +187,9 @@ def rank(cands: list[Candidate], scenario: ScenarioConfig, margin: float) -> lis
     if not ordered:
         return ordered
     best = ordered[0]
-    top = score(best, scenario)
-    close = [c for c in ordered if c.prediction is not None
-             and c.prediction.meets_slo == best.prediction.meets_slo  # type: ignore[union-attr]
-             and score(c, scenario) >= top - margin * abs(top)]
+    top, meets = score(best, scenario), key(best)[0]
+    close = [c for c in ordered
+             if key(c)[0] == meets and score(c, scenario) >= top - margin * abs(top)]
     chosen = min(close, key=lambda c: (c.pp, c.tp))
     return [chosen] + [c for c in ordered if c is not chosen]
 

@@ -74,3 +74,17 @@ def test_calibrate_verb_measures_this_machine(tmp_path: Path) -> None:
     assert c.name == "mine" and c.source == "calibrated" and c.device_type == "cpu"
     assert c.memory_bandwidth_gbs > 0 and c.intra_node_bandwidth_gbs > 0
     assert "fit allreduce-2" in run.stdout and f"wrote {out}" in run.stdout
+
+
+def test_without_collectives_the_links_stay_the_base_presets() -> None:
+    cal = calibration()
+    alone = Calibration(device_type="cuda", tflops={"float32": 60.0, "bfloat16": 790.0},
+                        read_gbs=4300.0, gemv_gbs=4100.0, layer_overhead_us=12.0, collectives=[])
+    base = ClusterConfig(name="dgx-h200", device_type="cuda", devices_per_node=8,
+                         nvlink_domain_size=8, intra_node_bandwidth_gbs=450.0,
+                         intra_node_latency_us=1.5)
+    c = alone.to_cluster(base, "h200-here")
+    assert (c.peak_tflops_bf16, c.memory_bandwidth_gbs, c.node_memory_bandwidth_gbs) == (
+        790.0, 4100.0, None)
+    assert (c.intra_node_bandwidth_gbs, c.intra_node_latency_us) == (450.0, 1.5)
+    assert "No collectives measured" in preset_yaml(c, alone) and cal.collectives
