@@ -75,6 +75,24 @@ class StepRecord:
                 "step.num_prefill_seqs", self.num_prefill_seqs,
                 "> 0 exactly when num_prefill_tokens > 0")
 
+    @classmethod
+    def from_chunks(cls, chunks: Iterable[tuple[int, int]], *, wall_s: float,
+                    scheduler_s: float = 0.0, comm_s: float | None = None) -> StepRecord:
+        """From a step's (num_tokens, start_pos) per scheduled sequence: one token is a decode
+        reading start_pos cached tokens, more is a prefill chunk after start_pos cached ones."""
+        counts = dict.fromkeys(("num_prefill_tokens", "num_prefill_seqs",
+                                "num_prefill_cached_tokens", "num_decode_seqs",
+                                "num_decode_context_tokens"), 0)
+        for num_tokens, start_pos in chunks:
+            if num_tokens == 1:
+                counts["num_decode_seqs"] += 1
+                counts["num_decode_context_tokens"] += start_pos
+            else:
+                counts["num_prefill_tokens"] += num_tokens
+                counts["num_prefill_seqs"] += 1
+                counts["num_prefill_cached_tokens"] += start_pos
+        return cls(**counts, wall_s=wall_s, scheduler_s=scheduler_s, comm_s=comm_s)
+
     def work(self) -> StepWork:
         """The step as cost-model work (prefill chunks taken as equal in length)."""
         work = StepWork.decode(self.num_decode_seqs, 0) + StepWork(

@@ -98,3 +98,15 @@ def test_bad_records_are_rejected() -> None:
         StepRecord(num_prefill_tokens=5, wall_s=1.0)
     with pytest.raises(ValueError, match=r"diagnose.records=0 is invalid"):
         diagnose([], model())
+
+
+def test_record_from_scheduled_chunks() -> None:
+    rec = StepRecord.from_chunks([(1, 40), (1, 17), (64, 0), (32, 128)], wall_s=0.02,
+                                 scheduler_s=0.001)
+    assert (rec.num_decode_seqs, rec.num_decode_context_tokens) == (2, 57)
+    assert (rec.num_prefill_tokens, rec.num_prefill_seqs, rec.num_prefill_cached_tokens) == (
+        96, 2, 128)
+    work = rec.work()
+    assert (work.num_new_tokens, work.num_seqs, work.num_kv_read) == (98, 4, 57 + 128)
+    # Prefill chunks taken as two of 48 tokens after 64 cached: 2 x (48 x 64 + 48 x 49 / 2).
+    assert work.num_attended == 57 + 2 + 2 * (48 * 64 + 48 * 49 / 2)
