@@ -2,10 +2,12 @@
 what to do about it.
 
 Each step's executor time (wall minus scheduler) is split with the cost model's prediction
-for the same work: compute-bound time (mostly prefill), memory-bound time (mostly decode),
-TP collectives (measured when the record has them), pipeline bubbles; what the roofline
-doesn't explain (launches, Python per layer, a stale calibration) is "other". When a step
-ran faster than predicted, the predicted parts are scaled down to the measured time.
+for the same work: the roofline time of its prefill chunks (compute-bound) and of its decodes
+(memory-bound on GPUs; on a CPU already compute-bound from a batch of ~3), in proportion to
+what each phase would cost alone; TP collectives (measured when the record has them);
+pipeline bubbles; what the roofline doesn't explain (launches, Python per layer, a stale
+calibration) is "other". When a step ran faster than predicted, the predicted parts are
+scaled down to the measured time.
 """
 
 from __future__ import annotations
@@ -93,16 +95,22 @@ class StepRecord:
                 counts["num_prefill_cached_tokens"] += start_pos
         return cls(**counts, wall_s=wall_s, scheduler_s=scheduler_s, comm_s=comm_s)
 
-    def work(self) -> StepWork:
-        """The step as cost-model work (prefill chunks taken as equal in length)."""
-        work = StepWork.decode(self.num_decode_seqs, 0) + StepWork(
+    def decode_work(self) -> StepWork:
+        """The step's decodes as cost-model work."""
+        return StepWork.decode(self.num_decode_seqs, 0) + StepWork(
             num_kv_read=self.num_decode_context_tokens,
             num_attended=self.num_decode_context_tokens)
-        if self.num_prefill_seqs:
-            s = self.num_prefill_seqs
-            work = work + StepWork.prefill(self.num_prefill_tokens / s,
-                                           self.num_prefill_cached_tokens / s, s)
-        return work
+
+    def prefill_work(self) -> StepWork:
+        """The step's prefill chunks as cost-model work (taken as equal in length)."""
+        s = self.num_prefill_seqs
+        if not s:
+            return StepWork()
+        return StepWork.prefill(self.num_prefill_tokens / s, self.num_prefill_cached_tokens / s, s)
+
+    def work(self) -> StepWork:
+        """The whole step as cost-model work."""
+        return self.decode_work() + self.prefill_work()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,7 +150,12 @@ def split_step(record: StepRecord, cost: CostModel) -> tuple[dict[str, float], f
     """One step's seconds per cause, and the cost model's prediction of its executor time."""
     c = cost.step(record.work())
     executor = record.wall_s - record.scheduler_s
-    parts = {"prefill_compute": c.compute_s, "decode_memory": c.memory_s,
+    alone = [cost.step(w) if w.num_seqs else None
+             for w in (record.prefill_work(), record.decode_work())]
+    prefill, decode = (a.compute_s + a.memory_s if a else 0.0 for a in alone)
+    share = prefill / (prefill + decode) if prefill + decode else 0.0
+    roofline = c.compute_s + c.memory_s
+    parts = {"prefill_compute": roofline * share, "decode_memory": roofline * (1 - share),
              "communication": c.comm_s, "pipeline_bubbles": c.bubble_s, "other": c.overhead_s}
     if record.comm_s is not None:
         parts["communication"] = min(record.comm_s, executor)

@@ -46,7 +46,7 @@ def test_long_prompts_are_prefill_compute() -> None:
     rec = StepRecord(num_prefill_tokens=2048, num_prefill_seqs=2, wall_s=cost.step(work).total_s)
     d = diagnose([rec], cost, scenario="rag")
     assert d.bottleneck == "prefill_compute"
-    assert d.shares["prefill_compute"] == pytest.approx(cost.step(work).compute_s / rec.wall_s)
+    assert d.shares["prefill_compute"] == pytest.approx(1.0)  # its LM-head read included
     assert d.strategy.endswith("for rag the usual levers are prefix caching, medium batches")
 
 
@@ -110,3 +110,21 @@ def test_record_from_scheduled_chunks() -> None:
     assert (work.num_new_tokens, work.num_seqs, work.num_kv_read) == (98, 4, 57 + 128)
     # Prefill chunks taken as two of 48 tokens after 64 cached: 2 x (48 x 64 + 48 x 49 / 2).
     assert work.num_attended == 57 + 2 + 2 * (48 * 64 + 48 * 49 / 2)
+
+
+def test_cpu_decode_is_compute_bound_yet_counted_as_decode() -> None:
+    cpu = load_config(["cluster=local-cpu"]).cluster
+    cost = CostModel(ModelShape.from_arch(ModelArch.from_hf_dict(CFG.model.arch), "float32"),
+                     cpu, Layout(tp=1, stage_layers=(32,)))
+    step = cost.step(StepWork.decode(8, 100))
+    assert step.compute_s > 0 and step.memory_s < step.compute_s / 10  # past the CPU's ridge
+    mixed = StepRecord(num_decode_seqs=8, num_decode_context_tokens=800, num_prefill_tokens=64,
+                       num_prefill_seqs=1, wall_s=100.0)  # slower than predicted: no scaling
+    parts, _ = split_step(mixed, cost)
+    alone_p = cost.step(mixed.prefill_work())
+    alone_d = cost.step(mixed.decode_work())
+    share = (alone_p.compute_s + alone_p.memory_s) / (
+        alone_p.compute_s + alone_p.memory_s + alone_d.compute_s + alone_d.memory_s)
+    both = cost.step(mixed.work())
+    assert parts["prefill_compute"] == pytest.approx((both.compute_s + both.memory_s) * share)
+    assert parts["decode_memory"] == pytest.approx((both.compute_s + both.memory_s) * (1 - share))
