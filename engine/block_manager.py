@@ -6,6 +6,7 @@ import sys
 from collections import deque
 from collections.abc import Sequence as Seq
 
+from meshserve.engine.pending_prefixes import PendingPrefixes
 from meshserve.engine.prefix_cache import (
     ROOT_HASH,
     ROOT_UID,
@@ -35,7 +36,9 @@ class BlockManager:
     Every block is in exactly one place: used (ref count > 0), free and uncached (`_free`,
     handed out first, oldest first) or cached and unused (the prefix cache's LRU, evicted
     least recently used first). A sequence's blocks are freed tail first, so the tail of
-    a prefix is evicted before its head.
+    a prefix is evicted before its head. With prefix caching, the full blocks of a sequence's
+    known tokens that it will compute are pending (see `PendingPrefixes`) from its admission
+    until it registers them or frees its blocks.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *,
@@ -45,6 +48,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_cache = PrefixCache(num_blocks, block_size) if enable_prefix_caching else None
+        self.pending = PendingPrefixes() if enable_prefix_caching else None
         self._ref_count = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._progress: dict[int, list[int]] = {}
@@ -104,6 +108,10 @@ class BlockManager:
             last_uid = cache.uid_of(cached_blocks[-1]) if cached_blocks else ROOT_UID
             self._progress[seq.seq_id] = [len(cached_blocks), last_uid]
             self._record_lookup(cache.stats, seq, num_cached_tokens)
+            num_known_full = seq.num_tokens // self.block_size
+            self._hash_blocks(seq, num_known_full)
+            assert self.pending is not None
+            self.pending.add(seq.seq_id, seq.block_hashes, len(cached_blocks), num_known_full)
         return True
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -129,12 +137,33 @@ class BlockManager:
         self._hash_blocks(seq, num_full)
         bs, tokens, table, hashes = self.block_size, seq.token_ids, seq.block_table, seq.block_hashes
         uid = progress[1]
+        pending = self.pending
+        assert pending is not None
         for i in range(start, num_full):
             uid = cache.register(table[i], uid, hashes[i], tokens[i * bs:(i + 1) * bs])
             if uid == ROOT_UID:
                 progress[0] = _NEVER
+                pending.discard(seq.seq_id)
                 return
         progress[0], progress[1] = num_full, uid
+        pending.advance(seq.seq_id, num_full)
+
+    def pending_block_hash(self, seq: Sequence, num_cached_blocks: int) -> int | None:
+        """Hash of `seq`'s block after its `num_cached_blocks` cached ones if another sequence
+        is computing that block now (so `seq` could hit it later); else None.
+
+        Call after `find_cached_prefix(seq)`; only a block that lookup could return counts.
+        """
+        if self.pending is None:
+            return None
+        if num_cached_blocks >= (seq.num_tokens - 1) // self.block_size:
+            return None
+        block_hash = seq.block_hashes[num_cached_blocks]
+        return block_hash if block_hash in self.pending else None
+
+    def is_pending(self, block_hash: int) -> bool:
+        """Whether some sequence is computing a block with chained hash `block_hash`."""
+        return self.pending is not None and block_hash in self.pending
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Share `parent`'s full blocks with blockless `child`; copy the partial last block.
@@ -167,6 +196,8 @@ class BlockManager:
             self._release(block)
         seq.block_table.clear()
         self._progress.pop(seq.seq_id, None)
+        if self.pending is not None:
+            self.pending.discard(seq.seq_id)
 
     def reset_prefix_cache(self) -> int:
         """Uncache every unused cached block; return how many were freed."""
@@ -187,6 +218,8 @@ class BlockManager:
         assert num_unused == self.num_free_blocks, (num_unused, self.num_free_blocks)
         if cache is not None:
             cache.check_invariants()
+            assert self.pending is not None
+            self.pending.check_invariants()
             for block in range(self.num_blocks):
                 assert cache.is_evictable(block) == (ref_count[block] == 0
                                                      and cache.is_cached(block)), block

@@ -35,12 +35,16 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_deferred_admissions = 0
+        """Admissions put off at least once to wait for a prefix another sequence computes."""
         self._seqs: dict[int, Sequence] = {}
         """Unfinished sequences by id."""
         self._in_flight: set[int] = set()
         self._block_copies: list[tuple[int, int]] = []
         self._static_batch: set[int] = set()
         """'static' policy: ids of the batch now being served; new admissions wait for it."""
+        self._deferred: dict[int, int] = {}
+        """Waiting seq_id -> the pending block hash it was last deferred for."""
 
     @property
     def num_waiting(self) -> int:
@@ -63,8 +67,13 @@ class Scheduler:
         return SchedulerStats(
             num_waiting=len(self.waiting), num_running=len(self.running),
             num_in_flight=len(self._in_flight), num_preemptions=self.num_preemptions,
+            num_deferred_admissions=self.num_deferred_admissions,
             num_used_blocks=bm.num_used_blocks, num_free_blocks=bm.num_free_blocks,
             prefix_cache=dataclasses.replace(bm.stats))
+
+    def reset_prefix_cache(self) -> int:
+        """Uncache every unused cached KV block; return how many were freed."""
+        return self.block_manager.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
         """Whether any sequence is waiting or running."""
@@ -233,26 +242,64 @@ class Scheduler:
         return victim
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting sequences in order while budget, seats and blocks last."""
+        """Admit waiting sequences in order while budget, seats and blocks last.
+
+        A sequence whose next block is being computed by a running one is deferred: it keeps
+        its place and the ones behind it may go (see `_defer`). Any other sequence that does
+        not fit stops admission, so the queue stays first come, first served.
+        """
         waiting, bm = self.waiting, self.block_manager
         static = self.config.policy == "static"
         if static and not self._static_batch and not self.running:
             self._static_batch = {s.seq_id for s in islice(waiting, self.config.static_batch_size)}
         max_num_seqs = self.config.max_num_seqs
+        deferred: list[Sequence] = []
         while waiting and budget > 0 and len(self.running) < max_num_seqs:
             seq = waiting[0]
             if static and seq.seq_id not in self._static_batch:
                 break
+            if self._still_deferred(seq):
+                deferred.append(waiting.popleft())
+                continue
             cached = bm.find_cached_prefix(seq)
+            if self._defer(seq, len(cached)):
+                deferred.append(waiting.popleft())
+                continue
             num_cached_tokens = len(cached) * bm.block_size
             num_new = self._num_new_tokens(seq.num_tokens - num_cached_tokens, budget)
             if num_new == 0 or not bm.admit(seq, cached, num_new):
                 break
             waiting.popleft()
+            self._deferred.pop(seq.seq_id, None)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival_key)
             self._emit(out, seq, num_new)
             budget -= num_new
+        waiting.extendleft(reversed(deferred))
+
+    def _still_deferred(self, seq: Sequence) -> bool:
+        """Whether the block `seq` was last deferred for is still pending (skips the lookup)."""
+        block_hash = self._deferred.get(seq.seq_id)
+        return block_hash is not None and self.block_manager.is_pending(block_hash)
+
+    def _defer(self, seq: Sequence, num_cached_blocks: int) -> bool:
+        """Whether waiting `seq` must wait for a block that a running sequence is computing.
+
+        Rule: `seq` is deferred while the block right after its `num_cached_blocks` cached
+        ones (a full block of its known tokens that a prefix-cache lookup could return) has
+        the chained hash of a block that an admitted sequence will compute and has not
+        registered yet. Once it is registered, `seq` hits it; so a sequence sharing a prefix
+        with one prefilled in chunks is admitted when the whole shared part is registered,
+        not block by block. No deadlock: only admitted sequences hold pending blocks, they
+        never wait for waiting ones, and finish, abort or preemption drops their pending.
+        """
+        block_hash = self.block_manager.pending_block_hash(seq, num_cached_blocks)
+        if block_hash is None:
+            return False
+        if seq.seq_id not in self._deferred:
+            self.num_deferred_admissions += 1
+        self._deferred[seq.seq_id] = block_hash
+        return True
 
     def _num_new_tokens(self, num_remaining: int, budget: int) -> int:
         """Tokens to feed this step out of `num_remaining`; 0 means wait for more budget.
@@ -288,6 +335,7 @@ class Scheduler:
         del self._seqs[seq.seq_id]
         self.block_manager.free(seq)
         self._static_batch.discard(seq.seq_id)
+        self._deferred.pop(seq.seq_id, None)
 
     def _validate(self, seq: Sequence) -> None:
         config, bm = self.config, self.block_manager

@@ -70,6 +70,9 @@ class SchedulerStats:
     """Running sequences scheduled but not yet updated."""
 
     num_preemptions: int
+    num_deferred_admissions: int
+    """Admissions put off to wait for a prefix block another sequence was computing."""
+
     num_used_blocks: int
     """KV blocks held by some sequence."""
 

@@ -161,6 +161,7 @@ def test_hash_collisions_are_misses_never_wrong_hits(monkeypatch: pytest.MonkeyP
     assert bm.find_cached_prefix(make_seq([1, 2, 4, 3, 0])) == [0]
     b = make_seq([2, 1, 3, 4, 5])  # same hashes, other tokens: its blocks cannot be cached
     run(bm, b)
+    assert len(bm.pending) == 0  # nor stay pending
     bm.free(a)
     bm.free(b)
     assert bm.prefix_cache.num_evictable == 2
@@ -213,6 +214,46 @@ def test_identical_prompts_computed_together_cache_one_copy() -> None:
     assert bm.prefix_cache.num_evictable == 1
     assert bm.find_cached_prefix(make_seq([1, 2, 5])) == [0]
     bm.check_invariants()
+
+
+def test_known_full_blocks_are_pending_from_admission_until_registered() -> None:
+    bm = BlockManager(16, 4)
+    a = make_seq(list(range(14)))  # 3 full blocks, all pending once admitted
+    b = make_seq(list(range(12)) + [50, 51])
+    assert bm.find_cached_prefix(b) == [] and bm.pending_block_hash(b, 0) is None
+    run(bm, a, 5)  # block 0 computed and registered
+    assert len(bm.pending) == 2
+    assert bm.find_cached_prefix(b) == [a.block_table[0]]
+    assert bm.pending_block_hash(b, 1) == b.block_hashes[1] == a.block_hashes[1]
+    assert bm.is_pending(b.block_hashes[2]) and not bm.is_pending(b.block_hashes[0])
+    assert bm.allocate_slots(a, 9)
+    a.num_computed_tokens = 14
+    bm.cache_computed_blocks(a)
+    assert len(bm.pending) == 0 and bm.pending_block_hash(b, 1) is None
+    assert bm.find_cached_prefix(b) == a.block_table[:3]
+    assert bm.pending_block_hash(b, 3) is None  # b's last block could never be looked up
+    bm.check_invariants()
+
+
+def test_freeing_drops_pending_blocks_and_a_comeback_counts_its_output() -> None:
+    bm = BlockManager(16, 4)
+    a = make_seq(list(range(6)))
+    run(bm, a, 2)
+    assert bm.is_pending(a.block_hashes[0])
+    bm.free(a)  # preempted before registering anything
+    assert len(bm.pending) == 0
+    a.num_computed_tokens = 0
+    for token in (6, 7, 8):
+        a.append_token(token)
+    run(bm, a, 1)  # 9 known tokens: blocks 0 and 1 pending
+    assert len(bm.pending) == 2 and bm.is_pending(a.block_hashes[1])
+    bm.free(a)
+    assert len(bm.pending) == 0
+    off = BlockManager(16, 4, enable_prefix_caching=False)
+    c = make_seq(list(range(9)))
+    run(off, c, 1)
+    assert off.pending is None and off.pending_block_hash(c, 0) is None
+    assert not off.is_pending(0)
 
 
 def test_fork_shares_full_blocks_and_copies_the_partial_one() -> None:
@@ -396,6 +437,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq in self.seqs:
             self.bm.free(seq)
         assert self.bm.num_free_blocks == self.bm.num_blocks
+        assert not self.bm.pending  # None, or empty once every sequence let go
         self.bm.check_invariants()
 
 
