@@ -58,8 +58,15 @@ class CalibrateConfig:
     """N of the N x N x N matmuls timed for FLOP/s (fp32 and bf16)."""
     repeats: int = 5
     """Timed repeats per figure (the best counts)."""
+    runtime: bool = True
+    """Time meshserve's own engine on tiny random models for its per-step and per-layer
+    overhead (else a stand-in layer gives the per-layer figure and per-step stays 0)."""
+    runtime_tokens: int = 32
+    """Decode steps timed per tiny model."""
 
     def __post_init__(self) -> None:
+        require(self.runtime_tokens >= 4, "calibrate.runtime_tokens", self.runtime_tokens,
+                "an int >= 4")
         require(bool(self.name) and "/" not in self.name, "calibrate.name", self.name,
                 "a preset name without '/'")
         require(all(w >= 2 for w in self.world_sizes), "calibrate.world_sizes",

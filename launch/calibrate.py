@@ -1,6 +1,7 @@
 """`meshserve calibrate [cluster=<base>] [calibrate.name=...] [calibrate.out=...]`: measure
-this machine (matmul rate, memory bandwidth, per-layer overhead, AllReduce and p2p per group
-size) and write a cluster preset: the base preset with the measured figures in place.
+this machine (matmul rate, memory bandwidth, AllReduce and p2p per group size, and the
+engine's own per-step and per-layer overhead) and write a cluster preset: the base preset
+with the measured figures in place.
 
 Use it afterwards as `cluster=<name>` (default: conf/cluster/calibrated.yaml). Run it on an
 otherwise idle machine: other work on the cores shows up as a slower machine.
@@ -8,13 +9,15 @@ otherwise idle machine: other work on the cores shows up as a slower machine.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from meshserve.engine.executor import resolve_device
 from meshserve.launch.config import CONF_DIR, load_config
-from meshserve.parallel.calibrate import calibrate, preset_yaml
+from meshserve.launch.runtime_overhead import runtime_overhead_us
+from meshserve.parallel.calibrate import calibrate, preset_yaml, sig
 
 
 def run(overrides: list[str]) -> int:
@@ -29,9 +32,16 @@ def run(overrides: list[str]) -> int:
                     read_bytes=opts.read_bytes, matmul_size=opts.matmul_size,
                     repeats=opts.repeats, device=device)
     cluster = cal.to_cluster(cfg.cluster, opts.name)
+    notes = []
+    if opts.runtime:
+        step_us, layer_us = runtime_overhead_us(device.type, opts.runtime_tokens)
+        cluster = replace(cluster, step_overhead_us=sig(step_us, 3),
+                          layer_overhead_us=sig(layer_us, 3))
+        notes.append(f"meshserve's engine at width 64: {step_us:.0f} us per step + "
+                     f"{layer_us:.0f} us per layer (these set the overheads below)")
     out = Path(opts.out).expanduser() if opts.out else CONF_DIR / "cluster" / f"{opts.name}.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = preset_yaml(cluster, cal)
+    text = preset_yaml(cluster, cal, notes)
     out.write_text(text)
     print("\n".join(line for line in text.splitlines() if line.startswith("#")))
     print(f"wrote {out} (use it as cluster={opts.name} when it is in conf/cluster/)")

@@ -282,7 +282,7 @@ def calibrate(*, world_sizes: list[int], sizes: list[int], read_bytes: int, matm
                      for w in world_sizes])
 
 
-def preset_yaml(cluster: ClusterConfig, cal: Calibration) -> str:
+def preset_yaml(cluster: ClusterConfig, cal: Calibration, notes_after: Sequence[str] = ()) -> str:
     """A conf/cluster preset holding `cluster`, with the raw measurements as comments."""
     notes = [f"# Written by `meshserve calibrate` on {time.strftime('%Y-%m-%d %H:%M')}.",
              "# matmul TFLOP/s: " + ", ".join(f"{k} {v:.4g}" for k, v in cal.tflops.items()),
@@ -299,6 +299,7 @@ def preset_yaml(cluster: ClusterConfig, cal: Calibration) -> str:
               for k, (lat, bw) in cal.links().items()]
     notes.append("# One node measured: inter-node figures repeat the intra-node ones."
                  if cal.collectives else "# No collectives measured: links are the base preset's.")
+    notes += [f"# {n}" for n in notes_after]
     body = ["defaults:", "  - cluster_schema"]
     body += [f"{f}: {json.dumps(getattr(cluster, f))}" for f in cluster.__dataclass_fields__]
     return "\n".join(notes + body) + "\n"

@@ -65,7 +65,7 @@ def test_calibrate_verb_measures_this_machine(tmp_path: Path) -> None:
         [str(Path(sys.executable).with_name("meshserve")), "calibrate", "device=cpu",
          f"calibrate.out={out}", "calibrate.name=mine", "calibrate.read_bytes=8388608",
          "calibrate.matmul_size=128", "calibrate.repeats=2",
-         "calibrate.message_bytes=[4096,262144]"],
+         "calibrate.message_bytes=[4096,262144]", "calibrate.runtime_tokens=8"],
         capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr
     data = yaml.safe_load(out.read_text())
@@ -74,6 +74,8 @@ def test_calibrate_verb_measures_this_machine(tmp_path: Path) -> None:
     assert c.name == "mine" and c.source == "calibrated" and c.device_type == "cpu"
     assert c.memory_bandwidth_gbs > 0 and c.intra_node_bandwidth_gbs > 0
     assert "fit allreduce-2" in run.stdout and f"wrote {out}" in run.stdout
+    assert "meshserve's engine at width 64" in run.stdout
+    assert c.step_overhead_us > 0 and c.layer_overhead_us > 0
 
 
 def test_without_collectives_the_links_stay_the_base_presets() -> None:

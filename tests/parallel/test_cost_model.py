@@ -145,3 +145,18 @@ def test_cluster_rejects_bad_values_naming_the_field() -> None:
         ClusterConfig(devices_per_node=8, nvlink_domain_size=3)
     with pytest.raises(ValueError, match=r"cluster.source='guess' is invalid"):
         ClusterConfig(source="guess")
+
+
+def test_fixed_overheads_per_step_and_per_layer() -> None:
+    s = shape("llama-3-8b")
+    base = CostModel(s, H100, Layout(tp=1, stage_layers=(32,)))
+    slow = CostModel(s, dataclasses.replace(H100, step_overhead_us=500.0, layer_overhead_us=10.0),
+                     Layout(tp=1, stage_layers=(32,)))
+    work = StepWork.decode(4, 100)
+    assert slow.step(work).total_s - base.step(work).total_s == pytest.approx(500e-6 + 320e-6)
+    assert slow.step(work).overhead_s == pytest.approx(820e-6)
+    # With two stages and two micro-batches, each micro-batch pays the driver's step overhead.
+    two = Layout(tp=1, stage_layers=(16, 16), stage_links=("intra",), num_micro_batches=2)
+    piped = CostModel(s, dataclasses.replace(H100, step_overhead_us=500.0), two)
+    assert piped.stage_time(0, work).overhead_s == pytest.approx(500e-6)
+    assert piped.stage_time(1, work).overhead_s == 0.0

@@ -1,0 +1,73 @@
+"""meshserve's own fixed costs, measured: decode steps of tiny random models through the
+engine, where the math is negligible, so a step's time is the runtime's overhead.
+
+Two depths (1 and 4 layers) separate the per-layer part from the per-step part:
+t(L) = step + L · layer.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from meshserve.engine.llm import LLM
+from meshserve.engine.sampling_params import SamplingParams
+
+WIDTH, HEADS, KV_HEADS, FFN, VOCAB = 64, 4, 2, 128, 256
+DEPTHS = (1, 4)
+
+
+def tiny_checkpoint(path: Path, num_layers: int, seed: int = 0) -> Path:
+    """A random fp32 Llama of width 64 as config.json + model.safetensors in `path`."""
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    hd = WIDTH // HEADS
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.05
+
+    tensors = {"model.embed_tokens.weight": w(VOCAB, WIDTH), "lm_head.weight": w(VOCAB, WIDTH),
+               "model.norm.weight": torch.ones(WIDTH)}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        tensors |= {p + "self_attn.q_proj.weight": w(HEADS * hd, WIDTH),
+                    p + "self_attn.k_proj.weight": w(KV_HEADS * hd, WIDTH),
+                    p + "self_attn.v_proj.weight": w(KV_HEADS * hd, WIDTH),
+                    p + "self_attn.o_proj.weight": w(WIDTH, HEADS * hd),
+                    p + "mlp.gate_proj.weight": w(FFN, WIDTH), p + "mlp.up_proj.weight": w(FFN, WIDTH),
+                    p + "mlp.down_proj.weight": w(WIDTH, FFN),
+                    p + "input_layernorm.weight": torch.ones(WIDTH),
+                    p + "post_attention_layernorm.weight": torch.ones(WIDTH)}
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
+        "hidden_size": WIDTH, "intermediate_size": FFN, "num_hidden_layers": num_layers,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+        "tie_word_embeddings": False}))
+    return path
+
+
+def decode_step_s(model_dir: Path, device: str, tokens: int) -> float:
+    """Median time per output token of one sequence decoding `tokens` tokens."""
+    overrides = [f"model.path={model_dir}", f"device={device}", "threads=1",
+                 "engine.enable_prefix_caching=false", "engine.kv_cache_memory=16777216"]
+    with LLM(overrides=overrides, progress=False) as llm:
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        llm.generate([[1, 2, 3, 4]], params)  # warm-up
+        times = [llm.generate([[5, 6, 7, 8]], params)[0].metrics.tpot for _ in range(2)]
+    return statistics.median(t for t in times if t is not None)
+
+
+def runtime_overhead_us(device: str, tokens: int = 32) -> tuple[float, float]:
+    """(per-step µs, per-layer µs) of the engine's decode on this machine."""
+    with tempfile.TemporaryDirectory(prefix="meshserve-calibrate-") as tmp:
+        t = [decode_step_s(tiny_checkpoint(Path(tmp) / f"l{n}", n), device, tokens)
+             for n in DEPTHS]
+    per_layer = max(0.0, (t[1] - t[0]) / (DEPTHS[1] - DEPTHS[0]))
+    return max(0.0, t[0] - DEPTHS[0] * per_layer) * 1e6, per_layer * 1e6
