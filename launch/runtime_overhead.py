@@ -1,8 +1,8 @@
 """meshserve's own fixed costs, measured: decode steps of tiny random models through the
 engine, where the math is negligible, so a step's time is the runtime's overhead.
 
-Two depths (1 and 4 layers) separate the per-layer part from the per-step part:
-t(L) = step + L · layer.
+Two depths (1 and 4 layers) and two batch sizes (1 and 4 sequences) separate the parts of
+t(L, B) = step + L · (layer + B · seq): per step, per layer, per sequence per layer.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from meshserve.engine.sampling_params import SamplingParams
 
 WIDTH, HEADS, KV_HEADS, FFN, VOCAB = 64, 4, 2, 128, 256
 DEPTHS = (1, 4)
+BATCHES = (1, 4)
 
 
 def tiny_checkpoint(path: Path, num_layers: int, seed: int = 0) -> Path:
@@ -53,21 +54,32 @@ def tiny_checkpoint(path: Path, num_layers: int, seed: int = 0) -> Path:
     return path
 
 
-def decode_step_s(model_dir: Path, device: str, tokens: int) -> float:
-    """Median time per output token of one sequence decoding `tokens` tokens."""
+def decode_step_s(model_dir: Path, device: str, tokens: int, batch: int) -> float:
+    """Median time per output token of `batch` sequences decoding `tokens` tokens each."""
     overrides = [f"model.path={model_dir}", f"device={device}", "threads=1",
                  "engine.enable_prefix_caching=false", "engine.kv_cache_memory=16777216"]
     with LLM(overrides=overrides, progress=False) as llm:
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-        llm.generate([[1, 2, 3, 4]], params)  # warm-up
-        times = [llm.generate([[5, 6, 7, 8]], params)[0].metrics.tpot for _ in range(2)]
-    return statistics.median(t for t in times if t is not None)
+        prompts = [[1 + i, 2, 3, 4] for i in range(batch)]
+        llm.generate(prompts, params)  # warm-up
+        outs = [o for _ in range(2) for o in llm.generate(prompts, params)]
+    return statistics.median(o.metrics.tpot for o in outs if o.metrics.tpot is not None)
 
 
-def runtime_overhead_us(device: str, tokens: int = 32) -> tuple[float, float]:
-    """(per-step µs, per-layer µs) of the engine's decode on this machine."""
+def fit_overheads(t: dict[tuple[int, int], float]) -> tuple[float, float, float]:
+    """(step, layer, seq) seconds from t[(layers, batch)] at DEPTHS x BATCHES, clipped >= 0."""
+    (l0, l1), (b0, b1) = DEPTHS, BATCHES
+    per_layer = {b: (t[(l1, b)] - t[(l0, b)]) / (l1 - l0) for b in (b0, b1)}  # layer + b·seq
+    seq = max(0.0, (per_layer[b1] - per_layer[b0]) / (b1 - b0))
+    layer = max(0.0, per_layer[b0] - b0 * seq)
+    step = max(0.0, t[(l0, b0)] - l0 * (layer + b0 * seq))
+    return step, layer, seq
+
+
+def runtime_overhead_us(device: str, tokens: int = 32) -> tuple[float, float, float]:
+    """(per-step, per-layer, per-sequence-per-layer) µs of the engine's decode here."""
     with tempfile.TemporaryDirectory(prefix="meshserve-calibrate-") as tmp:
-        t = [decode_step_s(tiny_checkpoint(Path(tmp) / f"l{n}", n), device, tokens)
-             for n in DEPTHS]
-    per_layer = max(0.0, (t[1] - t[0]) / (DEPTHS[1] - DEPTHS[0]))
-    return max(0.0, t[0] - DEPTHS[0] * per_layer) * 1e6, per_layer * 1e6
+        dirs = {n: tiny_checkpoint(Path(tmp) / f"l{n}", n) for n in DEPTHS}
+        t = {(n, b): decode_step_s(dirs[n], device, tokens, b) for n in DEPTHS for b in BATCHES}
+    step, layer, seq = fit_overheads(t)
+    return step * 1e6, layer * 1e6, seq * 1e6

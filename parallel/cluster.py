@@ -52,6 +52,9 @@ class ClusterConfig:
     """Fixed time per decoder layer per forward besides the roofline (launches, Python), µs."""
     step_overhead_us: float = 0.0
     """Fixed time per forward outside the layers (input prep, sampling, Python), µs."""
+    seq_overhead_us: float = 0.0
+    """Time per sequence per decoder layer besides the roofline (per-sequence attention
+    bookkeeping), µs."""
 
     def __post_init__(self) -> None:
         require(self.device_type in DEVICE_TYPES, "cluster.device_type", self.device_type,
@@ -65,7 +68,7 @@ class ClusterConfig:
                   "peak_tflops_fp32", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs"):
             require(getattr(self, n) > 0, f"cluster.{n}", getattr(self, n), "a number > 0")
         for n in ("intra_node_latency_us", "inter_node_latency_us", "layer_overhead_us",
-                  "step_overhead_us"):
+                  "step_overhead_us", "seq_overhead_us"):
             require(getattr(self, n) >= 0, f"cluster.{n}", getattr(self, n), "a number >= 0")
         require(self.node_memory_bandwidth_gbs is None or self.node_memory_bandwidth_gbs > 0,
                 "cluster.node_memory_bandwidth_gbs", self.node_memory_bandwidth_gbs,

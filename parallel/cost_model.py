@@ -217,9 +217,11 @@ class CostModel:
         nbytes = s.layer_params(tp) * s.dtype_bytes + (
             work.num_kv_read + work.num_new_tokens) * s.kv_bytes_per_token(tp)
         act = work.num_new_tokens * s.hidden_size * s.dtype_bytes
+        c = self.cluster
         return StageTime.roofline(flops / flops_rate, nbytes / bytes_rate,
                                   comm_s=2 * self._allreduce_s(act),
-                                  overhead_s=self.cluster.layer_overhead_us * 1e-6)
+                                  overhead_s=(c.layer_overhead_us
+                                              + work.num_seqs * c.seq_overhead_us) * 1e-6)
 
     def embed_time(self, work: StepWork) -> StageTime:
         """Stage 0's embedding (gather one row per token, AllReduce the vocabulary shards)

@@ -75,7 +75,7 @@ def test_calibrate_verb_measures_this_machine(tmp_path: Path) -> None:
     assert c.memory_bandwidth_gbs > 0 and c.intra_node_bandwidth_gbs > 0
     assert "fit allreduce-2" in run.stdout and f"wrote {out}" in run.stdout
     assert "meshserve's engine at width 64" in run.stdout
-    assert c.step_overhead_us > 0 and c.layer_overhead_us > 0
+    assert c.step_overhead_us > 0 and c.layer_overhead_us > 0 and c.seq_overhead_us >= 0
 
 
 def test_without_collectives_the_links_stay_the_base_presets() -> None:
@@ -90,3 +90,11 @@ def test_without_collectives_the_links_stay_the_base_presets() -> None:
         790.0, 4100.0, None)
     assert (c.intra_node_bandwidth_gbs, c.intra_node_latency_us) == (450.0, 1.5)
     assert "No collectives measured" in preset_yaml(c, alone) and cal.collectives
+
+
+def test_runtime_overheads_fit_per_step_layer_and_sequence() -> None:
+    from meshserve.launch.runtime_overhead import BATCHES, DEPTHS, fit_overheads
+
+    step, layer, seq = 1e-3, 2e-4, 5e-5
+    t = {(n, b): step + n * (layer + b * seq) for n in DEPTHS for b in BATCHES}
+    assert fit_overheads(t) == (pytest.approx(step), pytest.approx(layer), pytest.approx(seq))
