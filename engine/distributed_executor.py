@@ -29,7 +29,13 @@ from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler_output import SchedulerOutput
 from meshserve.engine.stage_worker import StepMessage
 from meshserve.engine.worker import STARTUP_TIMEOUT_S, check_layout, max_in_flight, start_rank
-from meshserve.launch.ranks import RankEnv, RankFailure, SpawnedRanks, launcher_store
+from meshserve.launch.ranks import (
+    RankEnv,
+    RankFailure,
+    SpawnedRanks,
+    failure_reason,
+    launcher_store,
+)
 from meshserve.launch.run_config import MeshConfig
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.broadcast import ObjectBroadcaster
@@ -83,9 +89,11 @@ class DistributedExecutor:
             raise
         self.device = self.worker.device
         self.num_blocks = self.worker.num_blocks
-        self._broadcaster = ObjectBroadcaster(self.groups.cpu_group, src=self.groups.driver_rank)
-        self._results = (ObjectChannel(self.groups.result_group, self.max_in_flight)
-                         if self.groups.result_group is not None else None)
+        g = self.groups
+        self._broadcaster = ObjectBroadcaster(g.cpu_group, src=g.driver_rank,
+                                              send_timeout=g.op_timeout)
+        self._results = (ObjectChannel(g.result_group, self.max_in_flight, g.op_timeout)
+                         if g.result_group is not None else None)
         if progress:
             d = self.groups.dims
             print(f"meshserve: {d.world_size} ranks ready (tp={d.tp}, pp={d.pp}) in "
@@ -154,10 +162,10 @@ class DistributedExecutor:
         if self._failure is None:
             # A rank that just died explains the error best; its exit shows within moments.
             cause = self._spawned.wait_for_failure(1.0) if self._spawned is not None else None
-            detail = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            detail = failure_reason(error)
             if cause:
                 self._failure = f"{cause}; all ranks stopped"
-            elif "Timed out" in detail:
+            elif "timed out" in detail.lower():
                 self._failure = (f"a rank did not answer within parallel.timeout_s="
                                  f"{self._timeout_s:g} s ({detail}); all ranks stopped")
             else:

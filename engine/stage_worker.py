@@ -15,6 +15,7 @@ from meshserve.engine.model_runner import ModelRunner
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler_output import ScheduledSeq
 from meshserve.engine.step_inputs import build_step_inputs
+from meshserve.launch.ranks import RankFailure, failure_reason
 from meshserve.launch.run_config import MeshConfig
 from meshserve.models.loader import load_model
 from meshserve.parallel.mesh import ProcessGroups
@@ -50,7 +51,7 @@ class StageWorker:
             groups.pp_group,
             groups.stage_rank(groups.pp_rank - 1) if groups.pp_rank > 0 else None,
             groups.stage_rank(groups.pp_rank + 1) if groups.pp_rank < pp - 1 else None,
-            max_pending=max_in_flight + 1)
+            max_pending=max_in_flight + 1, timeout=groups.op_timeout)
         self.sampler = StepSampler(device, config.engine.seed) if groups.is_sampler else None
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
@@ -85,8 +86,12 @@ class StageWorker:
         inputs = build_step_inputs(msg.scheduled, runner.block_size, self.device)
         hidden = residual = None
         if not self.groups.is_first_stage:
-            hidden, residual = self.link.recv(msg.num_tokens, self.hidden_size, self.dtype,
-                                              self.device)
+            try:
+                hidden, residual = self.link.recv(msg.num_tokens, self.hidden_size, self.dtype,
+                                                  self.device)
+            except RuntimeError as e:
+                prev = self.groups.describe(self.link.prev_rank)
+                raise RankFailure(f"no activations from {prev}: {failure_reason(e)}") from e
         hidden, residual = self.model(inputs.input_ids, inputs.positions, inputs.meta,
                                       hidden, residual)
         if not self.groups.is_last_stage:

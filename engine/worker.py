@@ -23,7 +23,9 @@ from meshserve.engine.stage_worker import StageWorker
 from meshserve.launch.ranks import (
     SPAWNED_BY,
     RankEnv,
+    failure_reason,
     launcher_store,
+    report_failure,
     store_barrier,
     watch_parent,
 )
@@ -91,18 +93,18 @@ def start_rank(config: MeshConfig, model_dir: Path, env: RankEnv, store: dist.St
     dims = check_layout(config, arch, env.world_size)
     device = rank_device(config, env)
     dtype = resolve_dtype(config.model.dtype, arch, device)
-    timeout_s = config.parallel.timeout_s
-    startup_s = max(STARTUP_TIMEOUT_S, timeout_s)
-    # Ranks start seconds apart; meet in the store first, so that the process groups,
-    # which time out after timeout_s, only see ranks that are all there.
+    startup_s = max(STARTUP_TIMEOUT_S, config.parallel.timeout_s)
+    # Ranks start seconds apart and a busy machine stalls them more: groups connect under
+    # the startup timeout; once running, every wait on gloo is bounded by timeout_s.
     store_barrier(store, "started", env.world_size, startup_s, check)
     dist.init_process_group(_backend(config, device), store=dist.PrefixStore("pg", store),
                             rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=startup_s))
     node_ids: list[str | None] = [None] * env.world_size
     dist.all_gather_object(node_ids, env.node_id)
+    op_timeout = timedelta(seconds=config.parallel.timeout_s) if device.type == "cpu" else None
     groups = ProcessGroups.build(dims, rank=env.rank, node_ids=[str(n) for n in node_ids],
-                                 device_type=device.type, timeout=timedelta(seconds=timeout_s))
+                                 device_type=device.type, op_timeout=op_timeout)
     costs = decoder_costs(hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
                           num_attention_heads=arch.num_attention_heads,
                           num_key_value_heads=arch.num_key_value_heads,
@@ -123,7 +125,7 @@ def serve(groups: ProcessGroups, worker: StageWorker, num_in_flight: int) -> Non
     inbox = BroadcastInbox(ObjectBroadcaster(groups.cpu_group, src=groups.driver_rank))
     results = None
     if groups.is_sampler and groups.result_group is not None:
-        results = ObjectChannel(groups.result_group, max_pending=num_in_flight)
+        results = ObjectChannel(groups.result_group, num_in_flight, groups.op_timeout)
     while (msg := inbox.get()) is not None:
         result = worker.run(msg)  # type: ignore[arg-type]
         if results is not None:
@@ -136,8 +138,10 @@ def serve(groups: ProcessGroups, worker: StageWorker, num_in_flight: int) -> Non
 
 def _exit_now(message: str, code: int) -> None:
     """Print and leave at once: after a failure, tearing down gloo could wait on dead peers."""
-    print(message, file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one message per rank, even when stopped now
+    os.write(2, (message + "\n").encode())
     os._exit(code)
+
 
 
 def run_worker_rank(config: MeshConfig, model_dir: Path, env: RankEnv) -> int:
@@ -151,16 +155,18 @@ def run_worker_rank(config: MeshConfig, model_dir: Path, env: RankEnv) -> int:
     if SPAWNED_BY in os.environ:
         watch_parent(int(os.environ[SPAWNED_BY]),
                      lambda: _exit_now(f"{label}: stopping: the driver (rank 0) is gone", 1))
-    groups = None
+    store = None
     try:
         store = launcher_store(env, timedelta(seconds=STARTUP_TIMEOUT_S))
         groups, worker = start_rank(config, model_dir, env, store)
         label = f"meshserve {groups.describe()}"
         serve(groups, worker, max_in_flight(config))
-    except ValueError as e:
-        _exit_now(f"{label}: {e}", 2)
     except Exception as e:  # noqa: BLE001 - every failure ends the rank
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = failure_reason(e)
+        if store is not None:
+            report_failure(store, env.rank, reason)
+        if isinstance(e, ValueError):  # a configuration the run cannot have
+            _exit_now(f"{label}: {reason}", 2)
         _exit_now(f"{label}: stopping after a failure: {reason}", 1)
     groups.destroy()
     return 0

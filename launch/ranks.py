@@ -30,6 +30,38 @@ class RankFailure(RuntimeError):
     """Another rank died, hung or failed: the run cannot go on."""
 
 
+def failure_reason(error: BaseException) -> str:
+    """The first sentence worth printing of an error (gloo's come with advice attached)."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__
+    return text.splitlines()[0].split(" This is typically caused by")[0]
+
+
+def report_failure(store: dist.Store, rank: int, reason: str, timeout_s: float = 2.0) -> None:
+    """Leave `reason` in the store for the driver's error message (best effort: a store that
+    is gone or stuck is given up on after `timeout_s`)."""
+
+    def put() -> None:
+        try:
+            store.set(f"failure/{rank}", reason)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+    t = threading.Thread(target=put, daemon=True)
+    t.start()
+    t.join(timeout_s)
+
+
+def reported_failure(store: dist.Store, rank: int) -> str | None:
+    """What rank `rank` said when it failed, if it said anything."""
+    key = f"failure/{rank}"
+    try:
+        return store.get(key).decode() if store.check([key]) else None
+    except Exception:  # noqa: BLE001 - the message is a courtesy
+        return None
+
+
 def node_identity() -> str:
     """The node this rank runs on, as the launcher reports it."""
     for var in ("MESHSERVE_NODE_ID", "GROUP_RANK", "SLURM_NODEID", "OMPI_COMM_WORLD_NODE_RANK"):
@@ -121,6 +153,7 @@ class SpawnedRanks:
         self.store: dist.Store | None = dist.PrefixStore("meshserve/0", self._store)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.failure: str | None = None
+        self.failed_rank: int | None = None
         self._stopping = False
         base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port),
                     WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
@@ -156,7 +189,11 @@ class SpawnedRanks:
             for rank, proc in self.procs.items():
                 code = proc.poll()
                 if code is not None:
+                    self.failed_rank = rank
                     self.failure = f"rank {rank} {_describe_exit(code)}"
+                    if self.store is not None and code > 0:
+                        said = reported_failure(self.store, rank)
+                        self.failure += f" ({said})" if said else ""
                     break
         return self.failure
 

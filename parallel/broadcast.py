@@ -11,6 +11,7 @@ import pickle
 import queue
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -19,11 +20,14 @@ _HEADER = 8  # little-endian int64 payload length
 
 
 class ObjectBroadcaster:
-    """Send (on `src`) or receive (elsewhere) pickled objects over `group`."""
+    """Send (on `src`, waiting at most `send_timeout` for every receiver) or receive
+    (elsewhere, waiting as long as it takes) pickled objects over `group`."""
 
-    def __init__(self, group: dist.ProcessGroup, src: int, capacity: int = 1 << 14) -> None:
+    def __init__(self, group: dist.ProcessGroup, src: int, capacity: int = 1 << 14,
+                 send_timeout: timedelta | None = None) -> None:
         assert capacity > _HEADER, capacity
         self.group, self.src, self.capacity = group, src, capacity
+        self.send_timeout = send_timeout
         self._buf = torch.zeros(capacity, dtype=torch.uint8)
         self.num_messages = 0
         self.num_bytes = 0
@@ -36,11 +40,19 @@ class ObjectBroadcaster:
                                    dtype=torch.uint8)
         first = min(len(payload), self.capacity)
         self._buf[:first].copy_(payload[:first])
-        dist.broadcast(self._buf, src=self.src, group=self.group)
+        self._send(self._buf)
         if first < len(payload):
-            dist.broadcast(payload[first:].clone(), src=self.src, group=self.group)
+            self._send(payload[first:].clone())
         self.num_messages += 1
         self.num_bytes += n
+
+    def _send(self, buf: torch.Tensor) -> None:
+        work = dist.broadcast(buf, src=self.src, group=self.group, async_op=True)
+        assert work is not None
+        if self.send_timeout is None:
+            work.wait()
+        else:
+            work.wait(self.send_timeout)
 
     def recv(self) -> object:
         """Receive the next object broadcast by the source."""

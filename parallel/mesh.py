@@ -105,10 +105,10 @@ def place_ranks(node_ids: Sequence[str], dims: ParallelDims) -> list[int]:
 class ProcessGroups:
     """This rank's place in the mesh and every group it talks on.
 
-    `cpu_group` carries the driver's step metadata to the ranks of its replica. Workers
-    build it with IDLE_TIMEOUT, the driver with the run's timeout: a worker may wait for
-    the next step indefinitely (the driver notices a dead or stuck rank and stops them all),
-    while the driver never waits on a rank longer than the timeout.
+    Groups are created with the process group's (startup) timeout; on gloo, steady-state
+    waits are bounded by `op_timeout` instead, passed to each wait. The exception: workers
+    wait for the driver's next step on `cpu_group` without a bound (IDLE_TIMEOUT), since an
+    idle driver is no failure; the driver notices a dead or stuck rank and stops them all.
     """
 
     dims: ParallelDims
@@ -128,6 +128,8 @@ class ProcessGroups:
     """Global rank of this replica's driver (stage 0, TP rank 0)."""
     sampler_rank: int
     """Global rank that samples (last stage, TP rank 0)."""
+    op_timeout: timedelta | None
+    """Longest wait on another rank once running (gloo); None: the group's own (NCCL)."""
 
     @property
     def is_driver(self) -> bool:
@@ -160,7 +162,7 @@ class ProcessGroups:
 
     @classmethod
     def build(cls, dims: ParallelDims, *, rank: int, node_ids: Sequence[str],
-              device_type: str, timeout: timedelta) -> ProcessGroups:
+              device_type: str, op_timeout: timedelta | None) -> ProcessGroups:
         """Create every group; all ranks call this together, after init_process_group."""
         order = place_ranks(node_ids, dims)
         mesh = DeviceMesh(device_type, torch.tensor(order).view(dims.mesh_shape),
@@ -169,27 +171,27 @@ class ProcessGroups:
         assert coords is not None, rank
         dp_rank, pp_rank, tp_rank = coords
         grid = mesh.mesh  # [dp, pp, tp] global ranks
-        tp = (TensorParallelGroup(tp_rank, dims.tp, mesh.get_group("tp"))
+        tp = (TensorParallelGroup(tp_rank, dims.tp, mesh.get_group("tp"), timeout=op_timeout)
               if dims.tp > 1 else TensorParallelGroup())
         pp_group = mesh.get_group("pp") if dims.pp > 1 else None
         cpu_group = None
         for d in range(dims.dp):  # every rank creates every group, in the same order
+            driver = rank == int(grid[d, 0, 0])
             g = dist.new_group(grid[d].flatten().tolist(), backend="gloo",
-                               timeout=timeout if rank == int(grid[d, 0, 0]) else IDLE_TIMEOUT)
+                               timeout=None if driver else IDLE_TIMEOUT)
             if d == dp_rank:
                 cpu_group = g
         result_group = None
         if dims.pp > 1:
             for d in range(dims.dp):
-                g = dist.new_group([int(grid[d, 0, 0]), int(grid[d, -1, 0])], backend="gloo",
-                                   timeout=timeout)
+                g = dist.new_group([int(grid[d, 0, 0]), int(grid[d, -1, 0])], backend="gloo")
                 if d == dp_rank:
                     result_group = g
         assert cpu_group is not None
         return cls(dims=dims, rank=rank, mesh=mesh, dp_rank=dp_rank, pp_rank=pp_rank,
                    tp_rank=tp_rank, tp=tp, pp_group=pp_group, cpu_group=cpu_group,
                    result_group=result_group, driver_rank=int(grid[dp_rank, 0, 0]),
-                   sampler_rank=int(grid[dp_rank, -1, 0]))
+                   sampler_rank=int(grid[dp_rank, -1, 0]), op_timeout=op_timeout)
 
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of stage `pp_rank` at this rank's dp and tp coordinates."""

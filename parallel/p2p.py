@@ -2,37 +2,53 @@
 
 Sends never block the sender (isend, buffers kept until done), so a stage hands its
 micro-batch on and starts the next one; at most `max_pending` sends stay outstanding.
-Receives block, bounded by the process group's timeout.
+Every wait is bounded by `timeout` (None: by the process group's own).
 """
 
 from __future__ import annotations
 
 import pickle
 from collections import deque
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 
+def wait(work: dist.Work | None, timeout: timedelta | None) -> None:
+    """Wait for `work`, at most `timeout` when given."""
+    assert work is not None
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
+def recv(buf: torch.Tensor, src: int, group: dist.ProcessGroup | None,
+         timeout: timedelta | None) -> torch.Tensor:
+    """Receive into `buf` from global rank `src`, waiting at most `timeout`."""
+    wait(dist.irecv(buf, src=src, group=group), timeout)
+    return buf
+
+
 class PendingSends:
     """isend works, each with the buffers it reads, kept alive until complete."""
 
-    def __init__(self, max_pending: int) -> None:
+    def __init__(self, max_pending: int, timeout: timedelta | None) -> None:
         assert max_pending >= 1, max_pending
-        self.max_pending = max_pending
-        self._works: deque[tuple[dist.Work, tuple[torch.Tensor, ...]]] = deque()
+        self.max_pending, self.timeout = max_pending, timeout
+        self._works: deque[tuple[dist.Work | None, tuple[torch.Tensor, ...]]] = deque()
 
     def add(self, work: dist.Work | None, *buffers: torch.Tensor) -> None:
         """Track a send; waits for the oldest ones beyond `max_pending`."""
-        assert work is not None
         self._works.append((work, buffers))
         while len(self._works) > self.max_pending:
-            self._works.popleft()[0].wait()
+            wait(self._works.popleft()[0], self.timeout)
 
     def drain(self) -> None:
         """Wait for every outstanding send."""
         while self._works:
-            self._works.popleft()[0].wait()
+            wait(self._works.popleft()[0], self.timeout)
 
 
 class StageLink:
@@ -43,10 +59,11 @@ class StageLink:
     """
 
     def __init__(self, group: dist.ProcessGroup | None, prev_rank: int | None,
-                 next_rank: int | None, max_pending: int) -> None:
+                 next_rank: int | None, max_pending: int, timeout: timedelta | None) -> None:
         assert group is not None or (prev_rank is None and next_rank is None)
         self.group, self.prev_rank, self.next_rank = group, prev_rank, next_rank
-        self._pending = PendingSends(max_pending)
+        self.timeout = timeout
+        self._pending = PendingSends(max_pending, timeout)
         self.num_bytes_sent = 0
 
     def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
@@ -61,7 +78,7 @@ class StageLink:
         """The previous stage's (hidden, residual) for a micro-batch of `num_tokens`."""
         assert self.prev_rank is not None
         buf = torch.empty(2, num_tokens, hidden_size, dtype=dtype, device=device)
-        dist.recv(buf, src=self.prev_rank, group=self.group)
+        recv(buf, self.prev_rank, self.group, self.timeout)
         return buf[0], buf[1]
 
     def drain(self) -> None:
@@ -72,9 +89,10 @@ class StageLink:
 class ObjectChannel:
     """Pickled objects between two ranks of a CPU (gloo) group: a length, then the bytes."""
 
-    def __init__(self, group: dist.ProcessGroup, max_pending: int) -> None:
-        self.group = group
-        self._pending = PendingSends(2 * max_pending)  # two sends per object
+    def __init__(self, group: dist.ProcessGroup, max_pending: int,
+                 timeout: timedelta | None) -> None:
+        self.group, self.timeout = group, timeout
+        self._pending = PendingSends(2 * max_pending, timeout)  # two sends per object
 
     def send(self, obj: object, dst: int) -> None:
         """Send `obj` to global rank `dst` without waiting for it to be received."""
@@ -86,10 +104,9 @@ class ObjectChannel:
 
     def recv(self, src: int) -> object:
         """The next object from global rank `src`."""
-        header = torch.empty(1, dtype=torch.int64)
-        dist.recv(header, src=src, group=self.group)
-        payload = torch.empty(int(header.item()), dtype=torch.uint8)
-        dist.recv(payload, src=src, group=self.group)
+        header = recv(torch.empty(1, dtype=torch.int64), src, self.group, self.timeout)
+        payload = recv(torch.empty(int(header.item()), dtype=torch.uint8), src, self.group,
+                       self.timeout)
         return pickle.loads(payload.numpy().tobytes())
 
     def drain(self) -> None:

@@ -7,6 +7,7 @@ CPU AllReduce, say) can replace torch.distributed here without touching the laye
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,8 @@ class TensorParallelGroup:
     group: dist.ProcessGroup | None = None
     counters: CommCounters = field(default_factory=CommCounters, compare=False, repr=False)
     """Collectives issued at size > 1 (size 1 communicates nothing and counts nothing)."""
+    timeout: timedelta | None = field(default=None, compare=False)
+    """Longest wait for the other ranks (gloo); None leaves it to the process group (NCCL)."""
 
     def __post_init__(self) -> None:
         assert self.size >= 1 and 0 <= self.rank < self.size, (self.rank, self.size)
@@ -49,7 +52,10 @@ class TensorParallelGroup:
         if self.size > 1:
             self.counters.num_all_reduce += 1
             self.counters.all_reduce_bytes += x.numel() * x.element_size()
-            dist.all_reduce(x, group=self.group)
+            if self.timeout is None:
+                dist.all_reduce(x, group=self.group)
+            else:
+                self._wait(dist.all_reduce(x, group=self.group, async_op=True))
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -68,8 +74,15 @@ class TensorParallelGroup:
         self.counters.gather_bytes += x.numel() * x.element_size()
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == dst else None
-        dist.gather(x, parts, group=self.group, group_dst=dst)
+        self._wait(dist.gather(x, parts, group=self.group, group_dst=dst, async_op=True))
         return torch.cat(parts, dim=dim) if parts is not None else None
+
+    def _wait(self, work: dist.Work | None) -> None:
+        assert work is not None
+        if self.timeout is None:
+            work.wait()
+        else:
+            work.wait(self.timeout)
 
     def divide(self, n: int, what: str) -> int:
         """n / size, with a clear error when it doesn't divide."""

@@ -67,7 +67,7 @@ def test_groups_on_a_single_gloo_rank() -> None:
                             timeout=timedelta(seconds=30))
     try:
         groups = ProcessGroups.build(ParallelDims(), rank=0, node_ids=["a"], device_type="cpu",
-                                     timeout=timedelta(seconds=30))
+                                     op_timeout=timedelta(seconds=30))
         assert (groups.dp_rank, groups.pp_rank, groups.tp_rank) == (0, 0, 0)
         assert groups.mesh.mesh_dim_names == ("dp", "pp", "tp")
         assert groups.is_driver and groups.is_sampler
