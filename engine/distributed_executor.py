@@ -23,6 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from meshserve.engine.executor import StepResult
 from meshserve.engine.sampling_params import SamplingParams
@@ -57,6 +58,10 @@ class DistributedExecutor:
             raise ValueError(f"RANK={env.rank}: only rank 0 drives a run; the other ranks "
                              "serve it (meshserve.engine.worker.run_worker_rank)")
         check_layout(config, arch, env.world_size if env else world_size)
+        if dist.is_initialized():
+            raise ValueError("torch.distributed is already initialized in this process: "
+                             "meshserve builds its own process groups; allowed is one "
+                             "multi-rank LLM per process, created before any other")
         self.max_in_flight = max_in_flight(config)
         self._failure: str | None = None
         self._timeout_s = config.parallel.timeout_s
@@ -84,8 +89,12 @@ class DistributedExecutor:
             self.groups, self.worker = start_rank(
                 config, model_dir, env, store, progress=progress,
                 check=self._spawned.check if self._spawned else lambda: None)
-        except BaseException:
+        except BaseException as e:
+            cause = self._spawned.wait_for_failure(1.0) if self._spawned is not None else None
             self._stop_after_failure()
+            if isinstance(e, RuntimeError) and not isinstance(e, RankFailure):
+                raise RankFailure(f"{cause or failure_reason(e)} while the ranks were starting; "
+                                  "all ranks stopped") from e
             raise
         self.device = self.worker.device
         self.num_blocks = self.worker.num_blocks
@@ -178,14 +187,8 @@ class DistributedExecutor:
             self._spawned.expect_exit()
             self._spawned.stop(grace_s=0.0)
         torch.set_num_threads(self._threads)
-        groups = getattr(self, "groups", None)
-        if groups is not None:
-            groups.destroy()
-        else:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        if dist.is_initialized():  # ours: the constructor refuses to share a process
+            dist.destroy_process_group()
 
     def shutdown(self) -> None:
         """Stop every rank, free the process groups and the rendezvous port."""
@@ -194,7 +197,7 @@ class DistributedExecutor:
         self._failure = "the executor was shut down"
         try:
             while self._num_in_flight:  # the sampling rank's sends must be received
-                self.collect_quietly()
+                self._drop_oldest()
             if self._spawned is not None:
                 self._spawned.expect_exit()
             self._broadcaster.send(None)
@@ -207,7 +210,7 @@ class DistributedExecutor:
         torch.set_num_threads(self._threads)
         self._finalizer.detach()
 
-    def collect_quietly(self) -> None:
+    def _drop_oldest(self) -> None:
         """Receive and drop the oldest in-flight result (shutdown)."""
         self._num_in_flight -= 1
         if self._local:

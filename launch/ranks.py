@@ -153,7 +153,6 @@ class SpawnedRanks:
         self.store: dist.Store | None = dist.PrefixStore("meshserve/0", self._store)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.failure: str | None = None
-        self.failed_rank: int | None = None
         self._stopping = False
         base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port),
                     WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
@@ -189,7 +188,6 @@ class SpawnedRanks:
             for rank, proc in self.procs.items():
                 code = proc.poll()
                 if code is not None:
-                    self.failed_rank = rank
                     self.failure = f"rank {rank} {_describe_exit(code)}"
                     if self.store is not None and code > 0:
                         said = reported_failure(self.store, rank)

@@ -1,0 +1,95 @@
+"""The communication pieces of parallel/ between two real gloo ranks (one spawn, many checks):
+placement across two nodes, metadata broadcast (small and multi-buffer messages), object
+and activation send/recv with several in flight, TP collectives, their counters and the
+bound on a wait for a silent rank."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+RANK_PROGRAM = r'''
+import sys, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+from meshserve.parallel.broadcast import BroadcastInbox, ObjectBroadcaster
+from meshserve.parallel.mesh import ParallelDims, ProcessGroups
+from meshserve.parallel.p2p import ObjectChannel, StageLink
+
+rank, store_path = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
+                        timeout=timedelta(seconds=60))
+T = timedelta(seconds=1)
+
+# pp = 2 over two "nodes": stage 0 on node a, stage 1 on node b.
+pp = ProcessGroups.build(ParallelDims(pp=2, world_size=2), rank=rank, node_ids=["a", "b"],
+                         device_type="cpu", op_timeout=T)
+assert (pp.pp_rank, pp.tp_rank) == (rank, 0) and pp.driver_rank == 0 and pp.sampler_rank == 1
+assert pp.is_first_stage == (rank == 0) and pp.is_last_stage == (rank == 1)
+assert pp.describe(1) == "rank 1 (pp stage 1 of 2, tp rank 0 of 1)"
+
+messages = [{"step": 0}, list(range(30_000)), None]  # the second needs several buffers
+bcast = ObjectBroadcaster(pp.cpu_group, src=0, capacity=64, send_timeout=T)
+link = StageLink(pp.pp_group, None if rank == 0 else 0, 1 if rank == 0 else None,
+                 max_pending=3, timeout=T)
+results = ObjectChannel(pp.result_group, max_pending=2, timeout=T)
+acts = [torch.arange(2 * n * 4, dtype=torch.float32).view(2, n, 4) for n in (3, 5)]
+if rank == 0:
+    for m in messages:
+        bcast.send(m)
+    for a in acts:  # both sent before stage 1 receives either
+        link.send(a[0], a[1])
+    assert [results.recv(src=1) for _ in range(3)] == ["r0", {"r": 1}, [2] * 5000]
+    link.drain()
+else:
+    inbox = BroadcastInbox(bcast)
+    assert [inbox.get() for _ in messages] == messages
+    inbox.join(5)
+    for a in acts:
+        h, r = link.recv(a.shape[1], 4, torch.float32, torch.device("cpu"))
+        assert torch.equal(h, a[0]) and torch.equal(r, a[1])
+    for obj in ("r0", {"r": 1}, [2] * 5000):
+        results.send(obj, dst=0)
+    results.drain()
+
+# tp = 2: collectives, their counters, and the wait bound when the peer stays silent.
+tp = ProcessGroups.build(ParallelDims(tp=2, world_size=2), rank=rank, node_ids=["a", "a"],
+                         device_type="cpu", op_timeout=T).tp
+x = torch.full((3, 4), float(rank + 1))
+assert torch.equal(tp.all_reduce(x), torch.full((3, 4), 3.0))
+g = tp.gather(torch.full((2, 3), float(rank)), dim=-1)
+assert (g is None) == (rank == 1)
+if g is not None:
+    assert torch.equal(g, torch.cat([torch.zeros(2, 3), torch.ones(2, 3)], -1))
+c = tp.counters
+assert (c.num_all_reduce, c.all_reduce_bytes, c.num_gather, c.gather_bytes) == (1, 48, 1, 24)
+dist.barrier()
+if rank == 0:
+    t0 = time.monotonic()
+    try:
+        tp.all_reduce(torch.ones(1))  # rank 1 never joins
+        raise AssertionError("no timeout")
+    except RuntimeError as e:
+        assert "timed out" in str(e).lower(), e
+    assert time.monotonic() - t0 < 5
+else:
+    time.sleep(3)
+dist.destroy_process_group()
+print("ok", rank)
+'''
+
+
+def test_two_gloo_ranks(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_PROGRAM, str(r), str(store)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and out.strip() == f"ok {r}", err[-3000:]
