@@ -117,3 +117,31 @@ def test_a_failed_rank_stops_every_rank(text3: Path, fault: signal.Signals,
     assert elapsed < timeout_s + 10
     for pid in ranks.values():  # reaped, not orphaned
         assert not Path(f"/proc/{pid}").exists()
+
+
+def test_ranks_exit_when_their_driver_is_killed(text3: Path) -> None:
+    proc = subprocess.Popen(
+        GENERATE + [f"model.path='{text3}'", "parallel.pp=2", "generate.max_tokens=200",
+                    "generate.ignore_eos=true"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "ranks ready" in line:
+            break
+    ranks = children(proc.pid)
+    assert sorted(ranks) == [1], ranks
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(p) for p in ranks.values()):
+        time.sleep(0.2)
+    assert not any(alive(p) for p in ranks.values())
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting to be reaped by init)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
