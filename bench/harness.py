@@ -75,7 +75,7 @@ class MeshserveRunner:
         assert not engine.has_unfinished(), "a previous run left requests behind"
         # Each run starts cold: a cache warm from the previous run would turn every
         # prompt into a hit and measure nothing.
-        engine.scheduler.block_manager.reset_prefix_cache()
+        engine.reset_prefix_cache()
         before = engine.stats.prefix_cache
         state = _RunState(reqs, time.monotonic())
         while len(state.done) < len(reqs):
