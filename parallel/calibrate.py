@@ -34,6 +34,13 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return max(0.0, my - slope * mx), slope
 
 
+def _bound_slope(sizes: Sequence[float], times: Sequence[float]) -> float:
+    """Seconds per byte when the fit finds none (noise, or messages too small to show
+    bandwidth): the largest message's time bounds it, so the preset stays finite."""
+    i = max(range(len(sizes)), key=lambda j: sizes[j])
+    return max(times[i], 1e-9) / max(sizes[i], 1.0)
+
+
 def allreduce_link(world: int, intercept_s: float, slope_s_per_byte: float) -> tuple[float, float]:
     """(latency per ring step s, bandwidth bytes/s) from an AllReduce fit over `world` ranks."""
     assert world >= 2
@@ -241,11 +248,12 @@ class Calibration:
         """'allreduce-<n>' / 'p2p': (latency µs, bandwidth GB/s) fitted from the times."""
         fits: dict[str, tuple[float, float]] = {}
         for c in self.collectives:
-            lat, bw = allreduce_link(c.world, *fit_line(c.sizes, c.allreduce_s))
+            a, b = fit_line(c.sizes, c.allreduce_s)
+            lat, bw = allreduce_link(c.world, a, b or _bound_slope(c.sizes, c.allreduce_s))
             fits[f"allreduce-{c.world}"] = (lat * 1e6, bw / 1e9)
             if c.p2p_s:
                 a, b = fit_line(c.sizes, c.p2p_s)
-                fits["p2p"] = (a * 1e6, (1 / b if b else float("inf")) / 1e9)
+                fits["p2p"] = (a * 1e6, 1 / (b or _bound_slope(c.sizes, c.p2p_s)) / 1e9)
         return fits
 
     def to_cluster(self, base: ClusterConfig, name: str) -> ClusterConfig:
