@@ -181,13 +181,7 @@ class Engine:
         if not out.scheduled:
             return []
         t1 = time.perf_counter()
-        now = time.monotonic()
-        for s in out.scheduled:
-            m = self._requests[s.seq_id].metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = now
-        new = {s.seq_id: self._new_params.pop(s.seq_id) for s in out.scheduled
-               if s.seq_id in self._new_params}
+        new = self._admit_to_executor(out)
         t2 = time.perf_counter()
         result = self.executor.execute(out, new, self._finished)
         t3 = time.perf_counter()
@@ -198,6 +192,17 @@ class Engine:
         return [self._advance(self._requests[i], t, result.logprobs.get(i), now)
                 for i, t in result.tokens.items()]
 
+    def _admit_to_executor(self, out: SchedulerOutput) -> dict[int, SamplingParams]:
+        """Stamp first-scheduled times; the sampling params of sequences the executor
+        sees for the first time."""
+        now = time.monotonic()
+        for s in out.scheduled:
+            m = self._requests[s.seq_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        return {s.seq_id: self._new_params.pop(s.seq_id) for s in out.scheduled
+                if s.seq_id in self._new_params}
+
     def _step_pipelined(self) -> list[RequestOutput]:
         """Fill the pipeline with micro-batches (disjoint sequences, balanced by tokens),
         then finish the oldest; outputs of the requests it advanced."""
@@ -207,13 +212,7 @@ class Engine:
             out = self.scheduler.schedule(self._micro_batch_budget())
             if not out.scheduled:
                 break
-            now = time.monotonic()
-            for s in out.scheduled:
-                m = self._requests[s.seq_id].metrics
-                if m.first_scheduled_time is None:
-                    m.first_scheduled_time = now
-            new = {s.seq_id: self._new_params.pop(s.seq_id) for s in out.scheduled
-                   if s.seq_id in self._new_params}
+            new = self._admit_to_executor(out)
             t1 = time.perf_counter()
             executor.submit(out, new, self._finished)
             self._finished = []
