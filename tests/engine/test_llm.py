@@ -6,29 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from meshserve import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(11)
-    return [torch.randint(0, 320, (int(n),), generator=gen).tolist()
-            for n in (1, 3, 8, 15, 16, 17, 31, 40, 57, 64)]
-
-
-@pytest.fixture(scope="module")
-def expected(make_checkpoint, hf_reference, prompts) -> list[list[int]]:
-    hf = hf_reference(make_checkpoint("llama"))
-    out = []
-    for p in prompts:
-        ids = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12,
-                          do_sample=False)
-        out.append(ids[0, len(p):].tolist())
-    return out
 
 
 MODES = {
