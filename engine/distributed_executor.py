@@ -160,6 +160,10 @@ class DistributedExecutor:
         self.submit(out, new_params, finished)
         return self.collect()
 
+    def check_health(self) -> None:
+        """Raise RankFailure if a rank has died (an idle driver sees it without a step)."""
+        self._check()
+
     def _check(self) -> None:
         if self._failure is None and self._spawned is not None and self._spawned.failure:
             self._fail(RankFailure(self._spawned.failure))

@@ -52,6 +52,10 @@ class Executor(Protocol):
         """Release ranks, process groups and ports."""
         ...
 
+    def check_health(self) -> None:
+        """Raise RankFailure if a rank is gone (cheap: an idle driver polls it)."""
+        ...
+
 
 class PipelinedExecutor(Executor, Protocol):
     """An executor that takes up to `max_in_flight` steps before the oldest one returns."""
@@ -146,6 +150,9 @@ class LocalExecutor:
         self.runner.copy_blocks(out.block_copies)
         logits, seq_ids = self.runner.execute(out.scheduled)
         return self.sampler.sample(logits, seq_ids)
+
+    def check_health(self) -> None:
+        """One process: nothing can be lost."""
 
     def shutdown(self) -> None:
         """Nothing to release in one process."""
