@@ -12,6 +12,7 @@ from meshserve.models.config import ModelConfig
 from meshserve.parallel.cluster import ClusterConfig
 from meshserve.parallel.config import ParallelConfig
 from meshserve.parallel.scenario import ScenarioConfig
+from meshserve.serve.config import ServeConfig
 from meshserve.validation import require
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -51,6 +52,15 @@ class BenchConfig:
     """Keep only the first N requests of the workload; null keeps all."""
     rate: float | None = None
     """Requests/s of Poisson arrivals (needed by 'online'); null: all arrive at t=0."""
+    url: str | None = None
+    """Base URL of a running `meshserve serve` (e.g. http://127.0.0.1:8000): replay the
+    workload against it over HTTP (online mode) instead of running engines in-process."""
+    rates: list[float] = field(default_factory=list)
+    """Online mode: a sweep of Poisson rates (requests/s), one run each; empty uses bench.rate."""
+    api_key: str | None = None
+    """Online mode: bearer token for the server; null reads $MESHSERVE_API_KEY."""
+    request_timeout_s: float = 600.0
+    """Online mode: a request slower than this counts as failed."""
     seed: int = 0
     """Seed of the generated workloads' token ids and arrivals."""
     model: str | None = None
@@ -89,8 +99,14 @@ class BenchConfig:
                 self.num_requests, "null or an int >= 1")
         require(self.rate is None or self.rate > 0, "bench.rate", self.rate,
                 "null or requests/s > 0")
-        require(self.workload != "online" or self.rate is not None, "bench.rate", self.rate,
-                "a rate in requests/s when bench.workload=online")
+        require(self.workload != "online" or self.rate is not None or bool(self.rates),
+                "bench.rate", self.rate, "a rate in requests/s when bench.workload=online")
+        require(all(r > 0 for r in self.rates), "bench.rates", self.rates,
+                "a list of requests/s > 0")
+        require(not self.rates or self.url is not None, "bench.rates", self.rates,
+                "empty unless bench.url names a server (the sweep is online mode)")
+        require(self.request_timeout_s > 0, "bench.request_timeout_s", self.request_timeout_s,
+                "seconds > 0")
         require(self.model is None or self.model in SPECS, "bench.model", self.model,
                 f"null or one of {sorted(SPECS)} (use model.path for a directory)")
         bad = [p for p in self.peers if not is_peer(p)]
@@ -132,6 +148,8 @@ class MeshConfig:
     """Options of `meshserve diagnose`."""
     calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
     """Options of `meshserve calibrate`."""
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """Options of `meshserve serve`."""
     device: str = "auto"
     """auto (CUDA when present), cpu or cuda."""
     threads: int | None = None

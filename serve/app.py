@@ -1,0 +1,146 @@
+"""The FastAPI app: OpenAI routes, /health, /metrics, auth, body checks, the OpenAPI schema."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from meshserve.serve.async_engine import AsyncEngine
+from meshserve.serve.config import ServeConfig
+from meshserve.serve.errors import APIError, error_body, install
+from meshserve.serve.metrics import ServerMetrics
+from meshserve.serve.openai_serving import OpenAIServing
+from meshserve.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+MAX_BODY_BYTES = 8 << 20
+log = logging.getLogger("meshserve.serve")
+
+
+class _CheckedBodyRoute(APIRoute):
+    """Rejects oversized and non-UTF-8 bodies, naming `body`, before JSON parsing."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            if request.method == "POST":
+                body = await request.body()  # cached: the handler reads it again
+                if len(body) > MAX_BODY_BYTES:
+                    raise APIError(413, f"body: {len(body)} bytes; allowed is at most "
+                                        f"{MAX_BODY_BYTES}", "body")
+                try:
+                    body.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise APIError(400, f"body: not UTF-8 (invalid byte at offset {e.start}); "
+                                        "allowed is UTF-8 JSON", "body") from None
+            return await handler(request)
+
+        return checked
+
+
+def _auth(api_key: str | None) -> list[Any]:
+    """The dependency requiring `Authorization: Bearer <api_key>` (none when no key)."""
+    if api_key is None:
+        return []
+    bearer = HTTPBearer(auto_error=False)
+
+    async def check(
+            creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+        if creds is None:
+            raise APIError(401, "authorization: missing; allowed is 'Bearer <api key>'",
+                           "authorization")
+        if not hmac.compare_digest(creds.credentials.encode(), api_key.encode()):
+            raise APIError(401, "authorization: wrong API key", "authorization")
+
+    return [Depends(check)]
+
+
+def create_app(engine: AsyncEngine, metrics: ServerMetrics, cfg: ServeConfig, model_name: str,
+               api_key: str | None = None) -> FastAPI:
+    """The server's app. Its lifespan starts the engine thread and the metric log line,
+    and shuts the engine (and its ranks) down at the end."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start(asyncio.get_running_loop())
+        ticker = asyncio.ensure_future(_log_metrics(metrics, cfg.log_interval_s))
+        try:
+            yield
+        finally:
+            ticker.cancel()
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="meshserve", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible completions and chat over meshserve's engine.")
+    install(app, lambda status: metrics.errors.labels(str(status)).inc())
+    serving = OpenAIServing(engine, model_name, cfg, metrics)
+    v1 = APIRouter(prefix="/v1", route_class=_CheckedBodyRoute, dependencies=_auth(api_key))
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """Complete a prompt (or a batch of prompts)."""
+        return await serving.completions(body, request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """Answer a conversation, rendered with the model's chat template."""
+        return await serving.chat(body, request)
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        """The served model."""
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "meshserve", "max_model_len": serving.max_model_len}]}
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the engine serves; 503 with the reason once it has failed."""
+        if engine.failure is not None:
+            return JSONResponse(error_body(503, engine.failure), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        """Prometheus text format."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.openapi = lambda: _openapi(app, model_name, cfg)  # type: ignore[method-assign]
+    return app
+
+
+def _openapi(app: FastAPI, model_name: str, cfg: ServeConfig) -> dict[str, Any]:
+    """FastAPI's schema with this server's limits: the one model id, n <= serve.max_n."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                         routes=app.routes)
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schema["components"]["schemas"][name]["properties"]
+        props["model"]["anyOf"] = [{"type": "string", "enum": [model_name]}, {"type": "null"}]
+        props["n"]["maximum"] = cfg.max_n
+    app.openapi_schema = schema
+    return schema
+
+
+async def _log_metrics(metrics: ServerMetrics, interval_s: float) -> None:
+    """Refresh the tokens/s gauges and log the metric line every interval (10 s when off)."""
+    while True:
+        await asyncio.sleep(interval_s or 10.0)
+        line = metrics.tick()
+        if interval_s:
+            log.info(line)

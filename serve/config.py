@@ -1,0 +1,57 @@
+"""What `meshserve serve` listens on and how it guards and reports itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshserve.validation import require
+
+API_KEY_ENV = "MESHSERVE_API_KEY"
+"""Read when serve.api_key is null, so the key need not appear on a command line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """Options of `meshserve serve`."""
+
+    host: str = "127.0.0.1"
+    """Address to bind; loopback unless told otherwise."""
+    port: int = 8000
+    """TCP port; 0 picks a free one (printed on the 'listening on' line)."""
+    api_key: str | None = None
+    """Bearer token required on /v1/*; null reads $MESHSERVE_API_KEY, unset means open."""
+    served_model_name: str | None = None
+    """The model id clients ask for; null uses model.name."""
+    max_n: int = 16
+    """Most choices (n) per request."""
+    max_batch_prompts: int = 64
+    """Most prompts in one /v1/completions request."""
+    max_pending_requests: int = 4096
+    """Engine requests (choices) queued or running; beyond it new ones get 503."""
+    log_interval_s: float = 10.0
+    """Seconds between metric log lines; 0 turns them off."""
+    health_interval_s: float = 0.5
+    """How often an idle engine checks that its ranks are alive."""
+    failure_exit_s: float = 1.0
+    """After the engine fails: seconds of 503 answers before the process exits non-zero."""
+    log_level: str = "warning"
+    """uvicorn's log level (access logs show at 'info')."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.host), "serve.host", self.host, "an address such as 127.0.0.1")
+        require(0 <= self.port <= 65535, "serve.port", self.port, "0..65535 (0: any free port)")
+        require(self.api_key is None or bool(self.api_key), "serve.api_key", self.api_key,
+                "null or a non-empty string")
+        require(1 <= self.max_n <= 1024, "serve.max_n", self.max_n, "an int in [1, 1024]")
+        require(self.max_batch_prompts >= 1, "serve.max_batch_prompts", self.max_batch_prompts,
+                "an int >= 1")
+        require(self.max_pending_requests >= 1, "serve.max_pending_requests",
+                self.max_pending_requests, "an int >= 1")
+        require(self.log_interval_s >= 0, "serve.log_interval_s", self.log_interval_s,
+                "seconds >= 0 (0: off)")
+        require(self.health_interval_s > 0, "serve.health_interval_s", self.health_interval_s,
+                "seconds > 0")
+        require(self.failure_exit_s >= 0, "serve.failure_exit_s", self.failure_exit_s,
+                "seconds >= 0")
+        levels = ("critical", "error", "warning", "info", "debug", "trace")
+        require(self.log_level in levels, "serve.log_level", self.log_level, f"one of {levels}")

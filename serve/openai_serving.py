@@ -1,0 +1,236 @@
+"""Turns an OpenAI request into engine requests and their outputs into a response.
+
+Non-streaming requests are raced against the client's disconnect; streams watch for it
+while they wait. Either way a client that leaves has its unfinished choices aborted, so
+their KV blocks return to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from meshserve.engine.outputs import RequestOutput
+from meshserve.models.tokenizer import Tokenizer
+from meshserve.serve.async_engine import (
+    AsyncEngine,
+    Choice,
+    EngineDeadError,
+    EngineFailure,
+    OverloadedError,
+    StreamItem,
+)
+from meshserve.serve.config import ServeConfig
+from meshserve.serve.errors import APIError, error_body, from_value_error
+from meshserve.serve.metrics import ServerMetrics
+from meshserve.serve.protocol import (
+    MAX_SEED,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingBody,
+)
+from meshserve.serve.responses import LogprobFormatter, ResponseBuilder, ResponseMeta, sse
+
+DEFAULT_COMPLETION_TOKENS = 16
+"""OpenAI's default max_tokens for /v1/completions (chat defaults to the context left)."""
+
+
+class _SSEResponse(StreamingResponse):
+    """A stream that also ends when the client disconnects, and always closes its iterator
+    (the iterator's `finally` aborts unfinished choices)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went away mid-write
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServing:
+    """The completions and chat endpoints over one AsyncEngine."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, cfg: ServeConfig,
+                 metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.cfg = cfg
+        self.metrics = metrics
+        self.tokenizer: Tokenizer | None = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.formatter = LogprobFormatter(self.tokenizer)
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        """POST /v1/completions."""
+        prompts = self._prompts(body.prompt)
+        max_tokens = body.max_tokens or DEFAULT_COMPLETION_TOKENS
+        return await self._serve(body, request, prompts, "prompt", body.logprobs, max_tokens,
+                                 False)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        """POST /v1/chat/completions."""
+        if self.tokenizer is None:
+            raise APIError(400, "messages: this model has no tokenizer; allowed is "
+                                "/v1/completions with token ids", "messages")
+        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
+        except Exception as e:  # noqa: BLE001 - a template that raises on these messages
+            raise APIError(400, f"messages: the chat template failed ({e})", "messages") from None
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs: allowed only with logprobs=true", "top_logprobs")
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return await self._serve(body, request, [self.tokenizer.encode(text)], "messages",
+                                 logprobs, max_tokens, True)
+
+    def _prompts(self, prompt: Any) -> list[list[int]]:
+        """Token ids of each prompt of a completions request."""
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if len(prompt) > self.cfg.max_batch_prompts:
+            raise APIError(400, f"prompt: {len(prompt)} prompts; allowed is at most "
+                                f"serve.max_batch_prompts={self.cfg.max_batch_prompts}", "prompt")
+        if any(isinstance(p, str) for p in prompt) and self.tokenizer is None:
+            raise APIError(400, "prompt: this model has no tokenizer; allowed are token ids",
+                           "prompt")
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p)  # type: ignore[union-attr]
+                for p in prompt]
+
+    def _choices(self, body: _SamplingBody, prompts: list[list[int]], field: str,
+                 logprobs: int | None, max_tokens: int | None, request_id: str
+                 ) -> list[Choice]:
+        """One engine request per prompt and n; max_tokens (None: the context left) is
+        clipped to the context left."""
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"model: {body.model!r} is not served; allowed is "
+                                f"{self.model_name!r}", "model")
+        if body.n > self.cfg.max_n:
+            raise APIError(400, f"n: {body.n}; allowed is at most serve.max_n={self.cfg.max_n}",
+                           "n")
+        choices = []
+        for p, ids in enumerate(prompts):
+            if len(ids) >= self.max_model_len:
+                raise APIError(400, f"{field}: {len(ids)} tokens; allowed is fewer than the "
+                                    f"context length max_model_len={self.max_model_len}", field)
+            room = self.max_model_len - len(ids)
+            for j in range(body.n):
+                params = body.sampling_params(min(max_tokens or room, room), logprobs)
+                if body.seed is not None and j:  # distinct but reproducible choices
+                    params = dataclasses.replace(params, seed=(body.seed + j) % (MAX_SEED + 1))
+                choices.append(Choice(f"{request_id}-{p * body.n + j}", ids, params))
+        return choices
+
+    async def _serve(self, body: _SamplingBody, request: Request, prompts: list[list[int]],
+                     field: str, logprobs: int | None, max_tokens: int | None,
+                     chat: bool) -> Response:
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            choices = self._choices(body, prompts, field, logprobs, max_tokens, request_id)
+            stream = await self.engine.add(choices)
+        except ValueError as e:
+            raise from_value_error(e) from None
+        except (OverloadedError, EngineDeadError) as e:
+            raise APIError(503, str(e)) from None
+        meta = ResponseMeta(request_id, int(time.time()), self.model_name, chat,
+                            body.return_token_ids)
+        builder = ResponseBuilder(meta, self.formatter)
+        ids = [c.request_id for c in choices]
+        prompt_lens = [len(p) for p in prompts]
+        if body.stream:
+            return _SSEResponse(self._events(stream, ids, builder, prompt_lens,
+                                             body.include_usage),
+                                media_type="text/event-stream")
+        return await self._respond(request, stream, ids, builder, prompt_lens)
+
+    async def _respond(self, request: Request, stream: asyncio.Queue[StreamItem],
+                       ids: list[str], builder: ResponseBuilder,
+                       prompt_lens: list[int]) -> Response:
+        finals: dict[int, RequestOutput] = {}
+        collect = asyncio.ensure_future(_collect(stream, len(ids), finals))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():
+                collect.cancel()
+                self._abort(ids, finals)
+        if not collect.done() or collect.cancelled():
+            return Response(status_code=499)  # nobody is listening any more
+        failure = collect.result()
+        if failure is not None:
+            self.metrics.errors.labels("503").inc()
+            return JSONResponse(error_body(503, failure.message), status_code=503)
+        outs = [finals[i] for i in range(len(ids))]
+        return JSONResponse(builder.body(outs, prompt_lens))
+
+    async def _events(self, stream: asyncio.Queue[StreamItem], ids: list[str],
+                      builder: ResponseBuilder, prompt_lens: list[int],
+                      include_usage: bool) -> AsyncIterator[str]:
+        finals: dict[int, RequestOutput] = {}
+        try:
+            if builder.meta.chat:
+                for i in range(len(ids)):
+                    yield sse(builder.role_chunk(i))
+            while len(finals) < len(ids):
+                item = await stream.get()
+                if isinstance(item, EngineFailure):
+                    self.metrics.errors.labels("503").inc()
+                    yield sse(error_body(503, item.message))
+                    return
+                index, out = item
+                if out.finished:
+                    finals[index] = out
+                yield sse(builder.chunk(index, out))
+            if include_usage:
+                yield sse(builder.usage_chunk([finals[i] for i in range(len(ids))], prompt_lens))
+            yield sse("[DONE]")
+        finally:
+            self._abort(ids, finals)
+
+    def _abort(self, ids: list[str], finals: dict[int, RequestOutput]) -> None:
+        left = [rid for i, rid in enumerate(ids) if i not in finals]
+        if left and self.engine.failure is None:
+            self.engine.abort(left)
+            self.metrics.aborted.inc(len(left))
+
+
+async def _collect(stream: asyncio.Queue[StreamItem], n: int,
+                   finals: dict[int, RequestOutput]) -> EngineFailure | None:
+    """Wait for every choice's final output (into `finals`), or the engine's failure."""
+    while len(finals) < n:
+        item = await stream.get()
+        if isinstance(item, EngineFailure):
+            return item
+        index, out = item
+        if out.finished:
+            finals[index] = out
+    return None
+

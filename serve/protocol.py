@@ -1,0 +1,130 @@
+"""OpenAI request bodies (/v1/completions, /v1/chat/completions) as strict pydantic models.
+
+Strict: a string is no number and a bool is no int, as in OpenAI's API. Fields OpenAI
+has and meshserve does not implement are ignored (as vLLM does). `ignore_eos`, `top_k`,
+`min_tokens` and `return_token_ids` are meshserve extensions.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from meshserve.engine.sampling_params import SamplingParams
+
+MAX_SEED = 2**63 - 1
+MAX_STOP = 4
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Stop = str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    """What a stream carries besides the choices."""
+
+    include_usage: bool = False
+    """Send a last chunk with token usage."""
+
+
+class _SamplingBody(_Body):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    """The served model's id (GET /v1/models); null means that one."""
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Most tokens to generate; null leaves room up to the model's context."""
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    """0 is greedy; null is 1."""
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    """Nucleus sampling mass; null is 1."""
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    """Keep the k most likely tokens; -1 or null keeps all (extension)."""
+    n: Annotated[int, Field(ge=1)] = 1
+    """Choices to generate per prompt (at most serve.max_n)."""
+    stop: Stop | None = None
+    """Up to 4 strings that end a choice (cut from its text)."""
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    """Same seed, prompt and parameters: same output."""
+    stream: bool = False
+    """Server-sent events, one chunk per step."""
+    stream_options: StreamOptions | None = None
+    """Options of a stream."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token (extension)."""
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    """Generate at least this many tokens before any stop applies (extension)."""
+    return_token_ids: bool = False
+    """Add each choice's generated token ids as `token_ids` (extension)."""
+    user: str | None = None
+    """Ignored."""
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's params; ValueError names the field."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if self.temperature is None
+            else self.temperature, top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k, seed=self.seed, stop=stop,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, min_tokens=self.min_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingBody):
+    """POST /v1/completions."""
+
+    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1)] | \
+        Annotated[list[TokenIds], Field(min_length=1)]
+    """A prompt, token ids, or a batch of either (choices are per prompt, then per n)."""
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    """Return each sampled token's logprob and this many top alternatives."""
+    echo: Literal[False] = False
+    """Echoing the prompt is not supported."""
+    suffix: None = None
+    """Insertion (suffix) is not supported."""
+
+
+class TextPart(_Body):
+    """A text part of a message's content."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    """One message of a conversation."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    """Text, or text parts (joined)."""
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The content as one string."""
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingBody):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    """The conversation so far, rendered with the model's chat template."""
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    """OpenAI's newer name for max_tokens (wins when both are given)."""
+    logprobs: bool = False
+    """Return each sampled token's logprob."""
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    """With logprobs: this many top alternatives per token."""
+    add_generation_prompt: bool = True
+    """End the rendered prompt with the assistant's turn (extension)."""

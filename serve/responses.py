@@ -1,0 +1,133 @@
+"""OpenAI response bodies and stream chunks built from the engine's RequestOutputs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from meshserve.engine.outputs import RequestOutput
+from meshserve.models.tokenizer import Tokenizer
+
+Logprobs = list[tuple[float, list[tuple[int, float]]]]
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every body and chunk of one HTTP request repeats."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+    return_token_ids: bool
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def usage(prompt_lens: list[int], outs: list[RequestOutput]) -> dict[str, int]:
+    """Token counts: each prompt once, every choice's generated tokens."""
+    prompt = sum(prompt_lens)
+    completion = sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+class LogprobFormatter:
+    """The engine's (logprob, top-n) pairs in the completions or chat layout."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+
+    def token(self, token_id: int) -> str:
+        """A token's text (special tokens kept; an id without a tokenizer)."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def completion(self, token_ids: list[int], lps: Logprobs, offset: int) -> dict[str, Any]:
+        """{tokens, token_logprobs, top_logprobs, text_offset} starting at text `offset`."""
+        tokens = [self.token(t) for t in token_ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps],
+                "top_logprobs": [{self.token(t): v for t, v in top} for _, top in lps],
+                "text_offset": offsets}
+
+    def chat(self, token_ids: list[int], lps: Logprobs) -> dict[str, Any]:
+        """{content: [{token, logprob, bytes, top_logprobs}]}."""
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            text = self.token(t)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
+                            for t, (lp, top) in zip(token_ids, lps)]}
+
+
+class ResponseBuilder:
+    """Whole bodies (non-streaming) and chunks (streaming) of one HTTP request."""
+
+    def __init__(self, meta: ResponseMeta, formatter: LogprobFormatter) -> None:
+        self.meta = meta
+        self.fmt = formatter
+        self._text_offsets: dict[int, int] = {}
+
+    def _head(self, streaming: bool) -> dict[str, Any]:
+        m = self.meta
+        kind = ("chat.completion.chunk" if streaming else "chat.completion") if m.chat \
+            else "text_completion"
+        return {"id": m.id, "object": kind, "created": m.created, "model": m.model}
+
+    def _logprobs(self, token_ids: list[int], lps: Logprobs | None, index: int
+                  ) -> dict[str, Any] | None:
+        if lps is None:
+            return None
+        if self.meta.chat:
+            return self.fmt.chat(token_ids, lps)
+        offset = self._text_offsets.get(index, 0)
+        out = self.fmt.completion(token_ids, lps, offset)
+        self._text_offsets[index] = offset + sum(len(t) for t in out["tokens"])
+        return out
+
+    def body(self, outs: list[RequestOutput], prompt_lens: list[int]) -> dict[str, Any]:
+        """The non-streaming response: one choice per output, in order."""
+        choices = []
+        for i, o in enumerate(outs):
+            lps = self._logprobs(o.token_ids, o.logprobs, i)
+            c: dict[str, Any] = {"index": i, "logprobs": lps, "finish_reason": o.finish_reason}
+            if self.meta.chat:
+                c["message"] = {"role": "assistant", "content": o.text}
+            else:
+                c["text"] = o.text
+            if self.meta.return_token_ids:
+                c["token_ids"] = list(o.token_ids)
+            choices.append(c)
+        return {**self._head(False), "choices": choices, "usage": usage(prompt_lens, outs)}
+
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        """A chat stream's first chunk of a choice: the assistant role."""
+        return {**self._head(True), "choices": [{"index": index, "delta": {
+            "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+
+    def chunk(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        """The delta one engine step added to choice `index`."""
+        new_ids = out.new_token_ids
+        lps = out.logprobs[-len(new_ids):] if out.logprobs is not None and new_ids else None
+        c: dict[str, Any] = {"index": index, "logprobs": self._logprobs(new_ids, lps, index),
+                             "finish_reason": out.finish_reason if out.finished else None}
+        if self.meta.chat:
+            c["delta"] = {"content": out.new_text} if out.new_text else {}
+        else:
+            c["text"] = out.new_text
+        if self.meta.return_token_ids:
+            c["token_ids"] = list(new_ids)
+        return {**self._head(True), "choices": [c]}
+
+    def usage_chunk(self, outs: list[RequestOutput], prompt_lens: list[int]) -> dict[str, Any]:
+        """The last chunk of a stream that asked for usage (no choices)."""
+        return {**self._head(True), "choices": [], "usage": usage(prompt_lens, outs)}
