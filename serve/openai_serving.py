@@ -82,6 +82,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.tokenizer: Tokenizer | None = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
+        self.vocab_size = engine.engine.arch.vocab_size
         self.formatter = LogprobFormatter(self.tokenizer)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -139,6 +140,10 @@ class OpenAIServing:
             if len(ids) >= self.max_model_len:
                 raise APIError(400, f"{field}: {len(ids)} tokens; allowed is fewer than the "
                                     f"context length max_model_len={self.max_model_len}", field)
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise APIError(400, f"{field}: token ids {bad[:5]} outside the vocabulary; "
+                                    f"allowed are ints in [0, {self.vocab_size})", field)
             room = self.max_model_len - len(ids)
             for j in range(body.n):
                 params = body.sampling_params(min(max_tokens or room, room), logprobs)

@@ -1,0 +1,95 @@
+"""The official `openai` client against a real server: token-identical to the offline API."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from meshserve.engine.llm import LLM
+from meshserve.engine.sampling_params import SamplingParams
+
+MODEL = "meshcoder"
+PROMPTS = ["def fibonacci(n):", "import os\n\nclass ", "    def __init__(self,"]
+MESSAGES = [{"role": "system", "content": "You write Python."},
+            {"role": "user", "content": "Sort a list."}]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                         timeout=60.0)
+
+
+def greedy(max_tokens: int, **kw: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)  # type: ignore[arg-type]
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completions_match_offline_tokens(client: openai.OpenAI, offline: LLM) -> None:
+    want = offline.generate(PROMPTS, greedy(12, ignore_eos=True))
+    got = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    for c, w in zip(got.choices, want):
+        assert c.token_ids == w.token_ids  # type: ignore[attr-defined]
+        assert c.text == w.text
+        assert c.finish_reason == "length"
+    assert got.usage is not None
+    assert got.usage.completion_tokens == 36
+    assert got.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+
+
+def test_streamed_completion_concatenates_to_the_offline_one(client: openai.OpenAI,
+                                                             offline: LLM) -> None:
+    want = offline.generate([PROMPTS[0]], greedy(10, ignore_eos=True))[0]
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True}))
+    *deltas, usage = chunks
+    assert "".join(c.choices[0].text for c in deltas) == want.text
+    assert [t for c in deltas for t in c.choices[0].token_ids] == want.token_ids  # type: ignore[attr-defined]
+    assert [c.choices[0].finish_reason for c in deltas][-1] == "length"
+    assert usage.choices == [] and usage.usage is not None
+    assert usage.usage.completion_tokens == 10
+
+
+def test_chat_matches_offline_on_the_rendered_template(client: openai.OpenAI,
+                                                       offline: LLM) -> None:
+    assert offline.tokenizer is not None
+    rendered = offline.tokenizer.apply_chat_template(MESSAGES)
+    want = offline.generate([rendered], greedy(12))[0]
+    got = client.chat.completions.create(model=MODEL, messages=MESSAGES,  # type: ignore[arg-type]
+                                         max_tokens=12, temperature=0,
+                                         extra_body={"return_token_ids": True})
+    choice = got.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == want.text
+    assert choice.token_ids == want.token_ids  # type: ignore[attr-defined]
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES,  # type: ignore[arg-type]
+                                            max_tokens=12, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+
+
+def test_stop_n_seed_and_logprobs(client: openai.OpenAI, offline: LLM) -> None:
+    full = offline.generate([PROMPTS[0]], greedy(16, ignore_eos=True))[0].text
+    stop = full[3:6]
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16,
+                                    temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    assert got.choices[0].text == full[:full.index(stop)]
+    assert got.choices[0].finish_reason == "stop"
+    sampled = [client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, n=2,
+                                         temperature=1.0, seed=7, logprobs=2,
+                                         extra_body={"ignore_eos": True})
+               for _ in range(2)]
+    assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]
+    lp = sampled[0].choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert len(lp.token_logprobs) == 8 and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert all(x <= 0.0 for x in lp.token_logprobs)
