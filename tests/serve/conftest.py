@@ -122,6 +122,12 @@ def group_pids(pgid: int) -> list[int]:
 
 
 @pytest.fixture(scope="session")
+def process_group() -> Callable[[int], list[int]]:
+    """process_group(pgid) -> the live pids of that process group."""
+    return group_pids
+
+
+@pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """One plain (tp=1) server shared by the tests of this folder."""
     srv = ServerProcess([*ENGINE_OVERRIDES, "serve.log_interval_s=1"],
