@@ -22,7 +22,7 @@ from meshserve.engine.llm import LLM
 from meshserve.launch.config import load_config
 from meshserve.launch.ranks import RankFailure
 from meshserve.serve.app import create_app
-from meshserve.serve.async_engine import AsyncEngine
+from meshserve.serve.async_engine import SHUTTING_DOWN, AsyncEngine
 from meshserve.serve.config import API_KEY_ENV
 from meshserve.serve.metrics import ServerMetrics
 
@@ -64,7 +64,7 @@ def run(overrides: list[str]) -> int:
     print(f"meshserve serve: listening on http://{host}:{port} (model {model_name!r}, "
           f"{engine.num_blocks} KV blocks, max_model_len {engine.max_model_len})", flush=True)
     server.run(sockets=[sock])
-    if async_engine.failure is not None and async_engine.failure != "the server is shutting down":
+    if async_engine.failure not in (None, SHUTTING_DOWN):
         print(f"meshserve serve: {async_engine.failure}", file=sys.stderr, flush=True)
         return 1
     return 0

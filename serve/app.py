@@ -50,21 +50,28 @@ class _CheckedBodyRoute(APIRoute):
         return checked
 
 
-def _auth(api_key: str | None) -> list[Any]:
-    """The dependency requiring `Authorization: Bearer <api_key>` (none when no key)."""
-    if api_key is None:
-        return []
-    bearer = HTTPBearer(auto_error=False)
+_BEARER = HTTPBearer(auto_error=False)
 
-    async def check(
-            creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+
+class _APIKeyCheck:
+    """The dependency requiring `Authorization: Bearer <api_key>`."""
+
+    def __init__(self, api_key: str) -> None:
+        self.api_key = api_key.encode()
+
+    async def __call__(
+            self, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
+    ) -> None:
         if creds is None:
             raise APIError(401, "authorization: missing; allowed is 'Bearer <api key>'",
                            "authorization")
-        if not hmac.compare_digest(creds.credentials.encode(), api_key.encode()):
+        if not hmac.compare_digest(creds.credentials.encode(), self.api_key):
             raise APIError(401, "authorization: wrong API key", "authorization")
 
-    return [Depends(check)]
+
+def _auth(api_key: str | None) -> list[Any]:
+    """The /v1 routes' dependencies: the API key check when there is a key."""
+    return [] if api_key is None else [Depends(_APIKeyCheck(api_key))]
 
 
 def create_app(engine: AsyncEngine, metrics: ServerMetrics, cfg: ServeConfig, model_name: str,

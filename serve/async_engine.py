@@ -24,6 +24,9 @@ from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler_output import SchedulerStats
 from meshserve.launch.ranks import failure_reason
 
+SHUTTING_DOWN = "the server is shutting down"
+"""`AsyncEngine.failure` after a requested stop (any other value means the engine failed)."""
+
 
 class EngineDeadError(RuntimeError):
     """The engine failed or was stopped: the server cannot take work any more."""
@@ -166,7 +169,7 @@ class AsyncEngine:
         try:
             while True:
                 if not self._drain(block=not self.engine.has_unfinished()):
-                    self._fail("the server is shutting down", notify=False)
+                    self._fail(SHUTTING_DOWN, notify=False)
                     return
                 if self.engine.has_unfinished():
                     self._step()
@@ -260,6 +263,8 @@ class AsyncEngine:
                     pending.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
+        if notify and self.on_failure is not None:
+            self.on_failure(message)
         batch = _Deliveries([(r.stream, EngineFailure(message)) for r in self._routes.values()])
         self._routes.clear()
         self.num_routes = 0
@@ -267,8 +272,6 @@ class AsyncEngine:
         for cmd in pending:
             if isinstance(cmd, _Add):
                 self._post(_settle, cmd.done, EngineDeadError(message))
-        if notify and self.on_failure is not None:
-            self.on_failure(message)
 
 
 def _deliver(batch: _Deliveries) -> None:
