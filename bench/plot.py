@@ -40,3 +40,37 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_sweep(summaries: list[dict[str, Any]], path: str | Path, title: str) -> Path:
+    """Latency against achieved throughput over a sweep of rates (TTFT, TPOT p50 / p99),
+    and goodput against the offered rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [s for s in summaries if s.get("num_requests")]
+    xs = [s["requests_per_s"] for s in runs]
+    fig, axes = plt.subplots(1, 3, figsize=(4.2 * 3, 4.2))
+    for ax, key, name in ((axes[0], "ttft_s", "TTFT"), (axes[1], "tpot_s", "TPOT")):
+        for q, style in (("p50", "o-"), ("p99", "s--")):
+            ax.plot(xs, [1e3 * s[key][q] for s in runs], style, label=q)
+        ax.set_xlabel("achieved requests/s")
+        ax.set_ylabel(f"{name} (ms)")
+        ax.set_title(f"{name} against throughput")
+        ax.legend()
+    offered = [s["rate_req_s"] or 0.0 for s in runs]
+    axes[2].plot(offered, xs, "o-", label="completed req/s")
+    axes[2].plot(offered, [s["goodput_req_s"] for s in runs], "s--", label="goodput req/s")
+    axes[2].set_xlabel("offered requests/s (0: all at once)")
+    axes[2].set_title("goodput under the SLOs")
+    axes[2].legend()
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

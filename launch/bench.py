@@ -34,6 +34,10 @@ from meshserve.models.bundled import resolve_model_dir
 def run(overrides: list[str]) -> int:
     """Run the configured comparison; returns the exit code."""
     cfg = _config(overrides)
+    if cfg.bench.url is not None:  # online mode: a running server, over HTTP
+        from meshserve.launch.bench_online import run_online
+
+        return run_online(cfg)
     b = cfg.bench
     threads = cfg.threads or 1  # BENCH.md: one compute thread per process unless told
     torch.set_num_threads(threads)
