@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPACKAGES = ("parallel", "engine", "models", "kernels", "launch", "bench")
+SUBPACKAGES = ("parallel", "engine", "models", "kernels", "launch", "bench", "serve")
 
 
 def py(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
