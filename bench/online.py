@@ -103,6 +103,17 @@ async def replay(info: ServerInfo, reqs: list[BenchRequest], *, rate: float | No
     return OnlineRun(rate, RunResult(f"http:{info.model}", records, wall), failures)
 
 
+def reset_prefix_cache(info: ServerInfo, api_key: str | None) -> bool:
+    """Ask the server to empty its prefix cache (each rate starts cold, as offline runs do);
+    False when it cannot (not meshserve, or an older one)."""
+    try:
+        resp = httpx.post(f"{info.url}/reset_prefix_cache", headers=headers(api_key),
+                          timeout=30.0)
+    except httpx.HTTPError:
+        return False
+    return resp.status_code == 200
+
+
 def summarize_online(run: OnlineRun, slo_ttft_s: float, slo_tpot_s: float) -> dict[str, Any]:
     """summarize()'s metrics of the completed requests, plus the rate and the failures."""
     base: dict[str, Any] = summarize(run.run, slo_ttft_s, slo_tpot_s) if run.run.records \
@@ -115,12 +126,14 @@ def sweep(info: ServerInfo, reqs_at: Callable[[float | None], list[BenchRequest]
           rates: list[float | None], *, api_key: str | None, timeout_s: float,
           slo: tuple[float, float],
           on_done: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Replay `reqs_at(rate)` at each rate in turn; one summary per rate."""
+    """Replay `reqs_at(rate)` at each rate in turn, each after emptying the server's
+    prefix cache; one summary per rate."""
     out = []
     for rate in rates:
+        cold = reset_prefix_cache(info, api_key)
         run = asyncio.run(replay(info, reqs_at(rate), rate=rate, api_key=api_key,
                                  timeout_s=timeout_s))
-        summary = summarize_online(run, *slo)
+        summary = {**summarize_online(run, *slo), "prefix_cache_reset": cold}
         out.append(summary)
         if on_done is not None:
             on_done(summary)

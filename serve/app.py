@@ -17,7 +17,7 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from meshserve.serve.async_engine import AsyncEngine
+from meshserve.serve.async_engine import AsyncEngine, EngineDeadError
 from meshserve.serve.config import ServeConfig
 from meshserve.serve.errors import APIError, error_body, install
 from meshserve.serve.metrics import ServerMetrics
@@ -113,6 +113,14 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, cfg: ServeConfig, mo
             "owned_by": "meshserve", "max_model_len": serving.max_model_len}]}
 
     app.include_router(v1)
+
+    @app.post("/reset_prefix_cache", dependencies=_auth(api_key))
+    async def reset_prefix_cache() -> dict[str, int]:
+        """Uncache every KV block no request holds, so the next benchmark run starts cold."""
+        try:
+            return {"num_blocks_uncached": await engine.reset_prefix_cache()}
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from None
 
     @app.get("/health")
     async def health() -> Response:

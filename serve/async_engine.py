@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -70,11 +71,16 @@ class _Abort:
 
 
 @dataclass
+class _ResetPrefixCache:
+    done: asyncio.Future[int]
+
+
+@dataclass
 class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Stop
+_Command = _Add | _Abort | _ResetPrefixCache | _Stop
 
 
 @dataclass
@@ -153,6 +159,16 @@ class AsyncEngine:
             if self.failure is None:
                 self._commands.put(_Abort(list(request_ids)))
 
+    async def reset_prefix_cache(self) -> int:
+        """Uncache every KV block no request holds (between benchmark runs); how many."""
+        assert self.loop is not None, "reset_prefix_cache() before start()"
+        done: asyncio.Future[int] = self.loop.create_future()
+        with self._lock:
+            if self.failure is not None:
+                raise EngineDeadError(self.failure)
+            self._commands.put(_ResetPrefixCache(done))
+        return await done
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Fail open streams, stop the thread, release the engine's ranks."""
         with self._lock:
@@ -190,6 +206,8 @@ class AsyncEngine:
                 return False
             if isinstance(cmd, _Add):
                 self._add(cmd)
+            elif isinstance(cmd, _ResetPrefixCache):
+                self._post(_settle, cmd.done, None, self.engine.reset_prefix_cache())
             else:
                 self._abort(cmd.request_ids)
             try:
@@ -270,7 +288,7 @@ class AsyncEngine:
         self.num_routes = 0
         self._post(_deliver, batch)
         for cmd in pending:
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, (_Add, _ResetPrefixCache)):
                 self._post(_settle, cmd.done, EngineDeadError(message))
 
 
@@ -279,10 +297,10 @@ def _deliver(batch: _Deliveries) -> None:
         stream.put_nowait(item)
 
 
-def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
+def _settle(fut: asyncio.Future[Any], error: BaseException | None, result: Any = None) -> None:
     if fut.done():  # the waiting handler was cancelled
         return
     if error is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(error)

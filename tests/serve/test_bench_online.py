@@ -15,6 +15,7 @@ from meshserve.launch.cli import main
 def test_rate_sweep_reports_latency_goodput_and_a_plot(server, tmp_path: Path, capsys) -> None:
     reqs = [BenchRequest(list(range(10 + i, 30 + 2 * i)), 3 + i % 3) for i in range(6)]
     save(reqs, tmp_path / "wl.json")
+    before = server.metrics()
     code = main(["bench", f"bench.url={server.url}", f"bench.workload={tmp_path / 'wl.json'}",
                  "bench.rates=[20,80]", f"bench.out={tmp_path / 'out'}", "bench.seed=3"])
     assert code == 0
@@ -23,11 +24,17 @@ def test_rate_sweep_reports_latency_goodput_and_a_plot(server, tmp_path: Path, c
     assert [r["rate_req_s"] for r in res["rates"]] == [20.0, 80.0]
     for r in res["rates"]:
         assert r["num_requests"] == 6 and r["num_failed"] == 0, r["failures"]
+        assert r["prefix_cache_reset"]
         assert r["num_generated_tokens"] == sum(q.max_new_tokens for q in reqs)
         assert 0 < r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] <= r["e2e_s"]["p99"]
         assert 0 < r["tpot_s"]["p50"] <= r["tpot_s"]["p99"]
         assert 0 <= r["goodput_req_s"] <= r["requests_per_s"]
     assert (tmp_path / "out" / "result.png").stat().st_size > 0
+    # Each rate started cold: the second one computed its prompts again (they share no
+    # prefix with each other, so a warm cache would be the only source of hits).
+    after = server.metrics()
+    hits = "meshserve_prefix_cache_hits_total"
+    assert after[hits] == before[hits]
     out = capsys.readouterr().out
     assert "TTFT p99" in out and out.count("\n    20 ") + out.count("\n    80 ") == 2
 
