@@ -36,7 +36,7 @@ from meshserve.serve.protocol import (
     MAX_SEED,
     ChatCompletionRequest,
     CompletionRequest,
-    _SamplingBody,
+    SamplingBody,
 )
 from meshserve.serve.responses import LogprobFormatter, ResponseBuilder, ResponseMeta, sse
 
@@ -124,7 +124,7 @@ class OpenAIServing:
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p)  # type: ignore[union-attr]
                 for p in prompt]
 
-    def _choices(self, body: _SamplingBody, prompts: list[list[int]], field: str,
+    def _choices(self, body: SamplingBody, prompts: list[list[int]], field: str,
                  logprobs: int | None, max_tokens: int | None, request_id: str
                  ) -> list[Choice]:
         """One engine request per prompt and n; max_tokens (None: the context left) is
@@ -152,7 +152,7 @@ class OpenAIServing:
                 choices.append(Choice(f"{request_id}-{p * body.n + j}", ids, params))
         return choices
 
-    async def _serve(self, body: _SamplingBody, request: Request, prompts: list[list[int]],
+    async def _serve(self, body: SamplingBody, request: Request, prompts: list[list[int]],
                      field: str, logprobs: int | None, max_tokens: int | None,
                      chat: bool) -> Response:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

@@ -31,7 +31,7 @@ class StreamOptions(_Body):
     """Send a last chunk with token usage."""
 
 
-class _SamplingBody(_Body):
+class SamplingBody(_Body):
     """Fields both endpoints share."""
 
     model: str | None = None
@@ -78,7 +78,7 @@ class _SamplingBody(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingBody):
+class CompletionRequest(SamplingBody):
     """POST /v1/completions."""
 
     prompt: str | TokenIds | Annotated[list[str], Field(min_length=1)] | \
@@ -115,7 +115,7 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
-class ChatCompletionRequest(_SamplingBody):
+class ChatCompletionRequest(SamplingBody):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
