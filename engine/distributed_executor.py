@@ -30,12 +30,13 @@ from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler_output import SchedulerOutput
 from meshserve.engine.stage_worker import StepMessage
 from meshserve.engine.worker import STARTUP_TIMEOUT_S, check_layout, max_in_flight, start_rank
+from meshserve.launch.discovery import discover
 from meshserve.launch.ranks import (
-    RankEnv,
     RankFailure,
     SpawnedRanks,
     failure_reason,
     launcher_store,
+    self_spawned_driver,
 )
 from meshserve.launch.run_config import MeshConfig
 from meshserve.models.arch import ModelArch
@@ -53,7 +54,7 @@ class DistributedExecutor:
                  progress: bool = True) -> None:
         t0 = time.perf_counter()
         world_size = config.parallel.world_size
-        env = RankEnv.from_environ()
+        env = discover()
         if env is not None and env.is_worker:
             raise ValueError(f"RANK={env.rank}: only rank 0 drives a run; the other ranks "
                              "serve it (meshserve.engine.worker.run_worker_rank)")
@@ -74,9 +75,9 @@ class DistributedExecutor:
         if env is None:
             threads = config.threads or max(1, (torch.get_num_threads() or 1) // world_size)
             torch.set_num_threads(threads)
-            env = RankEnv.driver(world_size)
             self._spawned = SpawnedRanks(world_size, WORKER_MODULE,
                                          pickle.dumps((config, str(model_dir))), threads, startup)
+            env = self_spawned_driver(world_size, self._spawned.port)
             store = self._spawned.store
         else:
             if config.threads:

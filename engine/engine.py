@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
+from meshserve.engine.auto_layout import resolve_layout
 from meshserve.engine.executor import Executor, LocalExecutor, Logprob, PipelinedExecutor
 from meshserve.engine.micro_batch import micro_batch_budget
 from meshserve.engine.outputs import RequestMetrics, RequestOutput
@@ -16,7 +17,7 @@ from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler import Scheduler
 from meshserve.engine.scheduler_output import SchedulerOutput, SchedulerStats
 from meshserve.engine.sequence import Sequence, SequenceStatus
-from meshserve.launch.ranks import RankEnv
+from meshserve.launch.discovery import discover
 from meshserve.launch.run_config import MeshConfig
 from meshserve.models.arch import ModelArch
 from meshserve.models.bundled import resolve_model_dir
@@ -64,9 +65,9 @@ class Engine:
 
     def __init__(self, config: MeshConfig, *, progress: bool = True,
                  executor: Executor | None = None) -> None:
-        self.config = config
         self.model_dir = resolve_model_dir(config.model.name, config.model.path)
         self.arch = ModelArch.from_dir(self.model_dir)
+        self.config = config = resolve_layout(config, self.arch, discover())
         self.tokenizer = (Tokenizer(self.model_dir)
                           if (self.model_dir / "tokenizer.json").is_file() else None)
         self.max_model_len = self._max_model_len()
@@ -294,7 +295,7 @@ class Engine:
 def make_executor(config: MeshConfig, model_dir: Path, arch: ModelArch, *,
                   progress: bool = True) -> Executor:
     """This process alone for a one-rank layout, else the driver of tp x pp ranks."""
-    env = RankEnv.from_environ()
+    env = discover()
     if config.parallel.world_size == 1 and (env is None or env.world_size == 1):
         return LocalExecutor(config, model_dir, arch, progress=progress)
     from meshserve.engine.distributed_executor import DistributedExecutor

@@ -7,13 +7,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from meshserve.engine.auto_layout import resolve_layout
 from meshserve.engine.engine import Engine
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.worker import run_worker_rank
 from meshserve.launch.config import load_config, presets
-from meshserve.launch.ranks import RankEnv
+from meshserve.launch.discovery import discover
 from meshserve.launch.run_config import MeshConfig
+from meshserve.models.arch import ModelArch
 from meshserve.models.bundled import resolve_model_dir
 
 
@@ -41,10 +43,11 @@ class LLM:
     def __init__(self, model: str | None = None, overrides: Sequence[str] = (), *,
                  config: MeshConfig | None = None, progress: bool = True) -> None:
         self.config = config or load_config(model_overrides(model) + list(overrides))
-        env = RankEnv.from_environ()
+        env = discover()
         if env is not None and env.is_worker:
             model_dir = resolve_model_dir(self.config.model.name, self.config.model.path)
-            raise SystemExit(run_worker_rank(self.config, model_dir, env))
+            config = resolve_layout(self.config, ModelArch.from_dir(model_dir), env)
+            raise SystemExit(run_worker_rank(config, model_dir, env))
         self.engine = Engine(self.config, progress=progress)
         self.progress = progress
 

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from meshserve.engine.executor import resolve_device, resolve_dtype
 from meshserve.engine.stage_worker import StageWorker
+from meshserve.launch.discovery import LaunchEnv, discover
 from meshserve.launch.ranks import (
     SPAWNED_BY,
-    RankEnv,
     failure_reason,
     launcher_store,
     report_failure,
@@ -60,7 +60,7 @@ def check_layout(config: MeshConfig, arch: ModelArch, world_size: int) -> Parall
     return dims
 
 
-def rank_device(config: MeshConfig, env: RankEnv) -> torch.device:
+def rank_device(config: MeshConfig, env: LaunchEnv) -> torch.device:
     """This rank's device: the CPU, or the GPU of its local rank."""
     device = resolve_device(config.device)
     if device.type == "cuda":
@@ -81,7 +81,7 @@ def _backend(config: MeshConfig, device: torch.device) -> str:
     return backend
 
 
-def start_rank(config: MeshConfig, model_dir: Path, env: RankEnv, store: dist.Store, *,
+def start_rank(config: MeshConfig, model_dir: Path, env: LaunchEnv, store: dist.Store, *,
                check: Callable[[], None] = lambda: None, progress: bool = False
                ) -> tuple[ProcessGroups, StageWorker]:
     """Join the process groups, load this rank's stage and agree on the KV block count.
@@ -144,7 +144,7 @@ def _exit_now(message: str, code: int) -> None:
 
 
 
-def run_worker_rank(config: MeshConfig, model_dir: Path, env: RankEnv) -> int:
+def run_worker_rank(config: MeshConfig, model_dir: Path, env: LaunchEnv) -> int:
     """A worker rank from start to clean exit (returns 0); on any failure it prints why and
     ends the process (code 2 for a configuration error, 1 otherwise)."""
     label = f"meshserve rank {env.rank}"
@@ -175,7 +175,7 @@ def run_worker_rank(config: MeshConfig, model_dir: Path, env: RankEnv) -> int:
 def main() -> int:
     """Entry point of a self-spawned rank: the config arrives pickled on stdin."""
     config, model_dir = pickle.load(sys.stdin.buffer)
-    env = RankEnv.from_environ()
+    env = discover()
     assert env is not None, "started without RANK / WORLD_SIZE"
     return run_worker_rank(config, Path(model_dir), env)
 

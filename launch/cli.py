@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", metavar="VERB")
     for verb, (_, help_text) in VERBS.items():
         sp = sub.add_parser(verb, help=help_text)
+        sp.add_argument("-m", "--multirun", action="store_true",
+                        help="sweep: run every combination of comma-separated values "
+                             "(key=a,b), one process each, and summarize")
         sp.add_argument("overrides", nargs="*", help="Hydra overrides (key=value)")
     return p
 
@@ -47,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
 
     run: Callable[[list[str]], int] = importlib.import_module(module_name).run
     try:
+        if args.multirun:
+            from meshserve.launch.sweep import run_sweep
+
+            return run_sweep(args.verb, list(args.overrides))
         return run(list(args.overrides))
     except ConfigError as e:
         print(f"meshserve {args.verb}: config error: {e}", file=sys.stderr)

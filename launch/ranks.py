@@ -1,8 +1,7 @@
 """Where this process stands among the ranks of a run, and starting the ranks ourselves.
 
-Under a launcher (torchrun, or anything that sets RANK / WORLD_SIZE / MASTER_ADDR /
-MASTER_PORT the way env:// expects) every rank reads its place from the environment.
-Without one, the driver self-spawns: it hosts the rendezvous store on a port the OS
+Under a launcher (torchrun, srun, mpirun, DeepSpeed's launcher: see `discovery`) every
+rank reads its place from the environment. Without one, the driver self-spawns: it hosts the rendezvous store on a port the OS
 picks on 127.0.0.1 and starts ranks 1..N-1 as child processes with the same variables.
 """
 
@@ -10,17 +9,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
+
+from meshserve.launch.discovery import LaunchEnv
 
 SPAWNED_BY = "MESHSERVE_PARENT_PID"
 """Set in self-spawned ranks: the driver's pid (a rank exits when its driver is gone)."""
@@ -62,58 +61,21 @@ def reported_failure(store: dist.Store, rank: int) -> str | None:
         return None
 
 
-def node_identity() -> str:
-    """The node this rank runs on, as the launcher reports it."""
-    for var in ("MESHSERVE_NODE_ID", "GROUP_RANK", "SLURM_NODEID", "OMPI_COMM_WORLD_NODE_RANK"):
-        if os.environ.get(var):
-            return f"{var}={os.environ[var]}"
-    return socket.gethostname()
+def self_spawned_driver(world_size: int, port: int) -> LaunchEnv:
+    """Rank 0 of a run whose other ranks this process starts on this machine."""
+    return LaunchEnv(launcher="self-spawn", rank=0, world_size=world_size, local_rank=0,
+                     local_world_size=world_size, node_rank=0, num_nodes=1,
+                     master_addr="127.0.0.1", master_port=port)
 
 
-@dataclass(frozen=True, kw_only=True)
-class RankEnv:
-    """This process's rank as a launcher (or our own spawner) described it."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_id: str
-
-    @classmethod
-    def from_environ(cls) -> RankEnv | None:
-        """The launcher's variables, or None when no launcher started this process."""
-        env = os.environ
-        if "RANK" not in env or "WORLD_SIZE" not in env:
-            return None
-        try:
-            rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-            local_rank = int(env.get("LOCAL_RANK", rank))
-            local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-        except ValueError:
-            raise ValueError(f"RANK={env['RANK']!r} WORLD_SIZE={env['WORLD_SIZE']!r}: allowed are "
-                             "integers, as torchrun sets them") from None
-        if not 0 <= rank < world:
-            raise ValueError(f"RANK={rank} with WORLD_SIZE={world}: allowed is 0 <= RANK < "
-                             "WORLD_SIZE")
-        return cls(rank=rank, world_size=world, local_rank=local_rank,
-                   local_world_size=local_world, node_id=node_identity())
-
-    @classmethod
-    def driver(cls, world_size: int) -> RankEnv:
-        """Rank 0 of a self-spawned run on this machine."""
-        return cls(rank=0, world_size=world_size, local_rank=0, local_world_size=world_size,
-                   node_id=node_identity())
-
-    @property
-    def is_worker(self) -> bool:
-        """Whether this rank serves the driver rather than running the scheduler."""
-        return self.rank != 0
-
-
-def launcher_store(env: RankEnv, timeout: timedelta) -> dist.Store:
-    """The launcher's rendezvous store (env://), under a prefix unique to this attempt."""
-    store, _, _ = next(rendezvous("env://", rank=env.rank, world_size=env.world_size,
+def launcher_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
+    """The run's rendezvous store, under a prefix unique to this attempt: torchrun's agent
+    store when it hosts one, else a TCP store that rank 0 serves at the discovered address."""
+    if env.agent_store:
+        url = "env://"
+    else:
+        url = f"tcp://{env.master_addr}:{env.master_port}"
+    store, _, _ = next(rendezvous(url, rank=env.rank, world_size=env.world_size,
                                   timeout=timeout))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"meshserve/{attempt}", store)

@@ -22,6 +22,10 @@ class ParallelConfig:
     dp: int = 1
     """Data-parallel replicas."""
 
+    auto: bool = False
+    """Let the planner choose tp and pp (parallel=auto) for the cluster and scenario; under
+    a launcher, for the ranks it started (tp, pp and dp are then ignored)."""
+
     backend: str = "auto"
     """torch.distributed backend for tensors: auto (nccl on GPU, gloo on CPU), gloo, nccl."""
 

@@ -48,6 +48,8 @@ class PlannerOptions:
     simplicity_margin: float = 0.10
     """Prefer the simplest candidate within this fraction of the best score (about the
     cost model's error)."""
+    max_dp: int | None = None
+    """Largest data-parallel degree considered; null: any (the runtime serves dp=1)."""
 
     def __post_init__(self) -> None:
         require(0 < self.memory_utilization <= 1, "plan.memory_utilization",
@@ -58,6 +60,8 @@ class PlannerOptions:
                 "plan.num_micro_batches", self.num_micro_batches, "null or an int >= 1")
         require(0 <= self.simplicity_margin < 1, "plan.simplicity_margin",
                 self.simplicity_margin, "a fraction in [0, 1)")
+        require(self.max_dp is None or self.max_dp >= 1, "plan.max_dp", self.max_dp,
+                "null or an int >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,7 +206,9 @@ def plan(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
     if degrees is not None:
         require(degrees[0] * degrees[1] * degrees[2] <= cluster.num_devices,
                 "parallel.tp*pp*dp", degrees, f"at most {cluster.num_devices} devices ({cluster.name})")
-    space = [degrees] if degrees is not None else enumerate_degrees(cluster.num_devices)
+    space = [degrees] if degrees is not None else [
+        d for d in enumerate_degrees(cluster.num_devices)
+        if options.max_dp is None or d[2] <= options.max_dp]
     cands = [evaluate(shape, cluster, scenario, d, options) for d in space]
     ok = [c for c in cands if c.rejected is None and (
         c.warning is None or options.allow_cross_domain_tp or degrees is not None)]
@@ -281,16 +287,17 @@ def options_for(config: MeshConfig) -> PlannerOptions:
 
 def is_auto(config: MeshConfig) -> bool:
     """Whether the run asks the planner for its degrees (parallel=auto)."""
-    # ParallelConfig gains `auto: bool` with parallel=auto (see conf/parallel/auto.yaml).
     return bool(getattr(config.parallel, "auto", False))
 
 
-def plan_for(config: MeshConfig, arch: ArchLike) -> Plan:
-    """The Plan a run starts with: the planner's choice under parallel=auto, else the
-    configured degrees checked and placed. `arch` is the model's ModelArch."""
+def plan_for(config: MeshConfig, arch: ArchLike, *, max_dp: int | None = None) -> Plan:
+    """The Plan a run starts with: the planner's choice under parallel=auto (at most
+    `max_dp` replicas), else the configured degrees checked and placed. `arch` is the
+    model's ModelArch."""
     dtype = resolve_dtype(config.model.dtype, getattr(arch, "dtype", "bfloat16"),
                           config.cluster.device_type)
     shape = ModelShape.from_arch(arch, dtype)
     par = config.parallel
     degrees = None if is_auto(config) else (par.tp, par.pp, par.dp)
-    return plan(shape, config.cluster, config.scenario, options_for(config), degrees)
+    options = replace(options_for(config), max_dp=max_dp)
+    return plan(shape, config.cluster, config.scenario, options, degrees)

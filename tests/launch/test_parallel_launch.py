@@ -4,7 +4,6 @@ dies or hangs (every rank exits, with an error, in bounded time; nothing is left
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,38 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from meshserve.launch import generate
-
 pytestmark = pytest.mark.slow
 
 GENERATE = [sys.executable, "-m", "meshserve.launch.cli", "generate"]
-
-
-@pytest.fixture(scope="module")
-def text3(make_checkpoint, text_checkpoint: Path, tmp_path_factory) -> Path:
-    """A 3-layer random Llama with the tiny BPE tokenizer (text prompts, 3 stages)."""
-    path = tmp_path_factory.mktemp("text3")
-    shutil.copytree(make_checkpoint("llama", seed=5, num_hidden_layers=3), path,
-                    dirs_exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(text_checkpoint / name, path / name)
-    return path
-
-
-@pytest.fixture(scope="module")
-def one_rank_output(text3: Path) -> list[str]:
-    """What one process prints, less the speed line."""
-    import contextlib
-    import io
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        assert generate.run([f"model.path='{text3}'", "generate.max_tokens=8"]) == 0
-    return printed(buf.getvalue())
-
-
-def printed(stdout: str) -> list[str]:
-    return [line for line in stdout.splitlines() if not line.startswith("===")]
 
 
 def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -52,7 +22,7 @@ def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_generate_spawns_its_ranks(text3: Path, one_rank_output: list[str]) -> None:
+def test_generate_spawns_its_ranks(text3: Path, one_rank_output: list[str], printed) -> None:
     out = run(GENERATE + [f"model.path='{text3}'", "generate.max_tokens=8",
                           "parallel.tp=2", "parallel.pp=2"])
     assert out.returncode == 0, out.stderr[-3000:]
@@ -60,7 +30,7 @@ def test_generate_spawns_its_ranks(text3: Path, one_rank_output: list[str]) -> N
     assert printed(out.stdout) == one_rank_output
 
 
-def test_generate_under_torchrun(text3: Path, one_rank_output: list[str]) -> None:
+def test_generate_under_torchrun(text3: Path, one_rank_output: list[str], printed) -> None:
     out = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node=2", "-m", "meshserve.launch.cli", "generate",
                f"model.path='{text3}'", "generate.max_tokens=8", "parallel.pp=2"])

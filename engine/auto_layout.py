@@ -1,0 +1,46 @@
+"""parallel=auto at startup: the planner picks tp and pp for the ranks this run has."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from meshserve.launch.discovery import LaunchEnv
+from meshserve.launch.run_config import MeshConfig
+from meshserve.models.arch import ModelArch
+from meshserve.parallel.cluster import ClusterConfig
+from meshserve.parallel.planner import plan_for
+
+
+def launched_cluster(cluster: ClusterConfig, env: LaunchEnv) -> ClusterConfig:
+    """The configured cluster reshaped to the ranks a launcher started: its nodes and
+    ranks per node; the device figures stay the preset's."""
+    if env.num_nodes * env.local_world_size != env.world_size:
+        raise ValueError(f"parallel.auto=true with {env.describe()}: the planner needs the "
+                         f"same number of ranks on every node; allowed is world size = nodes x "
+                         f"ranks per node ({env.num_nodes} x {env.local_world_size})")
+    return dataclasses.replace(cluster, num_nodes=env.num_nodes,
+                               devices_per_node=env.local_world_size,
+                               nvlink_domain_size=min(cluster.nvlink_domain_size,
+                                                      env.local_world_size))
+
+
+def resolve_layout(config: MeshConfig, arch: ModelArch, env: LaunchEnv | None, *,
+                   announce: bool = True) -> MeshConfig:
+    """`config` with concrete degrees: unchanged unless parallel.auto, else the planner's
+    (tp, pp) with one replica, for the launched ranks or the configured cluster.
+
+    Every rank computes the same answer (the planner is deterministic), so no rank has to
+    wait for another's choice.
+    """
+    if not config.parallel.auto:
+        return config
+    cluster = config.cluster if env is None else launched_cluster(config.cluster, env)
+    chosen = plan_for(dataclasses.replace(config, cluster=cluster), arch, max_dp=1)
+    if announce and (env is None or env.rank == 0):
+        print(f"meshserve: parallel=auto chose tp={chosen.tp}, pp={chosen.pp} for "
+              f"{cluster.num_nodes} node(s) x {cluster.devices_per_node} "
+              f"{cluster.device_type} rank(s): {chosen.explanation}", file=sys.stderr)
+    parallel = dataclasses.replace(config.parallel, auto=False, tp=chosen.tp, pp=chosen.pp,
+                                   dp=1)
+    return dataclasses.replace(config, parallel=parallel)
