@@ -157,6 +157,9 @@ def run_worker_rank(config: MeshConfig, model_dir: Path, env: LaunchEnv) -> int:
                      lambda: _exit_now(f"{label}: stopping: the driver (rank 0) is gone", 1))
     store = None
     try:
+        # A layout these ranks cannot hold fails here on every rank, before any rank waits
+        # for another (the driver checks the same before it serves the rendezvous).
+        check_layout(config, ModelArch.from_dir(model_dir), env.world_size)
         store = launcher_store(env, timedelta(seconds=STARTUP_TIMEOUT_S))
         groups, worker = start_rank(config, model_dir, env, store)
         label = f"meshserve {groups.describe()}"

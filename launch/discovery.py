@@ -268,6 +268,10 @@ def _from_mpi(env: Mapping[str, str]) -> LaunchEnv:
         rendezvous = (addr, int(env.get("MASTER_PORT") or _free_port(addr)))
     addr, port = comm.bcast(rendezvous, root=0)
     local.Free()
+    # MPI's job is done: the ranks talk over torch.distributed from here. Finalizing now
+    # (all ranks are here together) means exit needs no MPI handshake, so a rank that
+    # exits early with an error is seen by mpirun, which then stops the others.
+    MPI.Finalize()
     return LaunchEnv(launcher="mpi", rank=rank, world_size=world, local_rank=local_rank,
                      local_world_size=local_world, node_rank=nodes.index(hosts[rank]),
                      num_nodes=len(nodes), master_addr=addr, master_port=port)
