@@ -18,4 +18,24 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 "${pip[@]}" -e ".${extras}"
+if [ -n "$extras" ]; then
+  # The launch tests run a real local Slurm and mpirun: system packages, where apt works.
+  need=()
+  command -v slurmctld >/dev/null 2>&1 || need+=(slurm-wlm)
+  command -v mpicc >/dev/null 2>&1 || need+=(openmpi-bin libopenmpi-dev)
+  if [ ${#need[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get install -y -q "${need[@]}" >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "${need[@]}" >/dev/null 2>&1; } \
+        || echo "note: could not apt-get install ${need[*]}: the Slurm/MPI launch tests will skip"
+    else
+      echo "note: ${need[*]} missing (needs root and apt-get): the Slurm/MPI launch tests will skip"
+    fi
+  fi
+  # mpi4py builds against the system MPI (mpicc), so it is not a pip extra.
+  if command -v mpicc >/dev/null 2>&1 && ! .venv/bin/python -c "import mpi4py" 2>/dev/null; then
+    "${pip[@]}" mpi4py || echo "note: mpi4py did not build: the mpirun tests will skip"
+  fi
+fi
 echo "meshserve installed in $(pwd)/.venv (torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'))"
