@@ -28,7 +28,8 @@ def launched_cluster(cluster: ClusterConfig, env: LaunchEnv) -> ClusterConfig:
 def resolve_layout(config: MeshConfig, arch: ModelArch, env: LaunchEnv | None, *,
                    announce: bool = True) -> MeshConfig:
     """`config` with concrete degrees: unchanged unless parallel.auto, else the planner's
-    (tp, pp) with one replica, for the launched ranks or the configured cluster.
+    (tp, pp) with one replica, for exactly the launched ranks or, without a launcher, for
+    up to the configured cluster's devices.
 
     Every rank computes the same answer (the planner is deterministic), so no rank has to
     wait for another's choice.
@@ -36,7 +37,10 @@ def resolve_layout(config: MeshConfig, arch: ModelArch, env: LaunchEnv | None, *
     if not config.parallel.auto:
         return config
     cluster = config.cluster if env is None else launched_cluster(config.cluster, env)
-    chosen = plan_for(dataclasses.replace(config, cluster=cluster), arch, max_dp=1)
+    # A launcher's ranks must all be used; started alone, the run takes as many of the
+    # cluster's devices as pay for themselves (a small model stays on one).
+    chosen = plan_for(dataclasses.replace(config, cluster=cluster), arch, max_dp=1,
+                      fill_cluster=env is not None)
     if announce and (env is None or env.rank == 0):
         print(f"meshserve: parallel=auto chose tp={chosen.tp}, pp={chosen.pp} for "
               f"{cluster.num_nodes} node(s) x {cluster.devices_per_node} "

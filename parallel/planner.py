@@ -16,15 +16,10 @@ from typing import TYPE_CHECKING
 from meshserve.parallel.cluster import ClusterConfig
 from meshserve.parallel.cost_model import CostModel, StepWork
 from meshserve.parallel.model_shape import ArchLike, ModelShape
-from meshserve.parallel.plan import (
-    Plan,
-    balanced_layer_ranges,
-    layout_for,
-    place_ranks,
-    tp_within_domain,
-)
+from meshserve.parallel.plan import Plan, layout_for, place_ranks, tp_within_domain
 from meshserve.parallel.prediction import Prediction, predict
 from meshserve.parallel.scenario import ScenarioConfig
+from meshserve.parallel.stages import StageCosts, stage_layer_ranges
 from meshserve.validation import require
 
 if TYPE_CHECKING:
@@ -50,6 +45,9 @@ class PlannerOptions:
     cost model's error)."""
     max_dp: int | None = None
     """Largest data-parallel degree considered; null: any (the runtime serves dp=1)."""
+    fill_cluster: bool = True
+    """Use every device of the cluster (a launcher started that many ranks); false: any
+    device count up to it, so a small model may stay on one device."""
 
     def __post_init__(self) -> None:
         require(0 < self.memory_utilization <= 1, "plan.memory_utilization",
@@ -121,9 +119,9 @@ def stage_ranges(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioCo
     """Layers per stage balanced by the decode cost at the scenario's batch and context."""
     probe = CostModel(shape, cluster, layout_for(tp, [(0, shape.num_layers)], 1, cluster))
     work = StepWork.decode(scenario.max_batch, scenario.prompt_len + scenario.output_len / 2)
-    return balanced_layer_ranges(shape.num_layers, pp, layer=probe.layer_time(work).total_s,
-                                 first=probe.embed_time(work).total_s,
-                                 last=probe.head_time(work).total_s)
+    costs = StageCosts(layer=probe.layer_time(work).total_s, embed=probe.embed_time(work).total_s,
+                       head=probe.head_time(work).total_s)
+    return stage_layer_ranges(shape.num_layers, pp, costs)
 
 
 def evaluate(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
@@ -206,8 +204,9 @@ def plan(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
     if degrees is not None:
         require(degrees[0] * degrees[1] * degrees[2] <= cluster.num_devices,
                 "parallel.tp*pp*dp", degrees, f"at most {cluster.num_devices} devices ({cluster.name})")
+    counts = [cluster.num_devices] if options.fill_cluster else range(1, cluster.num_devices + 1)
     space = [degrees] if degrees is not None else [
-        d for d in enumerate_degrees(cluster.num_devices)
+        d for n in counts for d in enumerate_degrees(n)
         if options.max_dp is None or d[2] <= options.max_dp]
     cands = [evaluate(shape, cluster, scenario, d, options) for d in space]
     ok = [c for c in cands if c.rejected is None and (
@@ -290,14 +289,16 @@ def is_auto(config: MeshConfig) -> bool:
     return bool(getattr(config.parallel, "auto", False))
 
 
-def plan_for(config: MeshConfig, arch: ArchLike, *, max_dp: int | None = None) -> Plan:
+def plan_for(config: MeshConfig, arch: ArchLike, *, max_dp: int | None = None,
+             fill_cluster: bool = True) -> Plan:
     """The Plan a run starts with: the planner's choice under parallel=auto (at most
-    `max_dp` replicas), else the configured degrees checked and placed. `arch` is the
-    model's ModelArch."""
+    `max_dp` replicas; on every device of the cluster or, without `fill_cluster`, on as
+    many as pay), else the configured degrees checked and placed. `arch` is the model's
+    ModelArch."""
     dtype = resolve_dtype(config.model.dtype, getattr(arch, "dtype", "bfloat16"),
                           config.cluster.device_type)
     shape = ModelShape.from_arch(arch, dtype)
     par = config.parallel
     degrees = None if is_auto(config) else (par.tp, par.pp, par.dp)
-    options = replace(options_for(config), max_dp=max_dp)
+    options = replace(options_for(config), max_dp=max_dp, fill_cluster=fill_cluster)
     return plan(shape, config.cluster, config.scenario, options, degrees)
