@@ -34,7 +34,7 @@ from meshserve.models.arch import ModelArch
 from meshserve.parallel.broadcast import BroadcastInbox, ObjectBroadcaster
 from meshserve.parallel.mesh import ParallelDims, ProcessGroups
 from meshserve.parallel.p2p import ObjectChannel
-from meshserve.parallel.stages import decoder_costs, stage_layer_ranges
+from meshserve.parallel.planner import runtime_stage_ranges
 
 STARTUP_TIMEOUT_S = 600.0
 """Longest wait for every rank to start and load its weights (the run's timeout_s applies
@@ -105,11 +105,7 @@ def start_rank(config: MeshConfig, model_dir: Path, env: LaunchEnv, store: dist.
     op_timeout = timedelta(seconds=config.parallel.timeout_s) if device.type == "cpu" else None
     groups = ProcessGroups.build(dims, rank=env.rank, node_ids=[str(n) for n in node_ids],
                                  device_type=device.type, op_timeout=op_timeout)
-    costs = decoder_costs(hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
-                          num_attention_heads=arch.num_attention_heads,
-                          num_key_value_heads=arch.num_key_value_heads,
-                          head_dim=arch.head_dim, vocab_size=arch.vocab_size)
-    layer_range = stage_layer_ranges(arch.num_hidden_layers, dims.pp, costs)[groups.pp_rank]
+    layer_range = runtime_stage_ranges(config, arch, dims.tp, dims.pp)[groups.pp_rank]
     worker = StageWorker(config, model_dir, groups, layer_range, device, dtype,
                          max_in_flight(config), progress=progress)
     store_barrier(store, "loaded", env.world_size, startup_s, check)

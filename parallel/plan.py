@@ -109,30 +109,3 @@ def layout_for(tp: int, stage_layers: list[tuple[int, int]], num_micro_batches: 
                                     for a, b in zip(nodes, nodes[1:])),
                   active_devices_per_node=min(cluster.devices_per_node, tp * pp))
 
-
-def balanced_layer_ranges(num_layers: int, pp: int, *, layer: float, first: float = 0.0,
-                          last: float = 0.0) -> list[tuple[int, int]]:
-    """[start, end) layers per stage minimising the slowest stage, every stage >= 1 layer.
-
-    Each layer costs `layer`; stage 0 also pays `first` (embedding) and the last stage
-    `last` (LM head). Among equally good splits, earlier stages take more layers.
-    (parallel/stages.py has the same rule as a DP over StageCosts; merge the two.)
-    """
-    require(1 <= pp <= num_layers, "parallel.pp", pp, f"1..num_hidden_layers={num_layers}")
-    require(layer > 0 and first >= 0 and last >= 0, "stage costs", (layer, first, last),
-            "layer > 0, first and last >= 0")
-    extras = [(first if s == 0 else 0.0) + (last if s == pp - 1 else 0.0) for s in range(pp)]
-
-    def capacity(bound: float) -> list[int]:  # most layers each stage takes under `bound`
-        return [int((bound - e) / layer + 1e-9) for e in extras]
-
-    # The optimum is one stage's cost, extra + n * layer: try those in increasing order.
-    bounds = sorted({e + n * layer for e in extras for n in range(1, num_layers + 1)})
-    bound = next(b for b in bounds if min(capacity(b)) >= 1 and sum(capacity(b)) >= num_layers)
-    ranges, start = [], 0
-    for s, cap in enumerate(capacity(bound)):
-        n = min(cap, num_layers - start - (pp - 1 - s))
-        ranges.append((start, start + n))
-        start += n
-    assert start == num_layers, ranges
-    return ranges

@@ -302,3 +302,16 @@ def plan_for(config: MeshConfig, arch: ArchLike, *, max_dp: int | None = None,
     degrees = None if is_auto(config) else (par.tp, par.pp, par.dp)
     options = replace(options_for(config), max_dp=max_dp, fill_cluster=fill_cluster)
     return plan(shape, config.cluster, config.scenario, options, degrees)
+
+
+def runtime_stage_ranges(config: MeshConfig, arch: ArchLike, tp: int,
+                         pp: int) -> list[tuple[int, int]]:
+    """The layer ranges a running tp x pp layout uses: the ones the planner predicts it with
+    (stage_ranges) for the run's cluster and scenario. A cluster preset with fewer devices
+    than the tp ranks is taken as having enough nodes of its kind. `arch`: a ModelArch."""
+    dtype = resolve_dtype(config.model.dtype, getattr(arch, "dtype", "bfloat16"),
+                          config.cluster.device_type)
+    cluster = config.cluster
+    if cluster.num_devices < tp:
+        cluster = replace(cluster, num_nodes=-(-tp // cluster.devices_per_node))
+    return stage_ranges(ModelShape.from_arch(arch, dtype), cluster, config.scenario, tp, pp)

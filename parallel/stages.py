@@ -2,8 +2,9 @@
 
 Stage 0 also embeds the tokens and the last stage also runs the final norm and the LM
 head, so an even split of the layers leaves the last stage slowest whenever the LM head
-is large (Llama-3-8B: the head reads as many bytes as ~2.4 decoder layers). Costs here
-are weight bytes read per decode step, the quantity a bandwidth-bound decode pays for.
+is large (Llama-3-8B: the head reads as many bytes as ~2.4 decoder layers). The planner
+prices a layer, the embedding and the head with the cost model (planner.stage_ranges);
+the runtime splits with the same costs, so it runs the ranges the planner predicted.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from meshserve.validation import require
 
 @dataclass(frozen=True, kw_only=True)
 class StageCosts:
-    """Relative cost of one decoder layer and of the extras of the first and last stage."""
+    """Cost of one decoder layer and of the extras of the first and last stage."""
 
     layer: float
     """One decoder layer."""
     embed: float = 0.0
-    """Stage 0's token embedding."""
+    """Stage 0's token embedding (and the runtime's fixed work per forward)."""
     head: float = 0.0
     """The last stage's final norm and LM head."""
 
@@ -28,16 +29,6 @@ class StageCosts:
         require(self.layer > 0, "costs.layer", self.layer, "a cost > 0")
         require(self.embed >= 0 and self.head >= 0, "costs.embed/head",
                 (self.embed, self.head), "costs >= 0")
-
-
-def decoder_costs(*, hidden_size: int, intermediate_size: int, num_attention_heads: int,
-                  num_key_value_heads: int, head_dim: int, vocab_size: int) -> StageCosts:
-    """Weights read per decode step: attention and SwiGLU MLP per layer; the LM head reads
-    vocab x hidden; the embedding reads one row per token, which is next to nothing."""
-    attn = hidden_size * head_dim * (2 * num_attention_heads + 2 * num_key_value_heads)
-    mlp = 3 * hidden_size * intermediate_size
-    return StageCosts(layer=float(attn + mlp + 2 * hidden_size), embed=float(hidden_size),
-                      head=float(vocab_size * hidden_size + hidden_size))
 
 
 def stage_layer_ranges(num_layers: int, num_stages: int,

@@ -12,7 +12,7 @@ from meshserve.models.arch import ModelArch
 from meshserve.parallel.cluster import ClusterConfig
 from meshserve.parallel.config import ParallelConfig
 from meshserve.parallel.model_shape import ModelShape
-from meshserve.parallel.plan import balanced_layer_ranges, place_ranks
+from meshserve.parallel.plan import place_ranks
 from meshserve.parallel.planner import (
     Candidate,
     PlannerOptions,
@@ -116,19 +116,6 @@ def test_tp_across_domains_only_when_forced_with_a_warning() -> None:
     _, half = find(p.candidates, 2, 1, 2)
     assert half.rejected == ("weights 0.0178 GB + activations 0.000264 GB per device > "
                              "0.0135 GB usable (0.015 GB x 0.9)")
-
-
-def test_stage_layer_ranges_are_balanced_by_cost() -> None:
-    assert balanced_layer_ranges(32, 4, layer=1.0) == [(0, 8), (8, 16), (16, 24), (24, 32)]
-    # An LM head worth 2.4 layers: the last stage gets fewer layers, earlier stages more.
-    assert balanced_layer_ranges(32, 4, layer=1.0, last=2.4) == [(0, 9), (9, 18), (18, 27),
-                                                                 (27, 32)]
-    assert balanced_layer_ranges(80, 2, layer=1.0, last=1.2) == [(0, 41), (41, 80)]
-    assert balanced_layer_ranges(10, 3, layer=1.0, first=2.0) == [(0, 2), (2, 6), (6, 10)]
-    assert balanced_layer_ranges(3, 3, layer=1.0, last=100.0) == [(0, 1), (1, 2), (2, 3)]
-    with pytest.raises(ValueError, match=r"parallel.pp=5 is invalid: allowed is "
-                                         r"1..num_hidden_layers=4"):
-        balanced_layer_ranges(4, 5, layer=1.0)
 
 
 def test_plan_stage_ranges_follow_the_lm_head_at_small_batch() -> None:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from meshserve.parallel.stages import StageCosts, decoder_costs, stage_layer_ranges
+from meshserve.launch.config import load_config
+from meshserve.models.arch import ModelArch
+from meshserve.parallel.model_shape import ModelShape
+from meshserve.parallel.planner import plan_for, runtime_stage_ranges, stage_ranges
+from meshserve.parallel.stages import StageCosts, stage_layer_ranges
 
 
 @pytest.mark.parametrize(("num_layers", "num_stages", "expected"), [
@@ -33,14 +39,30 @@ def test_heavy_embedding_takes_layers_off_the_first_stage() -> None:
     assert stage_layer_ranges(6, 2, costs) == [(0, 2), (2, 6)]
 
 
-def test_decoder_costs_of_a_llama_3_8b_shape() -> None:
-    c = decoder_costs(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                      num_key_value_heads=8, head_dim=128, vocab_size=128256)
-    assert c.layer == 4096 * 128 * (64 + 16) + 3 * 4096 * 14336 + 2 * 4096
-    assert c.head == 128256 * 4096 + 4096
-    assert c.head / c.layer == pytest.approx(2.41, abs=0.01)
-    # The embedding's tiny cost tips a 9-layer stage 0 past the bound of 9 layers.
-    assert stage_layer_ranges(32, 4, c) == [(0, 8), (8, 17), (17, 26), (26, 32)]
+def test_more_splits_balanced_by_cost() -> None:
+    assert stage_layer_ranges(80, 2, StageCosts(layer=1.0, head=1.2)) == [(0, 41), (41, 80)]
+    assert stage_layer_ranges(10, 3, StageCosts(layer=1.0, embed=2.0)) == [(0, 2), (2, 6),
+                                                                           (6, 10)]
+    assert stage_layer_ranges(3, 3, StageCosts(layer=1.0, head=100.0)) == [(0, 1), (1, 2),
+                                                                            (2, 3)]
+
+
+def test_the_runtime_splits_as_the_planner_predicts() -> None:
+    cfg = load_config(["model=llama-3-8b", "cluster=dgx-h100", "parallel.tp=2",
+                       "parallel.pp=4"])
+    arch = ModelArch.from_hf_dict(cfg.model.arch)
+    planned = plan_for(cfg, arch).stage_layers
+    # At the chatbot batch the head costs ~2.4 layers and the embedding tips stage 0 past 9.
+    assert planned == ((0, 8), (8, 17), (17, 26), (26, 32))
+    assert runtime_stage_ranges(cfg, arch, 2, 4) == list(planned)
+
+
+def test_the_runtime_split_on_a_preset_with_fewer_devices() -> None:
+    cfg = load_config(["cluster=local-cpu"])  # 2 CPU ranks; tp=4 still gets ranges
+    arch = ModelArch.from_hf_dict(load_config(["model=llama-3-8b"]).model.arch)
+    assert runtime_stage_ranges(cfg, arch, 4, 2) == stage_ranges(
+        ModelShape.from_arch(arch, "float32"),
+        dataclasses.replace(cfg.cluster, num_nodes=2), cfg.scenario, 4, 2)
 
 
 def test_too_many_stages_is_rejected() -> None:
