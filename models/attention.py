@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshserve.kernels import paged_attention as ref
+from meshserve.kernels import dispatch
 
 
 @dataclass
@@ -41,6 +41,8 @@ class AttentionMetadata:
     """[num_decode] cached tokens including the decoded one."""
     prefills: list[PrefillChunk]
     """The prompt chunks after the decodes."""
+    prefill_batch: dispatch.PrefillBatch | None = None
+    """The chunks stacked for the Triton prefill kernel: built by the step's first layer."""
 
 
 class Attention(nn.Module):
@@ -62,23 +64,18 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k and v [T, Hkv, D] -> [T, H, D]."""
-        ref.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        dispatch.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         n_dec = meta.num_decode_tokens
         if not meta.prefills:
             return self._decode(q, meta)
         out = torch.empty_like(q)
         if n_dec:
             out[:n_dec] = self._decode(q[:n_dec], meta)
-        for c in meta.prefills:
-            sl = slice(c.token_start, c.token_start + c.num_tokens)
-            if c.start_pos == 0:
-                out[sl] = ref.causal_prefill(q[sl], k[sl], v[sl], self.scale,
-                                             self.sliding_window)
-            else:
-                out[sl] = ref.paged_prefill(q[sl], self.k_cache, self.v_cache, c.block_table,
-                                            c.start_pos, self.scale, self.sliding_window)
+        meta.prefill_batch = dispatch.prefill(q, k, v, self.k_cache, self.v_cache, meta.prefills,
+                                              out, self.scale, self.sliding_window,
+                                              meta.prefill_batch)
         return out
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return ref.paged_decode(q, self.k_cache, self.v_cache, meta.decode_block_tables,
-                                meta.decode_context_lens, self.scale, self.sliding_window)
+        return dispatch.paged_decode(q, self.k_cache, self.v_cache, meta.decode_block_tables,
+                                     meta.decode_context_lens, self.scale, self.sliding_window)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshserve.kernels.rmsnorm import add_rms_norm, rms_norm
+from meshserve.kernels.dispatch import add_rms_norm, rms_norm
 from meshserve.models.arch import ModelArch
 from meshserve.models.attention import Attention, AttentionMetadata
 from meshserve.models.rope import RotaryEmbedding

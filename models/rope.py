@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshserve.kernels.rotary import apply_rotary
+from meshserve.kernels.dispatch import apply_rotary
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:

@@ -1,0 +1,164 @@
+"""Picks each kernel's implementation: Triton on CUDA, the PyTorch reference on CPU.
+
+MESHSERVE_KERNELS chooses: `auto` (the default: Triton for CUDA tensors when Triton is
+installed, the reference otherwise), `reference` (always), or `triton` (always, which on
+a CPU means Triton's interpreter: TRITON_INTERPRET=1 must be set before Triton is first
+imported; the kernel tests do this). Triton is imported only when a Triton path is
+taken, so a CPU-only install never needs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from types import ModuleType
+from typing import Protocol
+
+import torch
+
+from meshserve.kernels import paged_attention as ref_attention
+from meshserve.kernels import rmsnorm as ref_rmsnorm
+from meshserve.kernels import rotary as ref_rotary
+
+ENV_VAR = "MESHSERVE_KERNELS"
+MODES = ("auto", "reference", "triton")
+MIN_ATTENTION_BLOCK_SIZE = 16
+"""Smaller cache blocks take the reference attention (tl.dot's smallest tile)."""
+
+
+@cache
+def triton_installed() -> bool:
+    """Whether Triton can be imported (looked up without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def kernel_mode() -> str:
+    """The validated MESHSERVE_KERNELS value."""
+    mode = os.environ.get(ENV_VAR, "auto")
+    if mode not in MODES:
+        raise ValueError(f"{ENV_VAR}={mode!r} is invalid: allowed are {MODES}")
+    return mode
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether kernels for tensors on `device` run in Triton."""
+    mode = kernel_mode()
+    if mode == "reference":
+        return False
+    if mode == "triton":
+        if not triton_installed():
+            raise ValueError(f"{ENV_VAR}=triton but triton is not installed: allowed are "
+                             "auto and reference")
+        return True
+    return device.type == "cuda" and triton_installed()
+
+
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(f"meshserve.kernels.{name}")
+
+
+class ChunkLike(Protocol):
+    """One prompt chunk among a step's flattened tokens (models.attention.PrefillChunk)."""
+
+    token_start: int
+    num_tokens: int
+    start_pos: int
+    block_table: torch.Tensor
+
+
+@dataclass
+class PrefillBatch:
+    """A step's prompt chunks as the Triton prefill kernel reads them (built once per step)."""
+
+    block_tables: torch.Tensor
+    """[N, max_blocks] (long), padded with 0."""
+    q_starts: torch.Tensor
+    """[N] first token of each chunk among the step's tokens."""
+    q_lens: torch.Tensor
+    """[N] tokens per chunk."""
+    start_pos: torch.Tensor
+    """[N] position of each chunk's first token."""
+    max_q_len: int
+    """The longest chunk (sizes the grid)."""
+
+    @classmethod
+    def from_chunks(cls, chunks: Sequence[ChunkLike], device: torch.device) -> PrefillBatch:
+        """Stack the chunks' block tables and offsets onto `device`."""
+        tables = torch.nn.utils.rnn.pad_sequence([c.block_table for c in chunks],
+                                                 batch_first=True)
+        ints = torch.tensor([[c.token_start, c.num_tokens, c.start_pos] for c in chunks],
+                            dtype=torch.long).t().contiguous()
+        ints = ints.pin_memory().to(device, non_blocking=True) if device.type == "cuda" \
+            else ints.to(device)
+        return cls(tables.to(device), ints[0], ints[1], ints[2],
+                   max(c.num_tokens for c in chunks))
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k, v [T, Hkv, D] at flat slots [T] of the caches."""
+    if use_triton(k.device):
+        _module("triton_write_kv").write_kv(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        ref_attention.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                 sliding_window: int | None = None) -> torch.Tensor:
+    """One query per sequence: q [B, H, D] -> [B, H, D]."""
+    if use_triton(q.device) and k_cache.shape[1] >= MIN_ATTENTION_BLOCK_SIZE:
+        return _module("triton_paged_decode").paged_decode(
+            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
+    return ref_attention.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                      sliding_window)
+
+
+def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, chunks: Sequence[ChunkLike], out: torch.Tensor,
+            scale: float, sliding_window: int | None = None,
+            batch: PrefillBatch | None = None) -> PrefillBatch | None:
+    """Attention of every prompt chunk's rows of q [T, H, D] into `out`; K/V already written.
+
+    Returns the PrefillBatch the Triton path built (pass it back for the step's next
+    layers), or None on the reference path.
+    """
+    if use_triton(q.device) and k_cache.shape[1] >= MIN_ATTENTION_BLOCK_SIZE:
+        batch = batch or PrefillBatch.from_chunks(chunks, q.device)
+        _module("triton_paged_prefill").paged_prefill(
+            q, k_cache, v_cache, batch.block_tables, batch.q_starts, batch.q_lens,
+            batch.start_pos, batch.max_q_len, scale, sliding_window, out=out)
+        return batch
+    for c in chunks:
+        sl = slice(c.token_start, c.token_start + c.num_tokens)
+        if c.start_pos == 0:
+            out[sl] = ref_attention.causal_prefill(q[sl], k[sl], v[sl], scale, sliding_window)
+        else:
+            out[sl] = ref_attention.paged_prefill(q[sl], k_cache, v_cache, c.block_table,
+                                                  c.start_pos, scale, sliding_window)
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) over the last dim of x [T, N]."""
+    if use_triton(x.device) and x.dim() == 2:
+        return _module("triton_rmsnorm").rms_norm(x, weight, eps)
+    return ref_rmsnorm.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual)."""
+    if use_triton(x.device) and x.dim() == 2:
+        return _module("triton_rmsnorm").add_rms_norm(x, residual, weight, eps)
+    return ref_rmsnorm.add_rms_norm(x, residual, weight, eps)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] by cos/sin [T, D // 2]."""
+    if use_triton(x.device):
+        return _module("triton_rotary").apply_rotary(x, cos, sin)
+    return ref_rotary.apply_rotary(x, cos, sin)

@@ -1,0 +1,175 @@
+"""Paged-attention decode in Triton: one query token per sequence, K/V through block tables.
+
+Grid (batch, kv_head, split). A program serves every query head of one KV head (GQA: the
+group's queries share each K/V load, so the cache is read once per KV head) over one
+split of the context: `blocks_per_split` cache blocks, online softmax in fp32. With more
+than one split, each writes its unnormalised output and (max, sum) to a scratch buffer
+and a second kernel merges them (split-K: long contexts keep every SM busy at batch 1).
+The split count comes from the block table's width, never from the context lengths, so
+a launch needs no host sync and is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshserve.kernels import checks
+from meshserve.kernels.paged_attention import paged_decode as paged_decode_reference
+from meshserve.kernels.triton_import import dot_config, tl, triton
+from meshserve.kernels.triton_online_softmax import attend_block
+
+__all__ = ["paged_decode", "paged_decode_reference", "num_splits_for"]
+
+PARTITION_TOKENS = 512
+"""Cache tokens per split (a multiple of any supported block size)."""
+
+MIN_BLOCK_SIZE = 16
+"""tl.dot needs tiles of at least 16 on the GPU; smaller cache blocks use the reference."""
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, acc_ptr, ml_ptr,
+                   qk_scale, window, stride_qb, stride_qh, stride_ob, stride_oh,
+                   stride_kb, stride_kt, stride_kh, stride_tb,
+                   GQA: tl.constexpr, GQA_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCKS_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(lens_ptr + b).to(tl.int32)
+    offs_g = tl.arange(0, GQA_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_t = tl.arange(0, BLOCK_SIZE)
+    g_mask = offs_g < GQA
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GQA + offs_g
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G, D]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    lo = split * BLOCKS_PER_SPLIT
+    hi = tl.minimum(lo + BLOCKS_PER_SPLIT, tl.cdiv(ctx, BLOCK_SIZE))
+    if USE_WINDOW:
+        lo = tl.maximum(lo, tl.maximum(ctx - window, 0) // BLOCK_SIZE)
+    m_i = tl.full([GQA_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GQA_PAD], tl.float32)
+    acc = tl.zeros([GQA_PAD, BLOCK_D], tl.float32)
+    for blk in range(lo, hi):
+        phys = tl.load(tables_ptr + b * stride_tb + blk).to(tl.int64)
+        kv_off = (phys * stride_kb + offs_t[:, None] * stride_kt + kvh * stride_kh
+                  + offs_d[None, :])
+        pos = blk * BLOCK_SIZE + offs_t
+        valid = pos < ctx
+        if USE_WINDOW:
+            valid = valid & (pos > ctx - 1 - window)
+        m_i, l_i, acc = attend_block(q, k_ptr, v_ptr, kv_off, d_mask, valid[None, :], m_i, l_i,
+                                     acc, qk_scale, UPCAST, DOT_PRECISION)
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty row (padding) gives 0
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # scratch acc [B, H, S, BLOCK_D] and ml [B, H, S, 2], contiguous
+        row = (b * (GQA * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [G]
+        tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=out_mask)
+        tl.store(ml_ptr + row * 2, m_i, mask=g_mask)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def _reduce_kernel(acc_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, num_heads,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   SPLITS_PAD: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    row = (b * num_heads + h) * NUM_SPLITS + offs_s
+    m = tl.load(ml_ptr + row * 2, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty (padding)
+    w = tl.exp2(m - m_max)  # empty splits: exp2(-inf) = 0
+    total = tl.sum(w * l_s, 0)
+    acc = tl.load(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
+                  mask=s_mask[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def num_splits_for(max_blocks_per_seq: int, block_size: int,
+                   partition_tokens: int = PARTITION_TOKENS) -> tuple[int, int]:
+    """(num_splits, blocks_per_split) for block tables `max_blocks_per_seq` wide."""
+    blocks_per_split = max(1, partition_tokens // block_size)
+    return max(1, -(-max_blocks_per_seq // blocks_per_split)), blocks_per_split
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[int, int, int]:
+    checks.check_dim("q", q, 3)
+    checks.check_dtype("q", q, checks.FLOAT_DTYPES)
+    checks.check_last_contiguous("q", q)
+    _, block_size, num_kv_heads, head_dim = checks.check_cache(k_cache, v_cache)
+    checks.check_same_dtype("k_cache", k_cache, "q", q)
+    b, h, d = q.shape
+    if d != head_dim:
+        raise ValueError(f"q head_dim {d} != cache head_dim {head_dim}")
+    if block_size < MIN_BLOCK_SIZE:
+        raise ValueError(f"cache block_size {block_size} is below the kernel's minimum "
+                         f"{MIN_BLOCK_SIZE}: use the reference")
+    checks.check_dim("block_tables", block_tables, 2)
+    if block_tables.shape[0] != b:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {b} queries")
+    checks.check_dtype("block_tables", block_tables, (torch.int32, torch.int64))
+    checks.check_last_contiguous("block_tables", block_tables)
+    checks.check_shape("context_lens", context_lens, (b,))
+    checks.check_dtype("context_lens", context_lens, (torch.int32, torch.int64))
+    checks.check_same_device(("q", q), ("k_cache", k_cache), ("block_tables", block_tables),
+                             ("context_lens", context_lens))
+    return checks.check_gqa(h, num_kv_heads), block_size, num_kv_heads
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                 sliding_window: int | None = None, *,
+                 partition_tokens: int = PARTITION_TOKENS) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D], as `paged_decode_reference` (context_lens include the query).
+
+    Rows with context length 0 (CUDA-graph padding) give zeros.
+    """
+    gqa, block_size, num_kv_heads = _check(q, k_cache, v_cache, block_tables, context_lens)
+    b, h, d = q.shape
+    out = torch.empty_like(q)
+    if b == 0:
+        return out
+    block_d = max(16, checks.next_pow2(d))
+    num_splits, per_split = num_splits_for(block_tables.shape[1], block_size, partition_tokens)
+    if num_splits > 1:
+        acc = torch.empty(b, h, num_splits, block_d, dtype=torch.float32, device=q.device)
+        ml = torch.empty(b, h, num_splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        acc = ml = out  # unused
+    upcast, precision = dot_config(q.dtype, q.device)
+    _decode_kernel[(b, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, acc, ml,
+        scale * _LOG2E, sliding_window or 0, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        GQA=gqa, GQA_PAD=max(16, checks.next_pow2(gqa)), HEAD_DIM=d, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, BLOCKS_PER_SPLIT=per_split, NUM_SPLITS=num_splits,
+        USE_WINDOW=sliding_window is not None, UPCAST=upcast, DOT_PRECISION=precision)
+    if num_splits > 1:
+        _reduce_kernel[(b, h)](acc, ml, out, out.stride(0), out.stride(1), h, HEAD_DIM=d,
+                               BLOCK_D=block_d, NUM_SPLITS=num_splits,
+                               SPLITS_PAD=checks.next_pow2(num_splits))
+    return out
