@@ -49,6 +49,10 @@ class EngineConfig:
     seed: int = 0
     """Seed for requests that sample without a seed of their own."""
 
+    step_log: str | None = None
+    """JSON-lines file the engine appends one step record to per step (parallel/diagnose.py's
+    StepRecord, read by `meshserve diagnose diagnose.records=...`); null writes none."""
+
     def __post_init__(self) -> None:
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
                  "engine.block_size", self.block_size, "a power of two >= 1")
@@ -65,6 +69,8 @@ class EngineConfig:
                  self.max_model_len, "null or an int >= 1")
         _require(self.policy in SCHEDULING_POLICIES, "engine.policy", self.policy,
                  f"one of {SCHEDULING_POLICIES}")
+        _require(self.step_log is None or bool(self.step_log), "engine.step_log",
+                 self.step_log, "null or a file path")
         _require(self.static_batch_size >= 1, "engine.static_batch_size", self.static_batch_size,
                  "an int >= 1")
 

@@ -17,11 +17,13 @@ from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler import Scheduler
 from meshserve.engine.scheduler_output import SchedulerOutput, SchedulerStats
 from meshserve.engine.sequence import Sequence, SequenceStatus
+from meshserve.engine.step_log import StepLog
 from meshserve.launch.discovery import discover
 from meshserve.launch.run_config import MeshConfig
 from meshserve.models.arch import ModelArch
 from meshserve.models.bundled import resolve_model_dir
 from meshserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from meshserve.parallel.tp_group import CommCounters
 
 
 @dataclass
@@ -71,6 +73,8 @@ class Engine:
         self.tokenizer = (Tokenizer(self.model_dir)
                           if (self.model_dir / "tokenizer.json").is_file() else None)
         self.max_model_len = self._max_model_len()
+        # Opened before any rank starts, so a bad path fails at once.
+        self.step_log = StepLog(config.engine.step_log) if config.engine.step_log else None
         self.executor: Executor = executor or make_executor(config, self.model_dir, self.arch,
                                                             progress=progress)
         self._max_in_flight: int = getattr(self.executor, "max_in_flight", 1)
@@ -89,6 +93,14 @@ class Engine:
         self._requests: dict[int, _Request] = {}
         self._by_request_id: dict[str, int] = {}
         self._seq_ids = itertools.count()
+        if self.step_log is not None:
+            self.step_log.comm = self._measured_comm()
+
+    def _measured_comm(self) -> CommCounters | None:
+        """The driver's TP collective counters when their times are real: gloo on CPU."""
+        if self.device.type != "cpu" or self.config.parallel.tp == 1:
+            return None
+        return getattr(self.executor, "comm_counters", None)
 
     def _max_model_len(self) -> int:
         limit = self.arch.max_position_embeddings
@@ -170,7 +182,9 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(self._in_flight)
 
     def shutdown(self) -> None:
-        """Release the executor's ranks, process groups and ports."""
+        """Release the executor's ranks, process groups and ports; close the step log."""
+        if self.step_log is not None:
+            self.step_log.close()
         self.executor.shutdown()
 
     def step(self) -> list[RequestOutput]:
@@ -183,12 +197,18 @@ class Engine:
             return []
         t1 = time.perf_counter()
         new = self._admit_to_executor(out)
+        comm = self.step_log.comm_mark() if self.step_log is not None else None
         t2 = time.perf_counter()
         result = self.executor.execute(out, new, self._finished)
         t3 = time.perf_counter()
         self._finished = []
         self.scheduler.update(out, result.tokens)
-        self.timing.add(t1 - t0 + time.perf_counter() - t3, t3 - t2, out.num_batched_tokens)
+        t4 = time.perf_counter()
+        self.timing.add(t1 - t0 + t4 - t3, t3 - t2, out.num_batched_tokens)
+        if self.step_log is not None:
+            self.step_log.write(out.scheduled, wall_s=t4 - t0, scheduler_s=t1 - t0 + t4 - t3,
+                                comm_mark=comm,
+                                num_in_flight=1 if self.config.parallel.pp > 1 else None)
         now = time.monotonic()
         return [self._advance(self._requests[i], t, result.logprobs.get(i), now)
                 for i, t in result.tokens.items()]
@@ -208,13 +228,18 @@ class Engine:
         """Fill the pipeline with micro-batches (disjoint sequences, balanced by tokens),
         then finish the oldest; outputs of the requests it advanced."""
         executor = cast(PipelinedExecutor, self.executor)
+        start = time.perf_counter()
+        comm = self.step_log.comm_mark() if self.step_log is not None else None
+        scheduled_s = 0.0  # this call's scheduling, whichever micro-batches it was for
         while len(self._in_flight) < self._max_in_flight:
             t0 = time.perf_counter()
             out = self.scheduler.schedule(self._micro_batch_budget())
             if not out.scheduled:
+                scheduled_s += time.perf_counter() - t0
                 break
             new = self._admit_to_executor(out)
             t1 = time.perf_counter()
+            scheduled_s += t1 - t0
             executor.submit(out, new, self._finished)
             self._finished = []
             self._in_flight.append((out, t1 - t0, time.perf_counter() - t1))
@@ -225,8 +250,12 @@ class Engine:
         result = executor.collect()
         t1 = time.perf_counter()
         self.scheduler.update(out, result.tokens)
-        self.timing.add(scheduler_s + time.perf_counter() - t1, execute_s + t1 - t0,
-                        out.num_batched_tokens)
+        t2 = time.perf_counter()
+        self.timing.add(scheduler_s + t2 - t1, execute_s + t1 - t0, out.num_batched_tokens)
+        if self.step_log is not None:
+            self.step_log.write(out.scheduled, wall_s=t2 - start,
+                                scheduler_s=scheduled_s + t2 - t1, comm_mark=comm,
+                                num_in_flight=len(self._in_flight) + 1)
         now = time.monotonic()
         requests = self._requests  # a request aborted while in flight is gone
         return [self._advance(requests[i], t, result.logprobs.get(i), now)

@@ -8,6 +8,7 @@ The layout is the run's: its parallel degrees, or the planner's choice under par
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -20,8 +21,10 @@ from meshserve.parallel.plan import layout_for
 from meshserve.parallel.planner import plan_for, resolve_dtype
 
 
-def read_records(path: str | None) -> list[StepRecord]:
-    """StepRecords from a JSON-lines file; errors name the line and the field."""
+def read_records(path: str | None) -> tuple[list[StepRecord], str | None]:
+    """StepRecords from a JSON-lines file, and a note when its last line was skipped: a
+    running engine may be writing it (cut short, no newline yet). Other bad lines are
+    errors naming the line and the field."""
     if not path:
         raise ValueError("diagnose.records=None is invalid: allowed is a JSON-lines file of "
                          "step records (one StepRecord's fields per line)")
@@ -30,12 +33,18 @@ def read_records(path: str | None) -> list[StepRecord]:
         raise ValueError(f"diagnose.records={path!r}: no such file")
     names = {f.name for f in fields(StepRecord)}
     records = []
-    for i, line in enumerate(p.read_text().splitlines(), 1):
+    text = p.read_text(errors="replace")
+    lines = text.splitlines()
+    note = None
+    for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
+            if i == len(lines) and not text.endswith("\n"):
+                note = f"{path}:{i}: skipped the last line, still being written ({len(line)} chars)"
+                break
             raise ValueError(f"{path}:{i}: not JSON ({e})") from None
         unknown = set(row) - names
         if unknown:
@@ -45,13 +54,15 @@ def read_records(path: str | None) -> list[StepRecord]:
             records.append(StepRecord(**row))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}:{i}: {e}") from None
-    return records
+    return records, note
 
 
 def run(overrides: list[str]) -> int:
     """Read the records, diagnose, print; returns the exit code."""
     cfg = load_config(shorthand(overrides, "diagnose"))
-    records = read_records(cfg.diagnose.records)
+    records, note = read_records(cfg.diagnose.records)
+    if note:
+        print(f"meshserve diagnose: {note}", file=sys.stderr)
     arch = resolve_arch(cfg.model)
     plan = plan_for(cfg, arch)
     shape = ModelShape.from_arch(arch, resolve_dtype(cfg.model.dtype, arch.dtype,

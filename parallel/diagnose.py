@@ -6,8 +6,13 @@ for the same work: the roofline time of its prefill chunks (compute-bound) and o
 (memory-bound on GPUs; on a CPU already compute-bound from a batch of ~3), in proportion to
 what each phase would cost alone; TP collectives (measured when the record has them);
 pipeline bubbles; what the roofline doesn't explain (launches, Python per layer, a stale
-calibration) is "other". When a step ran faster than predicted, the predicted parts are
-scaled down to the measured time.
+calibration) is "other", except the share of it the pipeline's idle stages spend waiting
+(the predicted bubble fraction of the step), which counts as bubbles. When a step ran
+faster than predicted, the predicted parts are scaled down to the measured time.
+
+A pipelined run (pp > 1) records one micro-batch per step with the number in flight: its
+prediction is its share of a pipeline round of that many, so a lone micro-batch crossing
+every stage shows its bubble.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 
-from meshserve.parallel.cost_model import CostModel, StepWork
+from meshserve.parallel.cost_model import CostModel, StepCost, StepWork
 from meshserve.validation import require
 
 CAUSES = ("prefill_compute", "decode_memory", "communication", "pipeline_bubbles", "scheduler",
@@ -46,6 +51,27 @@ SCENARIO_LEVERS = {  # DESIGN.md's scenario table
 }
 
 
+COUNT_FIELDS = ("num_prefill_tokens", "num_prefill_seqs", "num_prefill_cached_tokens",
+                "num_decode_seqs", "num_decode_context_tokens")
+"""StepRecord's work counts, in chunk_counts' order."""
+
+
+def chunk_counts(chunks: Iterable[tuple[int, int]]) -> tuple[int, int, int, int, int]:
+    """COUNT_FIELDS of a step's (num_tokens, start_pos) per scheduled sequence: one token is
+    a decode reading start_pos cached tokens, more is a prefill chunk after start_pos cached
+    ones."""
+    prefill_tokens = prefill_seqs = prefill_cached = decode_seqs = decode_context = 0
+    for num_tokens, start_pos in chunks:
+        if num_tokens == 1:
+            decode_seqs += 1
+            decode_context += start_pos
+        else:
+            prefill_tokens += num_tokens
+            prefill_seqs += 1
+            prefill_cached += start_pos
+    return prefill_tokens, prefill_seqs, prefill_cached, decode_seqs, decode_context
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepRecord:
     """What one engine step did and how long it took."""
@@ -66,11 +92,17 @@ class StepRecord:
     """Of which the scheduler's own work."""
     comm_s: float | None = None
     """Of which communication, when the executor measures it."""
+    num_in_flight: int | None = None
+    """Pipelined runs (pp > 1): micro-batches in the pipeline when this one finished; the
+    record is then one micro-batch and its wall time its share of a pipeline round. Null:
+    the record is a whole round of the layout's micro-batches."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
             require(v is None or v >= 0, f"step.{f.name}", v, "a number >= 0")
+        require(self.num_in_flight is None or self.num_in_flight >= 1, "step.num_in_flight",
+                self.num_in_flight, "null or an int >= 1")
         require(self.scheduler_s <= self.wall_s, "step.scheduler_s", self.scheduler_s,
                 f"at most wall_s={self.wall_s}")
         require((self.num_prefill_tokens > 0) == (self.num_prefill_seqs > 0),
@@ -79,21 +111,11 @@ class StepRecord:
 
     @classmethod
     def from_chunks(cls, chunks: Iterable[tuple[int, int]], *, wall_s: float,
-                    scheduler_s: float = 0.0, comm_s: float | None = None) -> StepRecord:
-        """From a step's (num_tokens, start_pos) per scheduled sequence: one token is a decode
-        reading start_pos cached tokens, more is a prefill chunk after start_pos cached ones."""
-        counts = dict.fromkeys(("num_prefill_tokens", "num_prefill_seqs",
-                                "num_prefill_cached_tokens", "num_decode_seqs",
-                                "num_decode_context_tokens"), 0)
-        for num_tokens, start_pos in chunks:
-            if num_tokens == 1:
-                counts["num_decode_seqs"] += 1
-                counts["num_decode_context_tokens"] += start_pos
-            else:
-                counts["num_prefill_tokens"] += num_tokens
-                counts["num_prefill_seqs"] += 1
-                counts["num_prefill_cached_tokens"] += start_pos
-        return cls(**counts, wall_s=wall_s, scheduler_s=scheduler_s, comm_s=comm_s)
+                    scheduler_s: float = 0.0, comm_s: float | None = None,
+                    num_in_flight: int | None = None) -> StepRecord:
+        """From a step's (num_tokens, start_pos) per scheduled sequence (see chunk_counts)."""
+        return cls(**dict(zip(COUNT_FIELDS, chunk_counts(chunks))), wall_s=wall_s,
+                   scheduler_s=scheduler_s, comm_s=comm_s, num_in_flight=num_in_flight)
 
     def decode_work(self) -> StepWork:
         """The step's decodes as cost-model work."""
@@ -146,11 +168,22 @@ class Diagnosis:
         return {**asdict(self), "shares": self.shares, "model_accuracy": self.model_accuracy}
 
 
+def record_cost(cost: CostModel, work: StepWork, num_in_flight: int | None) -> StepCost:
+    """The predicted cost of a record's work: a whole round (num_in_flight None), or one
+    micro-batch's share of a round of num_in_flight like it (its bubble included)."""
+    if num_in_flight is None:
+        return cost.step(work)
+    k = num_in_flight
+    c = cost.step(work.scaled(k), k)
+    return StepCost(**{f.name: getattr(c, f.name) / k for f in fields(StepCost)})
+
+
 def split_step(record: StepRecord, cost: CostModel) -> tuple[dict[str, float], float]:
     """One step's seconds per cause, and the cost model's prediction of its executor time."""
-    c = cost.step(record.work())
+    k = record.num_in_flight
+    c = record_cost(cost, record.work(), k)
     executor = record.wall_s - record.scheduler_s
-    alone = [cost.step(w) if w.num_seqs else None
+    alone = [record_cost(cost, w, k) if w.num_seqs else None
              for w in (record.prefill_work(), record.decode_work())]
     prefill, decode = (a.compute_s + a.memory_s if a else 0.0 for a in alone)
     share = prefill / (prefill + decode) if prefill + decode else 0.0
@@ -165,8 +198,10 @@ def split_step(record: StepRecord, cost: CostModel) -> tuple[dict[str, float], f
         scale = (executor - fixed) / (predicted - fixed) if predicted > fixed else 0.0
         parts = {k: v if (k == "communication" and record.comm_s is not None) else v * scale
                  for k, v in parts.items()}
-    else:
-        parts["other"] += executor - predicted
+    else:  # unmodelled work stretches every stage, and idle stages wait on it alike
+        idle = c.bubble_s / c.total_s if c.total_s else 0.0
+        parts["pipeline_bubbles"] += (executor - predicted) * idle
+        parts["other"] += (executor - predicted) * (1 - idle)
     return {**parts, "scheduler": record.scheduler_s}, c.total_s
 
 

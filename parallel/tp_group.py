@@ -6,6 +6,7 @@ CPU AllReduce, say) can replace torch.distributed here without touching the laye
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 
@@ -21,6 +22,9 @@ class CommCounters:
     all_reduce_bytes: int = 0
     num_gather: int = 0
     gather_bytes: int = 0
+    comm_s: float = 0.0
+    """Seconds this rank spent in those calls (waiting for slower ranks included; with NCCL
+    only the launch, since the collective runs asynchronously on the stream)."""
 
     def snapshot(self) -> CommCounters:
         """A copy, for per-step differences."""
@@ -50,12 +54,14 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the group in place (no-op at size 1)."""
         if self.size > 1:
+            t0 = time.perf_counter()
             self.counters.num_all_reduce += 1
             self.counters.all_reduce_bytes += x.numel() * x.element_size()
             if self.timeout is None:
                 dist.all_reduce(x, group=self.group)
             else:
                 self._wait(dist.all_reduce(x, group=self.group, async_op=True))
+            self.counters.comm_s += time.perf_counter() - t0
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -70,12 +76,15 @@ class TensorParallelGroup:
         """Every rank's `x` concatenated along `dim` on TP rank `dst`; None on the others."""
         if self.size == 1:
             return x
+        t0 = time.perf_counter()
         self.counters.num_gather += 1
         self.counters.gather_bytes += x.numel() * x.element_size()
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == dst else None
         self._wait(dist.gather(x, parts, group=self.group, group_dst=dst, async_op=True))
-        return torch.cat(parts, dim=dim) if parts is not None else None
+        out = torch.cat(parts, dim=dim) if parts is not None else None
+        self.counters.comm_s += time.perf_counter() - t0
+        return out
 
     def _wait(self, work: dist.Work | None) -> None:
         assert work is not None

@@ -69,6 +69,7 @@ if g is not None:
     assert torch.equal(g, torch.cat([torch.zeros(2, 3), torch.ones(2, 3)], -1))
 c = tp.counters
 assert (c.num_all_reduce, c.all_reduce_bytes, c.num_gather, c.gather_bytes) == (1, 48, 1, 24)
+assert c.comm_s > 0
 dist.barrier()
 if rank == 0:
     t0 = time.monotonic()

@@ -128,3 +128,46 @@ def test_cpu_decode_is_compute_bound_yet_counted_as_decode() -> None:
     both = cost.step(mixed.work())
     assert parts["prefill_compute"] == pytest.approx((both.compute_s + both.memory_s) * share)
     assert parts["decode_memory"] == pytest.approx((both.compute_s + both.memory_s) * (1 - share))
+
+
+def test_a_lone_micro_batch_record_shows_its_bubble() -> None:
+    # pp=4, one micro-batch in flight: it crosses every stage while three idle.
+    cost = model(stages=(8, 8, 8, 8), micro=4)
+    alone = cost.step(StepWork.decode(16, 500), 1)
+    rec = StepRecord(num_decode_seqs=16, num_decode_context_tokens=16 * 500,
+                     wall_s=alone.total_s, num_in_flight=1)
+    parts, predicted = split_step(rec, cost)
+    assert predicted == pytest.approx(alone.total_s)
+    assert parts["pipeline_bubbles"] == pytest.approx(alone.bubble_s)
+    assert alone.bubble_s == pytest.approx(0.75 * alone.total_s, abs=0.03 * alone.total_s)
+    assert diagnose([rec], cost).bottleneck == "pipeline_bubbles"
+
+
+def test_a_full_pipeline_record_is_its_share_of_a_round() -> None:
+    cost = model(stages=(8, 8, 8, 8), micro=4)
+    work = StepWork.decode(16, 500)
+    round_ = cost.step(work.scaled(4), 4)  # four such micro-batches advance once each
+    rec = StepRecord(num_decode_seqs=16, num_decode_context_tokens=16 * 500,
+                     wall_s=round_.total_s / 4, num_in_flight=4)
+    parts, predicted = split_step(rec, cost)
+    assert predicted == pytest.approx(round_.total_s / 4)
+    assert parts["pipeline_bubbles"] == pytest.approx(round_.bubble_s / 4)
+    assert parts["pipeline_bubbles"] < 0.2 * rec.wall_s  # the head's stage is the slowest
+
+
+def test_unexplained_time_in_a_pipeline_waits_in_its_bubbles() -> None:
+    cost = model(stages=(16, 16), micro=2)
+    alone = cost.step(StepWork.decode(8, 100), 1)
+    rec = StepRecord(num_decode_seqs=8, num_decode_context_tokens=800,
+                     wall_s=3 * alone.total_s, num_in_flight=1)
+    parts, _ = split_step(rec, cost)
+    idle = alone.bubble_s / alone.total_s
+    assert parts["pipeline_bubbles"] == pytest.approx(3 * alone.bubble_s)
+    assert parts["other"] == pytest.approx(2 * alone.total_s * (1 - idle) + alone.overhead_s)
+    assert sum(parts.values()) == pytest.approx(rec.wall_s)
+
+
+def test_num_in_flight_must_be_positive() -> None:
+    with pytest.raises(ValueError, match=r"step.num_in_flight=0 is invalid: allowed is null or "
+                                         r"an int >= 1"):
+        StepRecord(wall_s=1.0, num_in_flight=0)

@@ -1,0 +1,59 @@
+"""`meshserve generate engine.step_log=...` then `meshserve diagnose` on what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MESHSERVE = str(Path(sys.executable).with_name("meshserve"))
+
+
+def meshserve(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([MESHSERVE, *args], capture_output=True, text=True, timeout=300,
+                          env=env)
+
+
+def generate_and_diagnose(tmp_path: Path, *layout: str) -> tuple[list[dict], dict]:
+    steps = tmp_path / "steps.jsonl"
+    gen = meshserve("generate", f"engine.step_log={steps}", "generate.max_tokens=6",
+                    "generate.ignore_eos=true", *layout)
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    rows = [json.loads(line) for line in steps.read_text().splitlines()]
+    out = meshserve("diagnose", f"diagnose.records={steps}", "format=json", *layout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return rows, json.loads(out.stdout)
+
+
+def test_generate_then_diagnose_names_a_bottleneck(tmp_path: Path) -> None:
+    rows, d = generate_and_diagnose(tmp_path)
+    assert sum(r["num_decode_seqs"] for r in rows) == 3 * 5  # three prompts, 6 tokens each
+    assert (d["model"], d["tp"], d["pp"], d["num_steps"]) == ("meshcoder", 1, 1, len(rows))
+    assert d["bottleneck"] in d["seconds"] and d["strategy"]
+    assert d["total_s"] == pytest.approx(sum(r["wall_s"] for r in rows))
+    assert d["seconds"]["pipeline_bubbles"] == 0.0
+
+
+@pytest.mark.slow
+def test_a_pipelined_run_shows_its_bubbles(tmp_path: Path) -> None:
+    rows, d = generate_and_diagnose(tmp_path, "parallel.pp=2")
+    assert {r["num_in_flight"] for r in rows} <= {1, 2} and 2 in {r["num_in_flight"]
+                                                               for r in rows}
+    assert d["pp"] == 2 and d["num_steps"] == len(rows)
+    assert d["seconds"]["pipeline_bubbles"] > 0
+    assert d["seconds"]["communication"] == 0.0  # tp=1: no collectives
+
+
+def test_diagnose_reads_a_file_a_running_engine_is_writing(tmp_path: Path) -> None:
+    steps = tmp_path / "steps.jsonl"
+    line = json.dumps({"num_decode_seqs": 4, "num_decode_context_tokens": 400, "wall_s": 0.01})
+    steps.write_text(f"{line}\n{line}\n{line[:17]}")
+    out = meshserve("diagnose", f"diagnose.records={steps}")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("2 steps, 0.020 s: meshcoder")
+    assert f"{steps}:3: skipped the last line, still being written (17 chars)" in out.stderr
