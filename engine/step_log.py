@@ -62,6 +62,11 @@ class StepLog:
             self._file.flush()
             self._last_flush = now
 
+    def flush(self) -> None:
+        """Write out what is buffered (a reader then sees every record so far)."""
+        self._file.flush()
+        self._last_flush = time.monotonic()
+
     def close(self) -> None:
         """Flush and close (idempotent)."""
         if not self._file.closed:
