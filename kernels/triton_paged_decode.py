@@ -23,6 +23,9 @@ __all__ = ["paged_decode", "paged_decode_reference", "num_splits_for"]
 PARTITION_TOKENS = 512
 """Cache tokens per split (a multiple of any supported block size)."""
 
+MAX_SPLITS = 32
+"""Most splits of one sequence's context."""
+
 MIN_BLOCK_SIZE = 16
 """tl.dot needs tiles of at least 16 on the GPU; smaller cache blocks use the reference."""
 
@@ -109,8 +112,13 @@ def _reduce_kernel(acc_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, num_heads,
 
 def num_splits_for(max_blocks_per_seq: int, block_size: int,
                    partition_tokens: int = PARTITION_TOKENS) -> tuple[int, int]:
-    """(num_splits, blocks_per_split) for block tables `max_blocks_per_seq` wide."""
-    blocks_per_split = max(1, partition_tokens // block_size)
+    """(num_splits, blocks_per_split) for block tables `max_blocks_per_seq` wide.
+
+    At most MAX_SPLITS: a graph captured for max_model_len-wide tables would otherwise
+    launch mostly empty programs for short contexts.
+    """
+    blocks_per_split = max(1, partition_tokens // block_size,
+                           -(-max_blocks_per_seq // MAX_SPLITS))
     return max(1, -(-max_blocks_per_seq // blocks_per_split)), blocks_per_split
 
 
