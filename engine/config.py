@@ -49,6 +49,9 @@ class EngineConfig:
     seed: int = 0
     """Seed for requests that sample without a seed of their own."""
 
+    cuda_graphs: bool = True
+    """Run decode-only steps as CUDA graphs captured at bucketed batch sizes (CUDA only)."""
+
     step_log: str | None = None
     """JSON-lines file the engine appends one step record to per step (parallel/diagnose.py's
     StepRecord, read by `meshserve diagnose diagnose.records=...`); null writes none."""

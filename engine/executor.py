@@ -19,6 +19,7 @@ from meshserve.engine.model_runner import ModelRunner
 from meshserve.engine.sampler import Sampler
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler_output import SchedulerOutput
+from meshserve.kernels import dispatch
 from meshserve.launch.run_config import MeshConfig
 from meshserve.models.arch import ModelArch
 from meshserve.models.loader import load_model
@@ -142,6 +143,9 @@ class LocalExecutor:
         cache = allocate_kv_cache(len(layers), self.num_blocks, ec.block_size,
                                   attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
         self.runner = ModelRunner(model, cache, ec.block_size, self.device)
+        if ec.cuda_graphs and self.device.type == "cuda" and dispatch.use_triton(self.device):
+            self.runner.enable_cuda_graphs(ec.max_num_seqs,
+                                           ec.max_model_len or arch.max_position_embeddings)
         self.sampler = StepSampler(self.device, ec.seed)
 
     def execute(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],

@@ -6,7 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
+from meshserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from meshserve.engine.step_inputs import ScheduledLike, StepInputs, build_step_inputs
+from meshserve.models.attention import AttentionMetadata
 from meshserve.models.llama import LlamaForCausalLM
 
 
@@ -19,6 +21,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        self.graphs: DecodeGraphs | None = None
         layers = model.attention_layers()
         assert len(layers) == len(kv_cache), (len(layers), len(kv_cache))
         for attn, (k, v) in zip(layers, kv_cache):
@@ -44,7 +47,19 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
         return logits, inputs.sample_seq_ids
 
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture decode graphs at bucketed batch sizes (CUDA and Triton kernels only)."""
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self._eager, graph_batch_sizes(max_num_seqs), max_blocks,
+                                   self.device)
+
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states [T, hidden] of a single-stage model."""
-        hidden, _ = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if self.graphs is not None and self.graphs.can_run(inputs.meta):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        return self._eager(inputs.input_ids, inputs.positions, inputs.meta)
+
+    def _eager(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        hidden, _ = self.model(input_ids, positions, meta)
         return hidden

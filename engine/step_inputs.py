@@ -39,6 +39,14 @@ class StepInputs:
     """Scheduled-sequence indices in token order."""
 
 
+def to_device(x: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
+    """A long tensor on `device`; on CUDA staged in pinned memory and copied without a sync."""
+    cpu = torch.tensor(x, dtype=torch.long)
+    if device.type != "cuda":
+        return cpu if device.type == "cpu" else cpu.to(device)
+    return cpu.pin_memory().to(device, non_blocking=True)
+
+
 def build_step_inputs(seqs: Sequence[ScheduledLike], block_size: int,
                       device: torch.device) -> StepInputs:
     """Flatten `seqs` into input ids, positions, slot mapping and attention metadata."""
@@ -68,11 +76,11 @@ def build_step_inputs(seqs: Sequence[ScheduledLike], block_size: int,
     for i in prefills:
         s = seqs[i]
         chunks.append(PrefillChunk(start, len(s.token_ids), s.start_pos,
-                                   torch.tensor(s.block_table, dtype=torch.long, device=device)))
+                                   to_device(s.block_table, device)))
         start += len(s.token_ids)
 
     def t(x: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.long, device=device)
+        return to_device(x, device)
 
     meta = AttentionMetadata(
         slot_mapping=t(slots), num_decode_tokens=len(dec),
