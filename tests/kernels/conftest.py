@@ -13,8 +13,18 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = not torch.cuda.is_available()
+"""Without CUDA the kernels run in the interpreter on CPU tensors; with it, the gpu-marked
+tests compile them for the device and the interpreter tests are skipped."""
+if INTERPRET:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed: the kernel tests need it")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_or_gpu(request: pytest.FixtureRequest) -> None:
+    if not INTERPRET and request.node.get_closest_marker("gpu") is None:
+        pytest.skip("CUDA is present: Triton compiles for it; the gpu tests cover the kernels")
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2}
 """Absolute tolerance per dtype against a float32 reference on the same (rounded) inputs.
