@@ -47,4 +47,5 @@ def resolve_layout(config: MeshConfig, arch: ModelArch, env: LaunchEnv | None, *
               f"{cluster.device_type} rank(s): {chosen.explanation}", file=sys.stderr)
     parallel = dataclasses.replace(config.parallel, auto=False, tp=chosen.tp, pp=chosen.pp,
                                    dp=1)
-    return dataclasses.replace(config, parallel=parallel)
+    # The reshaped cluster goes along, so the runtime's stage split is the planner's.
+    return dataclasses.replace(config, cluster=cluster, parallel=parallel)
