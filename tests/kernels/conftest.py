@@ -1,7 +1,7 @@
 """Kernel tests: Triton kernels run in Triton's interpreter on CPU, against their references.
 
-TRITON_INTERPRET is read when a kernel is decorated, i.e. when its module is first
-imported; it is set here, before any test module imports one.
+TRITON_INTERPRET is read when Triton is first imported (its own tl helpers are decorated
+then) and when each kernel module is imported; it is set here, before either happens.
 """
 
 from __future__ import annotations

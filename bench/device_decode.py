@@ -1,0 +1,178 @@
+"""Device-check measurements of whole-model decode: meshserve vs roofline vs transformers."""
+
+from __future__ import annotations
+
+import gc
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshserve.bench import roofline
+from meshserve.bench.device_sections import Sizes, sync
+from meshserve.models.arch import ModelArch
+
+
+class _Seq:
+    """A ScheduledLike for ModelRunner.execute."""
+
+    def __init__(self, seq_id: int, token_ids: list[int], start_pos: int,
+                 block_table: list[int]) -> None:
+        self.seq_id, self.token_ids, self.start_pos = seq_id, token_ids, start_pos
+        self.block_table, self.sample = block_table, True
+
+
+def _random_model(arch: ModelArch, s: Sizes) -> torch.nn.Module:
+    from meshserve.models.llama import LlamaForCausalLM
+
+    with torch.device(s.device):  # allocate on the device: 16 GB never passes the host
+        model = LlamaForCausalLM(arch, dtype=s.dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def _meshserve_decode(arch: ModelArch, s: Sizes, batch: int, graphs: bool) -> dict[str, Any]:
+    from meshserve.engine.kv_cache import allocate_kv_cache
+    from meshserve.engine.model_runner import ModelRunner
+
+    bs = 16
+    total = s.decode_prompt + s.decode_steps + 1
+    per_seq = -(-total // bs)
+    model = _random_model(arch, s)
+    cache = allocate_kv_cache(arch.num_hidden_layers, batch * per_seq, bs,
+                              arch.num_key_value_heads, arch.head_dim, s.dtype, s.device)
+    runner = ModelRunner(model, cache, bs, s.device)
+    if graphs:
+        from meshserve.engine.cuda_graphs import DecodeGraphs
+
+        runner.graphs = DecodeGraphs(runner._eager, [batch], per_seq, s.device)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, arch.vocab_size, (batch, s.decode_prompt), generator=gen)
+    logits, _ = runner.execute([_Seq(i, prompts[i].tolist(), 0, tables[i])
+                                for i in range(batch)])
+    tokens = logits.argmax(-1).tolist()
+    sync(s.device)
+    t0 = time.perf_counter()
+    for step in range(s.decode_steps):
+        pos = s.decode_prompt + step
+        logits, _ = runner.execute([_Seq(i, [tokens[i]], pos, tables[i]) for i in range(batch)])
+        tokens = logits.argmax(-1).tolist()  # the engine's sampler syncs here too
+    sync(s.device)
+    step_s = (time.perf_counter() - t0) / s.decode_steps
+    del runner, model, cache
+    return {"step_s": step_s, "tok_s": batch / step_s,
+            "mean_context": s.decode_prompt + s.decode_steps / 2}
+
+
+def _hf_decode(s: Sizes, batch: int) -> dict[str, Any]:
+    """transformers generate: (time for 1 + n new tokens - time for 1) / n per step."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    cfg = {k: v for k, v in s.model.items() if k != "architectures"}
+    with torch.device(s.device):
+        model = LlamaForCausalLM(LlamaConfig(**cfg)).to(s.dtype).eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg["vocab_size"], (batch, s.decode_prompt), generator=gen)
+    ids = ids.to(s.device)
+
+    def run(n: int) -> float:
+        conf = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                                eos_token_id=None, pad_token_id=0)
+        sync(s.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=conf)
+        sync(s.device)
+        return time.perf_counter() - t0
+
+    run(2)  # warm
+    step_s = (run(1 + s.decode_steps) - run(1)) / s.decode_steps
+    return {"step_s": step_s, "tok_s": batch / step_s}
+
+
+def decode_throughput(s: Sizes, copy_gbs: float) -> dict[str, Any]:
+    """Decode tok/s at each batch: meshserve (graphs on CUDA), its MBU, roofline, transformers."""
+    arch = ModelArch.from_hf_dict(s.model)
+    itemsize = torch.empty((), dtype=s.dtype).element_size()
+    res: dict[str, Any] = {"model": {k: s.model[k] for k in ("hidden_size", "num_hidden_layers",
+                                                              "vocab_size")},
+                           "dtype": str(s.dtype), "prompt": s.decode_prompt,
+                           "steps": s.decode_steps, "mbu_target_batch1": 0.75}
+    for batch in s.decode_batches:
+        ours = _meshserve_decode(arch, s, batch, graphs=s.device.type == "cuda")
+        _free(s.device)
+        step_bytes = roofline.decode_bytes(arch, itemsize, batch * ours["mean_context"])
+        roof_step = step_bytes / (copy_gbs * 1e9)
+        hf = _hf_decode(s, batch)
+        _free(s.device)
+        res[f"batch{batch}"] = {
+            "meshserve_tok_s": ours["tok_s"], "meshserve_step_ms": ours["step_s"] * 1e3,
+            "mbu": roof_step / ours["step_s"], "roofline_tok_s": batch / roof_step,
+            "transformers_tok_s": hf["tok_s"], "speedup_vs_transformers": ours["tok_s"]
+            / hf["tok_s"]}
+    return res
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class _InputsToDevice:
+    """A transformers model whose generate() first moves its tensor arguments to `device`."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model, self.device = model, device
+
+    def generate(self, **kwargs: Any) -> torch.Tensor:
+        moved = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                 for k, v in kwargs.items()}
+        return self.model.generate(**moved)  # type: ignore[operator]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def longtail_throughput(s: Sizes, out_dir: str) -> dict[str, Any]:
+    """The longtail workload: meshserve vs transformers peers, generated tokens per second."""
+    from meshserve.bench import checkpoints, workloads
+    from meshserve.bench.harness import MeshserveRunner
+    from meshserve.bench.peer_names import HF_CONTINUOUS
+    from meshserve.bench.peers import load_hf_model, make_peer
+    from meshserve.launch.config import load_config
+
+    path = Path(out_dir) / "checkpoints" / s.longtail_checkpoint
+    if s.longtail_checkpoint in checkpoints.SPECS:
+        path = checkpoints.resolve(s.longtail_checkpoint, path.parent)
+    elif not (path / "config.json").is_file():  # the smoke run: the decode model's shape
+        spec = {k: v for k, v in s.model.items() if k not in ("architectures", "dtype")}
+        checkpoints.build(path, spec)
+    dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(s.dtype, "float32")
+    overrides = [f"model.path='{path}'", f"device={s.device.type}", f"model.dtype={dtype}"]
+    if s.device.type == "cpu":
+        overrides += ["threads=1", "engine.kv_cache_memory=67108864"]
+    ours = MeshserveRunner(load_config(overrides))
+    arch = ours.llm.engine.arch
+    reqs = workloads.resolve("longtail", arch.vocab_size, num_requests=s.longtail_requests)
+    results = {"meshserve": ours.run(reqs)}
+    del ours
+    _free(s.device)
+    model = load_hf_model(path, s.dtype).to(s.device)
+    for name in s.peers:
+        static = name != HF_CONTINUOUS  # its generate() gets host tensors from the runner
+        peer = make_peer(name, _InputsToDevice(model, s.device) if static else model,
+                         max_batch_tokens=2048, kv_cache_memory=1 << 30)
+        results[name] = peer.run(reqs)
+    res: dict[str, Any] = {"checkpoint": s.longtail_checkpoint, "requests": len(reqs),
+                           "target_vs_best_peer": 3.0}
+    for name, r in results.items():
+        res[f"{name}_tok_s"] = sum(x.num_generated_tokens for x in r.records) / r.wall_s
+    peers = [res[f"{p}_tok_s"] for p in s.peers]
+    if peers:
+        res["speedup_vs_best_peer"] = res["meshserve_tok_s"] / max(peers)
+    return res
