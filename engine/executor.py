@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from meshserve.engine.host_memory import tune_malloc
 from meshserve.engine.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from meshserve.engine.model_runner import ModelRunner
 from meshserve.engine.sampler import Sampler
@@ -131,6 +132,8 @@ class LocalExecutor:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            tune_malloc()
         self.dtype = resolve_dtype(config.model.dtype, arch, self.device)
         model = load_model(model_dir, dtype=self.dtype, device=self.device, progress=progress)
         ec = config.engine

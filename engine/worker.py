@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meshserve.engine.executor import resolve_device, resolve_dtype
+from meshserve.engine.host_memory import tune_malloc
 from meshserve.engine.stage_worker import StageWorker
 from meshserve.launch.discovery import LaunchEnv, discover
 from meshserve.launch.ranks import (
@@ -63,6 +64,8 @@ def check_layout(config: MeshConfig, arch: ModelArch, world_size: int) -> Parall
 def rank_device(config: MeshConfig, env: LaunchEnv) -> torch.device:
     """This rank's device: the CPU, or the GPU of its local rank."""
     device = resolve_device(config.device)
+    if device.type == "cpu":
+        tune_malloc()
     if device.type == "cuda":
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)

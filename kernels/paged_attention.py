@@ -26,13 +26,62 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
                                                                  *cache.shape[2:])
 
 
+GROUP_SPREAD = 2.0
+"""A decode group's longest context is at most this many times its shortest (in blocks)."""
+
+
+def length_groups(context_lens: list[int], block_size: int,
+                  spread: float = GROUP_SPREAD) -> list[tuple[list[int], int]]:
+    """Decode rows grouped by similar context length: (row indices, blocks to read) each.
+
+    Padding every row to the batch's longest context makes a long-tail batch gather and
+    attend over up to twice the KV it needs; groups whose lengths differ by at most
+    `spread` times bound that waste for a few extra kernel calls.
+    """
+    blocks = [max(1, -(-n // block_size)) for n in context_lens]
+    order = sorted(range(len(blocks)), key=blocks.__getitem__)
+    groups: list[tuple[list[int], int]] = []
+    rows: list[int] = []
+    for i in order:
+        if rows and blocks[i] > spread * blocks[rows[0]]:
+            groups.append((rows, blocks[rows[-1]]))
+            rows = []
+        rows.append(i)
+    if rows:
+        groups.append((rows, blocks[rows[-1]]))
+    return groups
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                  sliding_window: int | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, H, D] -> [B, H, D].
 
-    context_lens [B] counts the cached tokens including the query's own.
+    context_lens [B] counts the cached tokens including the query's own. On the CPU,
+    rows are attended in groups of similar length (`length_groups`), each reading only
+    as many blocks as its longest row.
     """
+    if q.device.type == "cpu" and q.shape[0] > 1:
+        groups = length_groups(context_lens.tolist(), k_cache.shape[1])
+        if len(groups) > 1:
+            out = torch.empty_like(q)
+            for rows, n_blocks in groups:
+                idx = torch.tensor(rows, dtype=torch.long)
+                out.index_copy_(0, idx, _paged_decode_padded(
+                    q.index_select(0, idx), k_cache, v_cache,
+                    block_tables.index_select(0, idx)[:, :n_blocks],
+                    context_lens.index_select(0, idx), scale, sliding_window))
+            return out
+        n_blocks = groups[0][1]
+        block_tables = block_tables[:, :n_blocks]
+    return _paged_decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                sliding_window)
+
+
+def _paged_decode_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                         sliding_window: int | None = None) -> torch.Tensor:
+    """Every row padded to the table's width: q [B, H, D] -> [B, H, D]."""
     b, h, d = q.shape
     k = gather_kv(k_cache, block_tables).transpose(1, 2)  # [B, Hkv, L, D] (a strided view)
     v = gather_kv(v_cache, block_tables).transpose(1, 2)
