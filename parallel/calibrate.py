@@ -80,6 +80,26 @@ def matmul_tflops(n: int, dtype: str, device: torch.device, repeats: int) -> flo
     return 2 * n**3 / best_time(lambda: a @ b, repeats, device) / 1e12
 
 
+MATMUL_ROWS = (1, 4, 16, 64)
+"""Row counts (tokens) at which calibrate times a weight matmul against the square rate."""
+
+
+def matmul_half_rows(width: int, dtype: str, device: torch.device, repeats: int,
+                     peak_tflops: float) -> float:
+    """The M at which an [M, width] x [width, width] matmul runs at half `peak_tflops`:
+    the median over MATMUL_ROWS of M x (peak / rate(M) - 1), 0 when it is at peak."""
+    torch_dtype = getattr(torch, dtype)
+    w = torch.randn(width, width, device=device, dtype=torch_dtype)
+    estimates = []
+    for m in MATMUL_ROWS:
+        x = torch.randn(m, width, device=device, dtype=torch_dtype)
+        t = best_time(lambda x=x: x @ w, repeats, device)
+        rate = 2 * m * width * width / t / 1e12
+        estimates.append(max(0.0, m * (peak_tflops / rate - 1)))
+    estimates.sort()
+    return estimates[len(estimates) // 2]
+
+
 def read_gbs(nbytes: int, device: torch.device, repeats: int) -> float:
     """GB/s reading an fp32 tensor of `nbytes` (its sum)."""
     x = torch.ones(nbytes // 4, device=device)
@@ -239,6 +259,8 @@ class Calibration:
     """Reading a large tensor (sum), one rank alone."""
     gemv_gbs: float
     """Vector-matrix product (decode's access pattern), one rank alone."""
+    half_rows: float = 0.0
+    """Rows at which a float32 weight matmul reaches half the square rate."""
     layer_overhead_us: float
     """Fixed time of a stand-in decoder layer at negligible width."""
     collectives: list[CollectiveTimes]
@@ -263,7 +285,8 @@ class Calibration:
             base, name=name, source="calibrated", memory_bandwidth_gbs=sig(self.gemv_gbs),
             peak_tflops_fp32=sig(self.tflops["float32"]),
             peak_tflops_bf16=sig(self.tflops.get("bfloat16", self.tflops["float32"])),
-            layer_overhead_us=sig(self.layer_overhead_us, 3))
+            layer_overhead_us=sig(self.layer_overhead_us, 3),
+            matmul_half_rows=sig(self.half_rows, 3))
         if not self.collectives:
             return measured
         widest = max(self.collectives, key=lambda c: c.world)
@@ -286,6 +309,7 @@ def calibrate(*, world_sizes: list[int], sizes: list[int], read_bytes: int, matm
         device_type=device.type, tflops=tflops, read_gbs=read_gbs(read_bytes, device, repeats),
         gemv_gbs=gemv_gbs(read_bytes, device, repeats),
         layer_overhead_us=layer_overhead_us(device, repeats),
+        half_rows=matmul_half_rows(matmul_size, "float32", device, repeats, tflops["float32"]),
         collectives=[measure_collectives(w, sizes, repeats, read_bytes, use_cuda)
                      for w in world_sizes])
 
@@ -295,7 +319,8 @@ def preset_yaml(cluster: ClusterConfig, cal: Calibration, notes_after: Sequence[
     notes = [f"# Written by `meshserve calibrate` on {time.strftime('%Y-%m-%d %H:%M')}.",
              "# matmul TFLOP/s: " + ", ".join(f"{k} {v:.4g}" for k, v in cal.tflops.items()),
              f"# memory GB/s, one rank: sum {cal.read_gbs:.1f}, vector-matrix {cal.gemv_gbs:.1f}",
-             f"# stand-in decoder layer at width 64: {cal.layer_overhead_us:.1f} us"]
+             f"# stand-in decoder layer at width 64: {cal.layer_overhead_us:.1f} us",
+             f"# float32 weight matmul reaches half the square rate at {cal.half_rows:.3g} rows"]
     for c in cal.collectives:
         notes.append(f"# {c.world} ranks: vector-matrix {c.concurrent_gemv_gbs:.1f} GB/s each; "
                      "AllReduce " + ", ".join(f"{s}B {t * 1e6:.0f}us"

@@ -55,6 +55,10 @@ class ClusterConfig:
     seq_overhead_us: float = 0.0
     """Time per sequence per decoder layer besides the roofline (per-sequence attention
     bookkeeping), µs."""
+    matmul_half_rows: float = 0.0
+    """Rows (tokens) at which a weight matmul reaches half the peak rate: a matmul of M rows
+    runs at peak x M / (M + this). CPU BLAS runs small-M (decode) matmuls far below peak;
+    0 means peak from one row (GPUs, where such steps are memory-bound anyway)."""
 
     def __post_init__(self) -> None:
         require(self.device_type in DEVICE_TYPES, "cluster.device_type", self.device_type,
@@ -68,7 +72,7 @@ class ClusterConfig:
                   "peak_tflops_fp32", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs"):
             require(getattr(self, n) > 0, f"cluster.{n}", getattr(self, n), "a number > 0")
         for n in ("intra_node_latency_us", "inter_node_latency_us", "layer_overhead_us",
-                  "step_overhead_us", "seq_overhead_us"):
+                  "step_overhead_us", "seq_overhead_us", "matmul_half_rows"):
             require(getattr(self, n) >= 0, f"cluster.{n}", getattr(self, n), "a number >= 0")
         require(self.node_memory_bandwidth_gbs is None or self.node_memory_bandwidth_gbs > 0,
                 "cluster.node_memory_bandwidth_gbs", self.node_memory_bandwidth_gbs,
@@ -83,6 +87,13 @@ class ClusterConfig:
         """Dense matmul FLOP/s per device for a compute dtype (float32, bfloat16, float16)."""
         require(dtype in DTYPE_PEAKS, "dtype", dtype, f"one of {tuple(DTYPE_PEAKS)}")
         return getattr(self, DTYPE_PEAKS[dtype]) * 1e12
+
+    def matmul_flops(self, dtype: str, rows: float) -> float:
+        """FLOP/s of a weight matmul over `rows` tokens (see matmul_half_rows)."""
+        peak = self.peak_flops(dtype)
+        if self.matmul_half_rows <= 0 or rows <= 0:
+            return peak
+        return peak * rows / (rows + self.matmul_half_rows)
 
     def memory_bandwidth(self, active_devices_per_node: int = 1) -> float:
         """Bytes/s one device reads while `active_devices_per_node` devices of its node run."""

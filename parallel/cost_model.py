@@ -212,13 +212,14 @@ class CostModel:
         """One decoder layer: projections, attention, MLP, KV reads and writes, 2 AllReduces."""
         s, tp = self.shape, self.layout.tp
         flops_rate, bytes_rate = self._rates()
-        flops = work.num_new_tokens * s.layer_matmul_flops(tp) + s.attention_flops(
-            work.num_attended, tp)
+        matmul_rate = self.cluster.matmul_flops(s.dtype, work.num_new_tokens)
+        compute_s = (work.num_new_tokens * s.layer_matmul_flops(tp) / matmul_rate
+                     + s.attention_flops(work.num_attended, tp) / flops_rate)
         nbytes = s.layer_params(tp) * s.dtype_bytes + (
             work.num_kv_read + work.num_new_tokens) * s.kv_bytes_per_token(tp)
         act = work.num_new_tokens * s.hidden_size * s.dtype_bytes
         c = self.cluster
-        return StageTime.roofline(flops / flops_rate, nbytes / bytes_rate,
+        return StageTime.roofline(compute_s, nbytes / bytes_rate,
                                   comm_s=2 * self._allreduce_s(act),
                                   overhead_s=(c.layer_overhead_us
                                               + work.num_seqs * c.seq_overhead_us) * 1e-6)
@@ -233,10 +234,10 @@ class CostModel:
     def head_time(self, work: StepWork) -> StageTime:
         """The last stage's LM head: one logits row per sequence, gathered over the TP ranks."""
         s, tp = self.shape, self.layout.tp
-        flops_rate, bytes_rate = self._rates()
+        bytes_rate = self._rates()[1]
         gathered = work.num_seqs * s.vocab_size * LOGITS_BYTES
         return StageTime.roofline(
-            s.head_flops(work.num_seqs, tp) / flops_rate,
+            s.head_flops(work.num_seqs, tp) / self.cluster.matmul_flops(s.dtype, work.num_seqs),
             s.head_params(tp) * s.dtype_bytes / bytes_rate,
             comm_s=ring_allgather_s(tp, gathered, *self._link(self.layout.tp_link)))
 

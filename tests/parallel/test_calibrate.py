@@ -98,3 +98,14 @@ def test_runtime_overheads_fit_per_step_layer_and_sequence() -> None:
     step, layer, seq = 1e-3, 2e-4, 5e-5
     t = {(n, b): step + n * (layer + b * seq) for n in DEPTHS for b in BATCHES}
     assert fit_overheads(t) == (pytest.approx(step), pytest.approx(layer), pytest.approx(seq))
+
+
+def test_matmul_half_rows_is_measured_against_the_square_rate() -> None:
+    import torch
+
+    from meshserve.parallel.calibrate import matmul_half_rows
+
+    # Against an impossible peak every size is far below it: a positive half point.
+    assert matmul_half_rows(64, "float32", torch.device("cpu"), 2, peak_tflops=1e3) > 0
+    # Against a peak of ~0 every size is above it: none.
+    assert matmul_half_rows(64, "float32", torch.device("cpu"), 2, peak_tflops=1e-12) == 0

@@ -160,3 +160,16 @@ def test_fixed_overheads_per_step_and_per_layer() -> None:
     piped = CostModel(s, dataclasses.replace(H100, step_overhead_us=500.0), two)
     assert piped.stage_time(0, work).overhead_s == pytest.approx(500e-6)
     assert piped.stage_time(1, work).overhead_s == 0.0
+
+
+def test_small_matmuls_run_below_peak_when_the_cluster_says_so() -> None:
+    cpu = dataclasses.replace(cluster("local-cpu"), matmul_half_rows=16.0)
+    assert cpu.matmul_flops("float32", 16) == pytest.approx(cpu.peak_flops("float32") / 2)
+    assert cpu.matmul_flops("float32", 0) == cpu.peak_flops("float32")
+    s = shape("llama-3-8b", "float32")
+    layout = Layout(tp=1, stage_layers=(32,))
+    at_peak = CostModel(s, cluster("local-cpu"), layout).layer_time(StepWork.decode(8, 256))
+    slow = CostModel(s, cpu, layout).layer_time(StepWork.decode(8, 256))
+    # Decode's 8-row matmuls at 8 / (8 + 16) of peak: three times the compute time.
+    matmul_s = 8 * s.layer_matmul_flops(1) / cpu.peak_flops("float32")
+    assert slow.compute_s - at_peak.compute_s == pytest.approx(2 * matmul_s, rel=1e-9)
