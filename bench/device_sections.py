@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import torch
 
 from meshserve.models.arch import ModelArch
+from meshserve.parallel.calibrate import best_time as calibrate_best_time
 
 LLAMA3_8B: dict[str, Any] = dict(
     architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
@@ -49,16 +49,8 @@ def sync(device: torch.device) -> None:
 
 
 def best_time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Best wall time of `fn` over `repeats` runs after one warm-up."""
-    fn()
-    sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+    """Best wall time of `fn` over `repeats` runs after one warm-up (calibrate's timer)."""
+    return calibrate_best_time(fn, repeats, device)
 
 
 def copy_bandwidth(s: Sizes) -> dict[str, Any]:
