@@ -15,6 +15,7 @@ from meshserve.bench import device_check
 
 @pytest.mark.slow
 def test_smoke_run_writes_every_section(tmp_path: Path) -> None:
+    pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "meshserve.bench.device_check", "--smoke",
                            "--out", str(tmp_path)], env=env, capture_output=True, text=True,
