@@ -29,25 +29,31 @@ SECTIONS = ("kernels", "copy", "attention", "decode", "longtail")
 
 def sizes(smoke: bool, device: torch.device) -> Any:
     """The full run's sizes, or the smoke run's."""
-    from meshserve.bench.device_sections import LLAMA3_8B, Sizes
+    from meshserve.bench.device_sections import LLAMA3_8B, Sizes, decode_configs
+    from meshserve.kernels.triton_paged_decode import DecodeConfig
 
     if not smoke:
         return Sizes(device=device, dtype=torch.bfloat16, copy_bytes=4 << 30, attn_batch=64,
                      attn_context=4096, model=LLAMA3_8B, decode_batches=(1, 64),
                      decode_prompt=512, decode_steps=64, longtail_checkpoint="big",
                      longtail_requests=64, peers=("hf-static-16", "hf-continuous"),
-                     repeats=10)
+                     repeats=10, decode_sweep=decode_configs())
     tiny = dict(LLAMA3_8B, vocab_size=512, hidden_size=128, intermediate_size=256,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
                 max_position_embeddings=1024)
     return Sizes(device=device, dtype=torch.float32, copy_bytes=4 << 20, attn_batch=2,
                  attn_context=40, model=tiny, decode_batches=(1, 2), decode_prompt=20,
                  decode_steps=3, longtail_checkpoint="smoke", longtail_requests=2,
-                 peers=("hf-static-2",), repeats=2)
+                 peers=("hf-static-2",), repeats=2,
+                 decode_sweep=[DecodeConfig(tokens_per_iter=n) for n in (0, 32)])
 
 
-def run_sections(s: Any, out_dir: Path, only: tuple[str, ...]) -> dict[str, Any]:
-    """Every section in order; a section's exception becomes its 'error' entry."""
+def run_sections(s: Any, out_dir: Path, only: tuple[str, ...], cache_dir: Path,
+                 save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Every section in order; a section's exception becomes its 'error' entry.
+
+    `save` gets the results after each section, so a run stopped at its time limit keeps
+    what it measured so far."""
     from meshserve.bench import device_decode as dd
     from meshserve.bench import device_sections as ds
 
@@ -61,7 +67,7 @@ def run_sections(s: Any, out_dir: Path, only: tuple[str, ...]) -> dict[str, Any]
         "copy": lambda: ds.copy_bandwidth(s),
         "attention": lambda: ds.attention_bandwidth(s, copy_gbs()),
         "decode": lambda: dd.decode_throughput(s, copy_gbs()),
-        "longtail": lambda: dd.longtail_throughput(s, str(out_dir)),
+        "longtail": lambda: dd.longtail_throughput(s, str(cache_dir)),
     }
     for name in only:
         t0 = time.perf_counter()
@@ -72,6 +78,7 @@ def run_sections(s: Any, out_dir: Path, only: tuple[str, ...]) -> dict[str, Any]
                              "traceback": traceback.format_exc(limit=8)}
         results[name]["section_s"] = time.perf_counter() - t0
         print(f"[device_check] {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+        save(results)
     return results
 
 
@@ -97,6 +104,13 @@ def table(results: dict[str, Any]) -> str:
         add(f"paged decode GB/s ({a['kernel']})", a["gbs"], "", None)
         add("  fraction of copy", a["fraction_of_copy"], ">= 0.70",
             a["fraction_of_copy"] >= a["target"])
+    if "tuned_gbs" in a:
+        short = {"partition_tokens": "p", "tokens_per_iter": "t", "num_warps": "w",
+                 "num_stages": "s"}
+        cfg = " ".join(f"{short.get(k, k)}{v}" for k, v in a["tuned_config"].items())
+        add(f"paged decode GB/s tuned ({cfg})", a["tuned_gbs"], "", None)
+        add("  fraction of copy", a["tuned_fraction_of_copy"], ">= 0.70",
+            a["tuned_fraction_of_copy"] >= a["target"])
     for key, d in results.get("decode", {}).items():
         if key.startswith("batch") and isinstance(d, dict):
             add(f"decode {key} tok/s", d["meshserve_tok_s"], "", None)
@@ -104,10 +118,16 @@ def table(results: dict[str, Any]) -> str:
                 d["mbu"] >= 0.75 if key == "batch1" else None)
             add(f"  {key} roofline tok/s", d["roofline_tok_s"], "", None)
             add(f"  {key} transformers tok/s", d["transformers_tok_s"], "", None)
+            for part in ("roofline_step", "inputs", "packed_inputs", "graph_body",
+                         "eager_body", "lm_head_argmax"):
+                if f"{part}_ms" in d:
+                    add(f"  {key} {part} ms", d[f"{part}_ms"], "", None)
     lt = results.get("longtail", {})
     for key, v in lt.items():
         if key.endswith("_tok_s"):
             add(f"longtail {key}", v, "", None)
+        elif key.endswith("_error"):
+            rows.append((f"longtail {key}", "ERROR", "", str(v)[:60]))
     if "speedup_vs_best_peer" in lt:
         add("  longtail speedup", lt["speedup_vs_best_peer"], ">= 3",
             lt["speedup_vs_best_peer"] >= 3.0)
@@ -135,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m meshserve.bench.device_check")
     p.add_argument("--out", required=True, help="folder for device_check.json")
     p.add_argument("--smoke", action="store_true", help="tiny sizes; runs on a CPU")
+    p.add_argument("--cache-dir", default=None,
+                   help="where the longtail checkpoint is built (default: OUT/checkpoints); "
+                        "keep multi-GB checkpoints out of a folder that is copied back")
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma-separated subset of {','.join(SECTIONS)}")
     args = p.parse_args(argv)
@@ -150,11 +173,17 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    cache = Path(args.cache_dir) if args.cache_dir else out / "checkpoints"
     t0 = time.perf_counter()
-    results = run_sections(sizes(args.smoke, device), out, only)
-    doc = {"environment": environment(device), "smoke": args.smoke,
-           "total_s": time.perf_counter() - t0, "results": results}
-    (out / "device_check.json").write_text(json.dumps(doc, indent=2, default=str))
+
+    def save(results: dict[str, Any]) -> dict[str, Any]:
+        doc = {"environment": environment(device), "smoke": args.smoke,
+               "total_s": time.perf_counter() - t0, "results": results}
+        (out / "device_check.json").write_text(json.dumps(doc, indent=2, default=str))
+        return doc
+
+    results = run_sections(sizes(args.smoke, device), out, only, cache, save)
+    doc = save(results)
     print(table(results))
     print(f"total {doc['total_s']:.0f} s; wrote {out / 'device_check.json'}")
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -25,6 +26,12 @@ POLL_S = 0.05
 
 PAGE_SIZE = 256
 """Tokens per KV block (ContinuousBatchingConfig's default page)."""
+
+
+def _page_size_field(config_cls: type) -> str:
+    """'page_size' in recent transformers, 'block_size' before it was renamed (5.17)."""
+    params = inspect.signature(config_cls).parameters
+    return "page_size" if "page_size" in params else "block_size"
 
 
 class _DropPsutilNotice(logging.Filter):
@@ -72,7 +79,8 @@ class HFContinuousRunner:
 
         gen = GenerationConfig(do_sample=False, eos_token_id=NO_EOS, pad_token_id=0)
         cb = ContinuousBatchingConfig(max_batch_tokens=self.max_batch_tokens,
-                                      num_blocks=self._num_blocks(reqs), page_size=PAGE_SIZE)
+                                      num_blocks=self._num_blocks(reqs),
+                                      **{_page_size_field(ContinuousBatchingConfig): PAGE_SIZE})
         manager = self.model.init_continuous_batching(generation_config=gen,
                                                       continuous_batching_config=cb)
         manager.start()

@@ -11,11 +11,12 @@ Only the Triton kernels are captured: the runner enables graphs on CUDA only.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from meshserve.engine.step_inputs import ScheduledLike
 from meshserve.models.attention import AttentionMetadata
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -55,15 +56,19 @@ class DecodeBuffers:
     context_lens: torch.Tensor
     """[max_batch] long; 0 on padding rows."""
 
+    flat: torch.Tensor
+    """[4 * max_batch + max_batch * max_blocks_per_seq] long: the tensors above are views of
+    it (ids, positions, slots, context lengths, then the tables), so one host->device copy
+    of a packed host buffer fills them all."""
+
     @classmethod
     def allocate(cls, max_batch: int, max_blocks_per_seq: int,
                  device: torch.device) -> DecodeBuffers:
         """Zeroed buffers with every row marked as padding."""
-        def z(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.long, device=device)
-
-        bufs = cls(z(max_batch), z(max_batch), z(max_batch), z(max_batch, max_blocks_per_seq),
-                   z(max_batch))
+        b = max_batch
+        flat = torch.zeros(4 * b + b * max_blocks_per_seq, dtype=torch.long, device=device)
+        bufs = cls(flat[:b], flat[b:2 * b], flat[2 * b:3 * b],
+                   flat[4 * b:].view(b, max_blocks_per_seq), flat[3 * b:4 * b], flat)
         bufs.slot_mapping.fill_(-1)
         return bufs
 
@@ -89,12 +94,57 @@ class DecodeBuffers:
         self.slot_mapping[n:bucket].fill_(-1)
         self.context_lens[n:bucket].zero_()
 
+    def max_batch(self) -> int:
+        return self.input_ids.shape[0]
+
     def meta(self, bucket: int) -> AttentionMetadata:
         """Metadata viewing the first `bucket` rows (what a graph of that size captures)."""
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bucket], num_decode_tokens=bucket,
             decode_block_tables=self.block_tables[:bucket],
             decode_context_lens=self.context_lens[:bucket], prefills=[])
+
+
+class PackedInputs:
+    """Pinned host images of DecodeBuffers.flat, filled from scheduled sequences in Python
+    and sent with one non-blocking copy. Two of them alternate; an event guards each, so a
+    buffer is never rewritten while its copy may still be in flight."""
+
+    def __init__(self, buffers: DecodeBuffers) -> None:
+        self.buffers = buffers
+        self.host = [torch.zeros(buffers.flat.shape, dtype=torch.long).pin_memory()
+                     for _ in range(2)]
+        self.views = [h.numpy() for h in self.host]
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+
+    def send(self, seqs: Sequence[ScheduledLike], block_size: int, bucket: int) -> None:
+        """Write the decode rows of `seqs` (one token each) and padding up to `bucket`."""
+        i, self.turn = self.turn, self.turn ^ 1
+        if (event := self.events[i]) is not None:
+            event.synchronize()
+        b = self.buffers.max_batch()
+        width = self.buffers.block_tables.shape[1]
+        a = self.views[i]
+        ids, pos, slots, ctx = a[:b], a[b:2 * b], a[2 * b:3 * b], a[3 * b:4 * b]
+        tables = a[4 * b:].reshape(b, width)
+        for r, s in enumerate(seqs):
+            p, table = s.start_pos, s.block_table
+            ids[r] = s.token_ids[0]
+            pos[r] = p
+            slots[r] = table[p // block_size] * block_size + p % block_size
+            ctx[r] = p + 1
+            tables[r, :len(table)] = table
+        n = len(seqs)  # padding rows: token 0, slot -1 (not written), context 0 (no keys)
+        ids[n:bucket] = 0
+        pos[n:bucket] = 0
+        slots[n:bucket] = -1
+        ctx[n:bucket] = 0
+        end = 4 * b + bucket * width
+        self.buffers.flat[:end].copy_(self.host[i][:end], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.events[i] = event
 
 
 class DecodeGraphs:
@@ -107,6 +157,7 @@ class DecodeGraphs:
         self.forward = forward
         self.sizes = sorted(sizes)
         self.buffers = DecodeBuffers.allocate(self.sizes[-1], max_blocks_per_seq, device)
+        self.packed = PackedInputs(self.buffers)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture_all()
 
@@ -141,6 +192,23 @@ class DecodeGraphs:
         bucket = bucket_for(n, self.sizes)
         assert bucket is not None and self.can_run(meta)
         self.buffers.fill(input_ids, positions, meta, bucket)
+        graph, out = self.graphs[bucket]
+        graph.replay()
+        return out[:n]
+
+    def fits(self, seqs: Sequence[ScheduledLike]) -> bool:
+        """A decode-only step (one token per sequence) within a captured size and width."""
+        return (0 < len(seqs) <= self.sizes[-1]
+                and all(len(s.token_ids) == 1 for s in seqs)
+                and max(len(s.block_table) for s in seqs) <= self.buffers.block_tables.shape[1])
+
+    def run_scheduled(self, seqs: Sequence[ScheduledLike], block_size: int) -> torch.Tensor:
+        """Hidden states [n, hidden] of a decode-only step given as scheduled sequences
+        (`fits`): its inputs go packed in one host->device copy, then the graph replays."""
+        n = len(seqs)
+        bucket = bucket_for(n, self.sizes)
+        assert bucket is not None
+        self.packed.send(seqs, block_size, bucket)
         graph, out = self.graphs[bucket]
         graph.replay()
         return out[:n]

@@ -40,12 +40,25 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, seqs: Sequence[ScheduledLike]) -> tuple[torch.Tensor, list[int]]:
         """Logits [N, vocab] for the N sequences that sample, and their seq ids."""
+        if self.graphs is not None and self.graphs.fits(seqs):
+            return self._execute_graph(seqs)
         inputs = build_step_inputs(seqs, self.block_size, self.device)
         hidden = self.forward(inputs)
         if not inputs.sample_seq_ids:
             return hidden.new_empty(0, 0), []
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        logits = self.model.compute_logits(inputs.sampled_rows(hidden))
         return logits, inputs.sample_seq_ids
+
+    def _execute_graph(self, seqs: Sequence[ScheduledLike]) -> tuple[torch.Tensor, list[int]]:
+        """A decode-only step under a captured graph, its inputs packed in one copy."""
+        assert self.graphs is not None
+        hidden = self.graphs.run_scheduled(seqs, self.block_size)
+        rows = [i for i, s in enumerate(seqs) if s.sample]
+        if not rows:
+            return hidden.new_empty(0, 0), []
+        if len(rows) < len(seqs):
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        return self.model.compute_logits(hidden), [seqs[i].seq_id for i in rows]
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode graphs at bucketed batch sizes (CUDA and Triton kernels only)."""

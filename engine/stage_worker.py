@@ -100,7 +100,7 @@ class StageWorker:
             return None
         if not inputs.sample_seq_ids:
             return StepResult() if self.sampler is not None else None
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        logits = self.model.compute_logits(inputs.sampled_rows(hidden))
         if self.sampler is None:
             return None
         assert logits is not None

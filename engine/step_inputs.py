@@ -38,6 +38,13 @@ class StepInputs:
     order: list[int]
     """Scheduled-sequence indices in token order."""
 
+    def sampled_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The rows of `hidden` [T, ...] that sample: all of them as they are when every
+        token samples (a decode-only step: no gather kernel), else gathered."""
+        if len(self.sample_seq_ids) == hidden.shape[0]:  # increasing rows of T, all T of them
+            return hidden
+        return hidden[self.sample_indices]
+
 
 def to_device(x: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
     """A long tensor on `device`; on CUDA staged in pinned memory and copied without a sync."""

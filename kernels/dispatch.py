@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from meshserve.kernels import activation as ref_activation
 from meshserve.kernels import paged_attention as ref_attention
 from meshserve.kernels import rmsnorm as ref_rmsnorm
 from meshserve.kernels import rotary as ref_rotary
@@ -155,6 +156,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     if use_triton(x.device) and x.dim() == 2:
         return _module("triton_rmsnorm").add_rms_norm(x, residual, weight, eps)
     return ref_rmsnorm.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
+    if use_triton(x.device) and x.dim() == 2:
+        return _module("triton_silu_mul").silu_and_mul(x)
+    return ref_activation.silu_and_mul(x)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

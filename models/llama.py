@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from meshserve.kernels.dispatch import add_rms_norm, rms_norm
+from meshserve.kernels.dispatch import add_rms_norm, rms_norm, silu_and_mul
 from meshserve.models.arch import ModelArch
 from meshserve.models.attention import Attention, AttentionMetadata
 from meshserve.models.rope import RotaryEmbedding
@@ -75,8 +74,7 @@ class LlamaMLP(nn.Module):
                                            dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

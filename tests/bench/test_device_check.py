@@ -38,7 +38,10 @@ from pathlib import Path
 from meshserve.bench import device_check
 s = device_check.sizes(True, torch.device("cpu"))
 broken = type(s)(**{**s.__dict__, "copy_bytes": -4})  # torch.empty(-1) raises
-results = device_check.run_sections(broken, Path(sys.argv[1]), ("copy", "kernels"))
+saved = []
+results = device_check.run_sections(broken, Path(sys.argv[1]), ("copy", "kernels"),
+                                    Path(sys.argv[1]), lambda r: saved.append(list(r)))
+assert saved == [["copy"], ["copy", "kernels"]], saved  # kept after every section
 assert "RuntimeError" in results["copy"]["error"], results["copy"]
 assert "error" not in results["kernels"] and results["kernels"]["ok"] is True, results
 assert "ERROR" in device_check.table(results)

@@ -10,6 +10,7 @@ from meshserve.kernels import triton_paged_decode as tpd
 from meshserve.kernels import triton_paged_prefill as tpp
 from meshserve.kernels import triton_rmsnorm as trn
 from meshserve.kernels import triton_rotary as trot
+from meshserve.kernels import triton_silu_mul as tsm
 from meshserve.kernels import triton_write_kv as twk
 
 pytestmark = [pytest.mark.gpu,
@@ -24,14 +25,16 @@ def _cache(paged_cache, lens, hkv, d, bs, dtype):
     return c.k_cache.to(CUDA), c.v_cache.to(CUDA), c.block_tables.to(CUDA)
 
 
+@pytest.mark.parametrize("per_iter", [0, 128])  # one block per loop step; the default gather
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16])
 @pytest.mark.parametrize("hkv,bs", [(8, 16), (1, 32)])
-def test_decode(paged_cache, close, dtype, hkv, bs) -> None:
-    lens = [1, 17, 513, 3000, 4097]  # split-K beyond 512 tokens
+def test_decode(paged_cache, close, dtype, hkv, bs, per_iter) -> None:
+    lens = [1, 17, 513, 3000, 4097]  # split-K; a small grid shrinks the splits
     k, v, tables = _cache(paged_cache, lens, hkv, 128, bs, dtype)
     q = torch.randn(len(lens), 32, 128, device=CUDA).to(dtype)
     ctx = torch.tensor(lens, device=CUDA)
-    out = tpd.paged_decode(q, k, v, tables, ctx, 128 ** -0.5)
+    out = tpd.paged_decode(q, k, v, tables, ctx, 128 ** -0.5,
+                           config=tpd.DecodeConfig(tokens_per_iter=per_iter))
     close(out, ref.paged_decode(q.float(), k.float(), v.float(), tables, ctx, 128 ** -0.5),
           dtype)
 
@@ -70,6 +73,8 @@ def test_write_norm_rotary(close) -> None:
     cos, sin = torch.randn(2, 100, 64, device=CUDA)
     close(trot.apply_rotary(qkv[:, :40], cos, sin),
           trot.apply_rotary_reference(qkv[:, :40], cos, sin), BF16)
+    gate_up = torch.randn(100, 2 * 14336, device=CUDA, dtype=BF16)
+    close(tsm.silu_and_mul(gate_up), tsm.silu_and_mul_reference(gate_up), BF16)
 
 
 def test_decode_graphs_match_eager(make_checkpoint) -> None:
@@ -95,8 +100,12 @@ def test_decode_graphs_match_eager(make_checkpoint) -> None:
 
     steps = [[Seq(i, list(range(5 + i, 25 + 2 * i)), 0) for i in range(3)]]
     steps += [[Seq(i, [7 + t], 20 + i + t) for i in range(3)] for t in range(4)]
+    last = [Seq(i, [9], 24 + i) for i in range(2)]
+    last[1].sample = False  # a row that does not sample: gathered out after the graph
+    steps.append(last)
     eager, graphed = runner(), runner()
     graphed.enable_cuda_graphs(max_num_seqs=8, max_model_len=48)
     for step in steps:
-        a, b = eager.execute(step)[0], graphed.execute(step)[0]
+        (a, a_ids), (b, b_ids) = eager.execute(step), graphed.execute(step)
+        assert a_ids == b_ids
         torch.testing.assert_close(b.float(), a.float(), atol=2e-2, rtol=2e-2)
