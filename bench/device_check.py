@@ -13,6 +13,7 @@ Triton kernels run in the interpreter.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-SECTIONS = ("kernels", "copy", "attention", "decode", "longtail")
+SECTIONS = ("kernels", "copy", "attention", "gemv", "decode", "longtail")
 
 
 def sizes(smoke: bool, device: torch.device) -> Any:
@@ -55,6 +56,7 @@ def run_sections(s: Any, out_dir: Path, only: tuple[str, ...], cache_dir: Path,
     `save` gets the results after each section, so a run stopped at its time limit keeps
     what it measured so far."""
     from meshserve.bench import device_decode as dd
+    from meshserve.bench import device_gemv as dg
     from meshserve.bench import device_sections as ds
 
     results: dict[str, Any] = {}
@@ -66,6 +68,7 @@ def run_sections(s: Any, out_dir: Path, only: tuple[str, ...], cache_dir: Path,
         "kernels": lambda: ds.kernel_correctness(s),
         "copy": lambda: ds.copy_bandwidth(s),
         "attention": lambda: ds.attention_bandwidth(s, copy_gbs()),
+        "gemv": lambda: dg.gemv_sweep(s, copy_gbs()),
         "decode": lambda: dd.decode_throughput(s, copy_gbs()),
         "longtail": lambda: dd.longtail_throughput(s, str(cache_dir)),
     }
@@ -111,6 +114,14 @@ def table(results: dict[str, Any]) -> str:
         add(f"paged decode GB/s tuned ({cfg})", a["tuned_gbs"], "", None)
         add("  fraction of copy", a["tuned_fraction_of_copy"], ">= 0.70",
             a["tuned_fraction_of_copy"] >= a["target"])
+    g = results.get("gemv", {})
+    for key, d in g.get("shapes", {}).items():
+        add(f"linear {key} cuBLAS GB/s", d["cublas_gbs"], "", None)
+        if d["triton_gbs"] is not None:
+            add(f"linear {key} Triton GB/s", d["triton_gbs"], "", None)
+    if "rule" in g:
+        rows.append(("  small-batch linear rule", str(g["rule"])[:60] if g["rule"] else "cuBLAS",
+                     "", ""))
     for key, d in results.get("decode", {}).items():
         if key.startswith("batch") and isinstance(d, dict):
             add(f"decode {key} tok/s", d["meshserve_tok_s"], "", None)
@@ -158,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", default=None,
                    help="where the longtail checkpoint is built (default: OUT/checkpoints); "
                         "keep multi-GB checkpoints out of a folder that is copied back")
+    p.add_argument("--no-decode-sweep", action="store_true",
+                   help="keep the decode kernel's shipped launch (skip its sweep)")
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma-separated subset of {','.join(SECTIONS)}")
     args = p.parse_args(argv)
@@ -182,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         (out / "device_check.json").write_text(json.dumps(doc, indent=2, default=str))
         return doc
 
-    results = run_sections(sizes(args.smoke, device), out, only, cache, save)
+    s = sizes(args.smoke, device)
+    if args.no_decode_sweep:
+        s = dataclasses.replace(s, decode_sweep=[])
+    results = run_sections(s, out, only, cache, save)
     doc = save(results)
     print(table(results))
     print(f"total {doc['total_s']:.0f} s; wrote {out / 'device_check.json'}")

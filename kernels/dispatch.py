@@ -158,6 +158,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return ref_rmsnorm.add_rms_norm(x, residual, weight, eps)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T + bias: the Triton small-batch kernel where a measured rule picks it
+    (triton_gemv.RULES: decode-sized batches of smaller weights), else torch (cuBLAS)."""
+    if (use_triton(x.device) and x.dim() == 2 and x.stride(-1) == 1
+            and weight.stride(-1) == 1):
+        gemv = _module("triton_gemv")
+        config = gemv.rule_for(x.shape[0], weight)
+        if config is not None:
+            return gemv.gemv(x, weight, bias, config)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
     if use_triton(x.device) and x.dim() == 2:

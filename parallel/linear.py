@@ -7,9 +7,9 @@ layers split `out`; row-parallel layers split `in` and AllReduce their output.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from meshserve.kernels.dispatch import linear
 from meshserve.parallel.tp_group import SINGLE, TensorParallelGroup
 from meshserve.parallel.weights import LazyTensor, check_shape, set_weight_loader
 
@@ -47,7 +47,7 @@ class ColumnParallelLinear(_ParallelLinear):
         param.data.copy_(loaded.narrow(0, self.tp.rank * self.out_local, self.out_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -126,5 +126,5 @@ class RowParallelLinear(_ParallelLinear):
         param.data.copy_(loaded.narrow(1, self.tp.rank * self.in_local, self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias

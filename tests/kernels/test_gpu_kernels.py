@@ -109,3 +109,14 @@ def test_decode_graphs_match_eager(make_checkpoint) -> None:
         (a, a_ids), (b, b_ids) = eager.execute(step), graphed.execute(step)
         assert a_ids == b_ids
         torch.testing.assert_close(b.float(), a.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_gemv_at_llama_shapes(close, m: int) -> None:
+    from meshserve.kernels import triton_gemv as tg
+
+    for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):
+        x = torch.randn(m, k, device=CUDA, dtype=BF16)
+        w = torch.randn(n, k, device=CUDA, dtype=BF16) / k ** 0.5
+        for cfg in (tg.GemvConfig(), tg.GemvConfig(block_n=64, block_k=256, num_warps=8)):
+            close(tg.gemv(x, w, None, cfg), tg.gemv_reference(x.float(), w.float()), BF16)

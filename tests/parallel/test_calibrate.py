@@ -75,7 +75,8 @@ def test_calibrate_verb_measures_this_machine(tmp_path: Path) -> None:
     assert c.memory_bandwidth_gbs > 0 and c.intra_node_bandwidth_gbs > 0
     assert "fit allreduce-2" in run.stdout and f"wrote {out}" in run.stdout
     assert "meshserve's engine at width 64" in run.stdout
-    assert c.step_overhead_us > 0 and c.layer_overhead_us > 0 and c.seq_overhead_us >= 0
+    # Fitted intercepts are clamped at 0: on a loaded machine the per-step term can be.
+    assert c.layer_overhead_us > 0 and c.step_overhead_us >= 0 and c.seq_overhead_us >= 0
 
 
 def test_without_collectives_the_links_stay_the_base_presets() -> None:
