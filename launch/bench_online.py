@@ -24,6 +24,7 @@ from meshserve.bench.report import write_json
 from meshserve.launch.run_config import MeshConfig
 from meshserve.models.arch import ModelArch
 from meshserve.models.bundled import resolve_model_dir
+from meshserve.models.tokenizer import Tokenizer
 from meshserve.serve.config import API_KEY_ENV
 
 
@@ -33,8 +34,14 @@ def run_online(cfg: MeshConfig) -> int:
     assert b.url is not None
     api_key = b.api_key or os.environ.get(API_KEY_ENV) or None
     info = server_info(b.url, api_key)
-    # The workloads are token ids: the client needs the served model's vocabulary.
-    arch = ModelArch.from_dir(resolve_model_dir(cfg.model.name, cfg.model.path))
+    # The workloads are token ids: the client needs the served model's vocabulary (and, to
+    # send text, its tokenizer).
+    model_dir = resolve_model_dir(cfg.model.name, cfg.model.path)
+    arch = ModelArch.from_dir(model_dir)
+    decode = None
+    if b.api != "token-ids":
+        tok = Tokenizer(model_dir)
+        decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
     limit = info.max_model_len or arch.max_position_embeddings
 
     def reqs_at(rate: float | None) -> list[workloads.BenchRequest]:
@@ -49,13 +56,14 @@ def run_online(cfg: MeshConfig) -> int:
 
     rates: list[float | None] = list(b.rates) or [b.rate]
     reqs_at(rates[0])  # fail on a workload that does not fit before sending anything
-    print(f"=== online bench {b.workload} against {info.url} ({info.model}), "
+    print(f"=== online bench {b.workload} against {info.url} ({info.model}, api {b.api}), "
           f"rates {rates} req/s", flush=True)
     print(_HEADER, flush=True)
     load_start = os.getloadavg()
     summaries = sweep(info, reqs_at, rates, api_key=api_key, timeout_s=b.request_timeout_s,
                       slo=(b.slo_ttft_s, b.slo_tpot_s),
-                      on_done=lambda s: print(_row(s), flush=True))
+                      on_done=lambda s: print(_row(s), flush=True), api=b.api,
+                      decode=decode)
     result = _result(cfg, info.model, info.url, summaries, load_start)
     out = Path(b.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -90,7 +98,7 @@ def _result(cfg: MeshConfig, model: str, url: str, summaries: list[dict[str, Any
     b = cfg.bench
     return {
         "mode": "online", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "server": {"url": url, "model": model},
+        "server": {"url": url, "model": model, "api": b.api},
         "workload": {"name": b.workload, "seed": b.seed, "num_requests_cap": b.num_requests},
         "slo": {"ttft_s": b.slo_ttft_s, "tpot_s": b.slo_tpot_s},
         "rates": summaries,

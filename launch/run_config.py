@@ -42,6 +42,10 @@ class GenerateConfig:
         require(len(self.prompts) >= 1, "generate.prompts", self.prompts, "at least one prompt")
 
 
+ONLINE_APIS = ("token-ids", "text", "transformers")
+"""bench.api values (bench/online.py builds each one's request)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class BenchConfig:
     """What `meshserve bench` runs, against which peers, and where it writes the result."""
@@ -59,6 +63,10 @@ class BenchConfig:
     """Online mode: a sweep of Poisson rates (requests/s), one run each; empty uses bench.rate."""
     api_key: str | None = None
     """Online mode: bearer token for the server; null reads $MESHSERVE_API_KEY."""
+    api: str = "token-ids"
+    """Online mode, how requests are sent: token-ids (meshserve: prompt token ids,
+    ignore_eos), text (the prompt decoded to text, ignore_eos: meshserve or vLLM), or
+    transformers (text, exact length through generation_config: `transformers serve`)."""
     request_timeout_s: float = 600.0
     """Online mode: a request slower than this counts as failed."""
     seed: int = 0
@@ -105,6 +113,7 @@ class BenchConfig:
                 "a list of requests/s > 0")
         require(not self.rates or self.url is not None, "bench.rates", self.rates,
                 "empty unless bench.url names a server (the sweep is online mode)")
+        require(self.api in ONLINE_APIS, "bench.api", self.api, f"one of {list(ONLINE_APIS)}")
         require(self.request_timeout_s > 0, "bench.request_timeout_s", self.request_timeout_s,
                 "seconds > 0")
         require(self.model is None or self.model in SPECS, "bench.model", self.model,

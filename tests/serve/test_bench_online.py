@@ -44,3 +44,40 @@ def test_unreachable_server_names_bench_url(tmp_path: Path, capsys) -> None:
                  f"bench.out={tmp_path}"])
     assert code == 2
     assert "bench.url='http://127.0.0.1:9'" in capsys.readouterr().err
+
+
+def test_request_bodies_per_api() -> None:
+    from meshserve.bench.online import ServerInfo, request_body
+
+    info, req = ServerInfo("http://x", "m", None), BenchRequest([5, 6, 7], 4)
+    ids = request_body("token-ids", info, req, None)
+    assert ids["prompt"] == [5, 6, 7] and ids["ignore_eos"] and ids["max_tokens"] == 4
+    text = request_body("text", info, req, lambda t: "abc")
+    assert text["prompt"] == "abc" and text["ignore_eos"] and text["stream_options"]
+    hf = request_body("transformers", info, req, lambda t: "abc")
+    assert json.loads(hf["generation_config"]) == {"max_new_tokens": 4, "min_new_tokens": 4,
+                                                   "do_sample": False}
+    assert "ignore_eos" not in hf  # transformers serve answers 422 to fields it does not know
+    with pytest.raises(ValueError, match="tokenizer"):
+        request_body("text", info, req, None)
+
+
+@pytest.mark.slow
+def test_text_api_counts_tokens_from_usage(server, tmp_path: Path) -> None:
+    reqs = [BenchRequest(list(range(40 + i, 60 + i)), 4 + i) for i in range(3)]
+    save(reqs, tmp_path / "wl.json")
+    code = main(["bench", f"bench.url={server.url}", f"bench.workload={tmp_path / 'wl.json'}",
+                 "bench.api=text", "bench.rates=[50]", f"bench.out={tmp_path / 'out'}",
+                 "bench.plot=false"])
+    assert code == 0
+    res = json.loads((tmp_path / "out" / "result.json").read_text())
+    (r,) = res["rates"]
+    assert res["server"]["api"] == "text" and r["num_failed"] == 0, r["failures"]
+    assert r["num_generated_tokens"] == sum(q.max_new_tokens for q in reqs)
+
+
+def test_bad_api_names_the_field(tmp_path: Path, capsys) -> None:
+    code = main(["bench", "bench.url=http://127.0.0.1:9", "bench.api=grpc",
+                 f"bench.out={tmp_path}"])
+    assert code == 2
+    assert "bench.api" in capsys.readouterr().err
