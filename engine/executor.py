@@ -135,7 +135,8 @@ class LocalExecutor:
         if self.device.type == "cpu":
             tune_malloc()
         self.dtype = resolve_dtype(config.model.dtype, arch, self.device)
-        model = load_model(model_dir, dtype=self.dtype, device=self.device, progress=progress)
+        model = load_model(model_dir, dtype=self.dtype, device=self.device, progress=progress,
+                           cpu_weight_layout=config.model.cpu_weight_layout)
         ec = config.engine
         layers = model.attention_layers()
         attn = layers[0]

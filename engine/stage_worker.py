@@ -44,7 +44,8 @@ class StageWorker:
                  max_in_flight: int, progress: bool = False) -> None:
         self.config, self.groups, self.device, self.dtype = config, groups, device, dtype
         self.model = load_model(model_dir, dtype=dtype, tp=groups.tp, layer_range=layer_range,
-                                device=device, progress=progress)
+                                device=device, progress=progress,
+                                cpu_weight_layout=config.model.cpu_weight_layout)
         self.hidden_size = self.model.arch.hidden_size
         pp = groups.dims.pp
         self.link = StageLink(

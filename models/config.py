@@ -10,6 +10,9 @@ from meshserve.validation import require
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+CPU_WEIGHT_LAYOUTS = ("auto", "row")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A model: a bundled one by name, or a local Hugging Face directory."""
@@ -29,6 +32,12 @@ class ModelConfig:
     draft: str | None = None
     """A draft model (bundled name or directory) for speculative decoding."""
 
+    cpu_weight_layout: str = "auto"
+    """On CPU: auto stores wide linear weights column-major (faster GEMMs there), row keeps
+    every weight as loaded. No effect on GPU."""
+
     def __post_init__(self) -> None:
+        require(self.cpu_weight_layout in CPU_WEIGHT_LAYOUTS, "model.cpu_weight_layout",
+                self.cpu_weight_layout, f"one of {CPU_WEIGHT_LAYOUTS}")
         require(self.dtype in MODEL_DTYPES, "model.dtype", self.dtype, f"one of {MODEL_DTYPES}")
         require(bool(self.name), "model.name", self.name, "a non-empty name")
