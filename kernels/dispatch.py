@@ -45,8 +45,15 @@ def kernel_mode() -> str:
 
 
 def use_triton(device: torch.device) -> bool:
-    """Whether kernels for tensors on `device` run in Triton."""
-    mode = kernel_mode()
+    """Whether kernels for tensors on `device` run in Triton (asked by every layer of every
+    step: decided once per variable value and device type)."""
+    return _use_triton(os.environ.get(ENV_VAR, "auto"), device.type)
+
+
+@cache
+def _use_triton(mode: str, device_type: str) -> bool:
+    if mode not in MODES:
+        raise ValueError(f"{ENV_VAR}={mode!r} is invalid: allowed are {MODES}")
     if mode == "reference":
         return False
     if mode == "triton":
@@ -54,9 +61,10 @@ def use_triton(device: torch.device) -> bool:
             raise ValueError(f"{ENV_VAR}=triton but triton is not installed: allowed are "
                              "auto and reference")
         return True
-    return device.type == "cuda" and triton_installed()
+    return device_type == "cuda" and triton_installed()
 
 
+@cache
 def _module(name: str) -> ModuleType:
     return importlib.import_module(f"meshserve.kernels.{name}")
 
