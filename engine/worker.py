@@ -107,7 +107,8 @@ def start_rank(config: MeshConfig, model_dir: Path, env: LaunchEnv, store: dist.
     dist.all_gather_object(node_ids, env.node_id)
     op_timeout = timedelta(seconds=config.parallel.timeout_s) if device.type == "cpu" else None
     groups = ProcessGroups.build(dims, rank=env.rank, node_ids=[str(n) for n in node_ids],
-                                 device_type=device.type, op_timeout=op_timeout)
+                                 device_type=device.type, op_timeout=op_timeout,
+                                 cpu_allreduce=config.parallel.cpu_allreduce)
     layer_range = runtime_stage_ranges(config, arch, dims.tp, dims.pp)[groups.pp_rank]
     worker = StageWorker(config, model_dir, groups, layer_range, device, dtype,
                          max_in_flight(config), progress=progress)

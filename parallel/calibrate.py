@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from meshserve.parallel.cluster import ClusterConfig
+from meshserve.parallel.shm_allreduce import ShmAllReduce
+from meshserve.parallel.shm_allreduce import supported as shm_supported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -175,6 +177,9 @@ def _rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int,
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    # The runtime's path: shared memory for CPU ranks on one host (what TP uses), else gloo.
+    shm = (ShmAllReduce(dist.group.WORLD, rank, world, timeout=timedelta(seconds=120))
+           if not use_cuda and shm_supported() else None)
     try:
         dist.barrier()
         gemv = gemv_gbs(read_bytes, device, repeats)  # every rank at once: shared bandwidth
@@ -185,7 +190,10 @@ def _rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int,
             for _ in range(repeats + 1):
                 dist.barrier()
                 t0 = time.perf_counter()
-                dist.all_reduce(x)
+                if shm is not None and shm.fits(x):
+                    shm.all_reduce(x)
+                else:
+                    dist.all_reduce(x)
                 _sync(device)
                 times.append(time.perf_counter() - t0)
             t = torch.tensor([statistics.median(times[1:])], dtype=torch.float64, device=device)
@@ -196,6 +204,8 @@ def _rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int,
             out.put(CollectiveTimes(world=world, sizes=sizes, allreduce_s=allreduce,
                                     p2p_s=p2p if world == 2 else [], concurrent_gemv_gbs=gemv))
     finally:
+        if shm is not None:
+            shm.close()
         dist.destroy_process_group()
 
 

@@ -9,6 +9,9 @@ from meshserve.validation import require
 BACKENDS = ("auto", "gloo", "nccl")
 
 
+CPU_ALLREDUCE = ("auto", "gloo")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """Parallel degrees; tp * pp * dp ranks in all."""
@@ -35,6 +38,10 @@ class ParallelConfig:
     timeout_s: float = 60.0
     """A rank silent this long is declared dead and every rank exits with an error."""
 
+    cpu_allreduce: str = "auto"
+    """CPU tensor parallelism: auto sums through shared memory when a TP group's ranks share
+    a host (x86-64), gloo always uses gloo."""
+
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
             v = getattr(self, name)
@@ -43,6 +50,8 @@ class ParallelConfig:
         require(self.num_micro_batches is None or self.num_micro_batches >= 1,
                 "parallel.num_micro_batches", self.num_micro_batches, "null or an int >= 1")
         require(self.timeout_s > 0, "parallel.timeout_s", self.timeout_s, "a number of seconds > 0")
+        require(self.cpu_allreduce in CPU_ALLREDUCE, "parallel.cpu_allreduce", self.cpu_allreduce,
+                f"one of {CPU_ALLREDUCE}")
 
     @property
     def world_size(self) -> int:

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshserve.parallel.config import ParallelConfig
+from meshserve.parallel.shm_allreduce import ShmAllReduce
+from meshserve.parallel.shm_allreduce import supported as shm_supported
 from meshserve.parallel.tp_group import TensorParallelGroup
 from meshserve.validation import require
 
@@ -162,8 +164,12 @@ class ProcessGroups:
 
     @classmethod
     def build(cls, dims: ParallelDims, *, rank: int, node_ids: Sequence[str],
-              device_type: str, op_timeout: timedelta | None) -> ProcessGroups:
-        """Create every group; all ranks call this together, after init_process_group."""
+              device_type: str, op_timeout: timedelta | None,
+              cpu_allreduce: str = "auto") -> ProcessGroups:
+        """Create every group; all ranks call this together, after init_process_group.
+
+        On CPU, a TP group whose ranks share one host sums through shared memory
+        (cpu_allreduce auto) or through gloo (cpu_allreduce gloo)."""
         order = place_ranks(node_ids, dims)
         mesh = DeviceMesh(device_type, torch.tensor(order).view(dims.mesh_shape),
                           mesh_dim_names=MESH_AXES)
@@ -171,8 +177,14 @@ class ProcessGroups:
         assert coords is not None, rank
         dp_rank, pp_rank, tp_rank = coords
         grid = mesh.mesh  # [dp, pp, tp] global ranks
-        tp = (TensorParallelGroup(tp_rank, dims.tp, mesh.get_group("tp"), timeout=op_timeout)
-              if dims.tp > 1 else TensorParallelGroup())
+        tp = TensorParallelGroup()
+        if dims.tp > 1:
+            group = mesh.get_group("tp")
+            hosts = {node_ids[int(r)] for r in grid[dp_rank, pp_rank]}
+            shm = (ShmAllReduce(group, tp_rank, dims.tp, timeout=op_timeout)
+                   if cpu_allreduce == "auto" and device_type == "cpu" and len(hosts) == 1
+                   and shm_supported() else None)
+            tp = TensorParallelGroup(tp_rank, dims.tp, group, timeout=op_timeout, shm=shm)
         pp_group = mesh.get_group("pp") if dims.pp > 1 else None
         cpu_group = None
         for d in range(dims.dp):  # every rank creates every group, in the same order
@@ -200,5 +212,7 @@ class ProcessGroups:
     def destroy(self) -> None:
         """Tear down every process group of this process (explicitly: gloo may abort at
         interpreter exit otherwise)."""
+        if self.tp.shm is not None:
+            self.tp.shm.close()
         if dist.is_initialized():
             dist.destroy_process_group()

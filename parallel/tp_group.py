@@ -13,6 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshserve.parallel.shm_allreduce import ShmAllReduce
+
 
 @dataclass
 class CommCounters:
@@ -46,6 +48,9 @@ class TensorParallelGroup:
     """Collectives issued at size > 1 (size 1 communicates nothing and counts nothing)."""
     timeout: timedelta | None = field(default=None, compare=False)
     """Longest wait for the other ranks (gloo); None leaves it to the process group (NCCL)."""
+    shm: ShmAllReduce | None = field(default=None, compare=False, repr=False)
+    """Shared-memory AllReduce for CPU tensors when every rank of the group is on this
+    host; tensors it does not take go through `group`."""
 
     def __post_init__(self) -> None:
         assert self.size >= 1 and 0 <= self.rank < self.size, (self.rank, self.size)
@@ -57,7 +62,9 @@ class TensorParallelGroup:
             t0 = time.perf_counter()
             self.counters.num_all_reduce += 1
             self.counters.all_reduce_bytes += x.numel() * x.element_size()
-            if self.timeout is None:
+            if self.shm is not None and self.shm.fits(x):
+                self.shm.all_reduce(x)
+            elif self.timeout is None:
                 dist.all_reduce(x, group=self.group)
             else:
                 self._wait(dist.all_reduce(x, group=self.group, async_op=True))

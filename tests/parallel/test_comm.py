@@ -5,10 +5,6 @@ bound on a wait for a silent rank."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -61,14 +57,21 @@ else:
 # tp = 2: collectives, their counters, and the wait bound when the peer stays silent.
 tp = ProcessGroups.build(ParallelDims(tp=2, world_size=2), rank=rank, node_ids=["a", "a"],
                          device_type="cpu", op_timeout=T).tp
+assert tp.shm is not None  # both ranks on host "a": shared memory, not gloo
 x = torch.full((3, 4), float(rank + 1))
 assert torch.equal(tp.all_reduce(x), torch.full((3, 4), 3.0))
+for i in range(5):  # both banks, reused in turn
+    y = torch.arange(6, dtype=torch.bfloat16) * (rank + 1) + i
+    assert torch.equal(tp.all_reduce(y), torch.arange(6, dtype=torch.bfloat16) * 3 + 2 * i)
+big = torch.full((tp.shm.slot_bytes // 4 + 1,), float(rank))  # too big: through gloo
+assert not tp.shm.fits(big) and torch.equal(tp.all_reduce(big), torch.ones_like(big))
 g = tp.gather(torch.full((2, 3), float(rank)), dim=-1)
 assert (g is None) == (rank == 1)
 if g is not None:
     assert torch.equal(g, torch.cat([torch.zeros(2, 3), torch.ones(2, 3)], -1))
 c = tp.counters
-assert (c.num_all_reduce, c.all_reduce_bytes, c.num_gather, c.gather_bytes) == (1, 48, 1, 24)
+assert (c.num_all_reduce, c.num_gather, c.gather_bytes) == (7, 1, 24)
+assert c.all_reduce_bytes == 48 + 5 * 12 + big.numel() * 4
 assert c.comm_s > 0
 dist.barrier()
 if rank == 0:
@@ -86,11 +89,5 @@ print("ok", rank)
 '''
 
 
-def test_two_gloo_ranks(tmp_path: Path) -> None:
-    store = tmp_path / "store"
-    procs = [subprocess.Popen([sys.executable, "-c", RANK_PROGRAM, str(r), str(store)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and out.strip() == f"ok {r}", err[-3000:]
+def test_two_gloo_ranks(run_ranks) -> None:
+    run_ranks(RANK_PROGRAM, 2, 120)
