@@ -20,6 +20,7 @@ from meshserve.engine.model_runner import ModelRunner
 from meshserve.engine.sampler import Sampler
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler_output import SchedulerOutput
+from meshserve.engine.warmup import warm_up
 from meshserve.kernels import dispatch
 from meshserve.launch.run_config import MeshConfig
 from meshserve.models.arch import ModelArch
@@ -150,6 +151,8 @@ class LocalExecutor:
         if ec.cuda_graphs and self.device.type == "cuda" and dispatch.use_triton(self.device):
             self.runner.enable_cuda_graphs(ec.max_num_seqs,
                                            ec.max_model_len or arch.max_position_embeddings)
+        if self.device.type == "cuda":  # compile the kernels now, not in the first request
+            warm_up(self.runner, self.num_blocks)
         self.sampler = StepSampler(self.device, ec.seed)
 
     def execute(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
