@@ -16,11 +16,12 @@ nothing is left behind however the processes end.
 
 from __future__ import annotations
 
+import mmap
+import os
 import platform
 import time
 import uuid
 from datetime import timedelta
-from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 import torch
@@ -41,9 +42,14 @@ cores, a spinning rank would take the core from the rank it waits for."""
 BACKOFF_S = 50e-6
 
 
+SHM_DIR = "/dev/shm"
+"""Where the segment's file lives (Linux's memory-backed file system)."""
+
+
 def supported() -> bool:
-    """Whether this processor orders stores as the flag protocol needs (x86-64)."""
-    return platform.machine().lower() in ("x86_64", "amd64")
+    """Whether this processor orders stores as the flag protocol needs (x86-64) and the
+    memory-backed file system is there."""
+    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
 
 
 class ShmAllReduce:
@@ -59,20 +65,21 @@ class ShmAllReduce:
         self.seq = 0
         header = 8 * size
         total = header + 2 * size * slot_bytes
-        names = [f"meshserve-ar-{uuid.uuid4().hex[:16]}" if rank == 0 else None]
+        paths = [f"{SHM_DIR}/meshserve-ar-{uuid.uuid4().hex[:16]}" if rank == 0 else None]
         if rank == 0:
-            self.shm = shared_memory.SharedMemory(name=names[0], create=True, size=total)
-        dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0), group=group)
+            fd = os.open(paths[0], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, total)
+        dist.broadcast_object_list(paths, src=dist.get_global_rank(group, 0), group=group)
         if rank != 0:
-            self.shm = shared_memory.SharedMemory(name=names[0])
-            # Only the creator owns the segment: keep this process's resource tracker from
-            # unlinking it (or warning about it) at exit.
-            resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
+            fd = os.open(paths[0], os.O_RDWR)
+        # A plain file mapping: no multiprocessing resource tracker to unlink or warn about it.
+        self.buf = mmap.mmap(fd, total)
+        os.close(fd)
         dist.barrier(group=group)  # everyone has mapped it
         if rank == 0:
-            self.shm.unlink()  # the mappings live on; the name is gone
-        self.flags = np.ndarray((size,), dtype=np.int64, buffer=self.shm.buf)
-        self._bytes = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=total - header,
+            os.unlink(paths[0])  # the mappings live on; the name is gone
+        self.flags = np.ndarray((size,), dtype=np.int64, buffer=self.buf)
+        self._bytes = torch.frombuffer(self.buf, dtype=torch.uint8, count=total - header,
                                        offset=header)
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -120,4 +127,4 @@ class ShmAllReduce:
         """Drop this process's mapping."""
         del self.flags
         del self._bytes
-        self.shm.close()
+        self.buf.close()
