@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from meshserve.launch.discovery import free_port
 from meshserve.parallel.shm_allreduce import ShmAllReduce
 
 SIZES = (512, 2048, 16384, 65536, 262144)
@@ -45,13 +46,8 @@ def _rank(rank: int, port: int, calls: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Spawn the two ranks on a free port."""
-    import socket
-
     del argv
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(port, 300), nprocs=2)
+    mp.spawn(_rank, args=(free_port(), 300), nprocs=2)
     return 0
 
 

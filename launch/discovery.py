@@ -231,7 +231,8 @@ def _from_slurm(env: Mapping[str, str]) -> LaunchEnv:
 # --- MPI -----------------------------------------------------------------------------------
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host if host != "localhost" else "127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -265,7 +266,7 @@ def _from_mpi(env: Mapping[str, str]) -> LaunchEnv:
     if rank == 0:
         addr = env.get("MASTER_ADDR") or ("127.0.0.1" if len(nodes) == 1
                                           else _reachable_address())
-        rendezvous = (addr, int(env.get("MASTER_PORT") or _free_port(addr)))
+        rendezvous = (addr, int(env.get("MASTER_PORT") or free_port(addr)))
     addr, port = comm.bcast(rendezvous, root=0)
     local.Free()
     # MPI's job is done: the ranks talk over torch.distributed from here. Finalizing now

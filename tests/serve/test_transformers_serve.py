@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,13 +15,8 @@ import pytest
 
 from meshserve.bench.workloads import BenchRequest, save
 from meshserve.launch.cli import main
+from meshserve.launch.discovery import free_port
 from meshserve.models.bundled import resolve_model_dir
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -32,7 +26,7 @@ def test_bench_against_transformers_serve(tmp_path: Path) -> None:
     if not exe.exists():
         pytest.skip("no transformers CLI next to this python")
     model = str(resolve_model_dir("meshcoder", None))
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen([str(exe), "serve", model, "--port", str(port), "--device", "cpu"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
