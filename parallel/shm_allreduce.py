@@ -1,4 +1,4 @@
-"""AllReduce of CPU tensors through shared memory, for TP ranks on one machine.
+"""AllReduce and gather of CPU tensors through shared memory, for TP ranks on one machine.
 
 gloo's AllReduce costs about 0.6 ms per call here, which at TP=2 is paid twice per layer
 per step. Ranks on one host can instead each copy their tensor into a shared segment,
@@ -10,8 +10,11 @@ Layout of the segment: `size` int64 sequence flags, then two banks of `size` slo
 reuses a bank only two calls later, after every rank has posted the call in between, so
 after every rank has finished reading it. Stores are ordered on x86-64 (TSO), so a rank
 that sees a flag also sees the data written before it; on other processors this class is
-not used. The creating rank unlinks the segment as soon as everyone has mapped it, so
-nothing is left behind however the processes end.
+not used. A gather's senders do not wait for the others, so every call first waits until
+every rank has posted the call before it (free after an AllReduce): the bank it is about
+to write was then read by everyone. A tensor bigger than a slot is summed a slot-sized
+piece at a time. The creating rank unlinks the segment as soon as everyone has mapped it,
+so nothing is left behind however the processes end.
 """
 
 from __future__ import annotations
@@ -28,7 +31,11 @@ import torch
 import torch.distributed as dist
 
 SLOT_BYTES = 4 << 20
-"""Largest tensor (bytes) that goes through shared memory; bigger ones use gloo."""
+"""Bytes per rank and bank: an AllReduce of a bigger tensor takes several rounds, a gather
+of a bigger one goes through gloo."""
+
+MAX_CACHED_VIEWS = 512
+"""Slot views kept per (bank, rank, dtype, shape): decode steps repeat the same shapes."""
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -81,23 +88,50 @@ class ShmAllReduce:
         self.flags = np.ndarray((size,), dtype=np.int64, buffer=self.buf)
         self._bytes = torch.frombuffer(self.buf, dtype=torch.uint8, count=total - header,
                                        offset=header)
+        self._views: dict[tuple[int, int, torch.dtype, torch.Size], torch.Tensor] = {}
 
     def fits(self, x: torch.Tensor) -> bool:
-        """Whether `x` can go through shared memory (CPU, contiguous, small, float)."""
-        return (x.device.type == "cpu" and x.dtype in DTYPES and x.is_contiguous()
-                and x.numel() * x.element_size() <= self.slot_bytes)
+        """Whether `x` can go through shared memory (CPU, contiguous, float); a gather's
+        part must also fit in one slot."""
+        return x.device.type == "cpu" and x.dtype in DTYPES and x.is_contiguous()
+
+    def fits_gather(self, x: torch.Tensor) -> bool:
+        """Whether `gather(x)` goes through shared memory."""
+        return self.fits(x) and x.numel() * x.element_size() <= self.slot_bytes
 
     def _slot(self, bank: int, rank: int, x: torch.Tensor) -> torch.Tensor:
-        start = (bank * self.size + rank) * self.slot_bytes
-        n = x.numel() * x.element_size()
-        return self._bytes[start:start + n].view(x.dtype).view(x.shape)
+        key = (bank, rank, x.dtype, x.shape)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= MAX_CACHED_VIEWS:
+                self._views.clear()
+            start = (bank * self.size + rank) * self.slot_bytes
+            n = x.numel() * x.element_size()
+            view = self._bytes[start:start + n].view(x.dtype).view(x.shape)
+            self._views[key] = view
+        return view
+
+    def _post(self, x: torch.Tensor) -> tuple[int, int]:
+        """Copy `x` into this rank's slot of the next call's bank and raise the flag."""
+        self.seq += 1
+        seq, bank = self.seq, self.seq % 2
+        self._wait(seq - 1)  # every rank is past the call that last read this bank
+        self._slot(bank, self.rank, x).copy_(x)
+        self.flags[self.rank] = seq
+        return seq, bank
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the group in place (`fits(x)` must hold)."""
-        self.seq += 1
-        seq, bank = self.seq, self.seq % 2
-        self._slot(bank, self.rank, x).copy_(x)
-        self.flags[self.rank] = seq
+        max_elems = self.slot_bytes // x.element_size()
+        if x.numel() > max_elems:  # slot-sized rounds over the flat tensor
+            flat = x.view(-1)
+            for start in range(0, flat.numel(), max_elems):
+                self._all_reduce(flat[start:start + max_elems])
+            return x
+        return self._all_reduce(x)
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        seq, bank = self._post(x)
         self._wait(seq)
         parts = [self._slot(bank, r, x) for r in range(self.size)]  # rank order everywhere
         if self.size == 2:
@@ -105,6 +139,15 @@ class ShmAllReduce:
         else:
             torch.sum(torch.stack(parts), dim=0, out=x)
         return x
+
+    def gather(self, x: torch.Tensor, dim: int, dst: int) -> torch.Tensor | None:
+        """Every rank's `x` (same shape everywhere) concatenated along `dim` on rank `dst`;
+        None on the others, which return as soon as their part is posted."""
+        seq, bank = self._post(x)
+        if self.rank != dst:
+            return None
+        self._wait(seq)
+        return torch.cat([self._slot(bank, r, x) for r in range(self.size)], dim=dim)
 
     def _wait(self, seq: int) -> None:
         flags = self.flags
@@ -125,6 +168,7 @@ class ShmAllReduce:
 
     def close(self) -> None:
         """Drop this process's mapping."""
+        self._views.clear()
         del self.flags
         del self._bytes
         self.buf.close()

@@ -87,9 +87,12 @@ class TensorParallelGroup:
         self.counters.num_gather += 1
         self.counters.gather_bytes += x.numel() * x.element_size()
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == dst else None
-        self._wait(dist.gather(x, parts, group=self.group, group_dst=dst, async_op=True))
-        out = torch.cat(parts, dim=dim) if parts is not None else None
+        if self.shm is not None and self.shm.fits_gather(x):
+            out = self.shm.gather(x, dim, dst)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == dst else None
+            self._wait(dist.gather(x, parts, group=self.group, group_dst=dst, async_op=True))
+            out = torch.cat(parts, dim=dim) if parts is not None else None
         self.counters.comm_s += time.perf_counter() - t0
         return out
 

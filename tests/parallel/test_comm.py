@@ -63,14 +63,18 @@ assert torch.equal(tp.all_reduce(x), torch.full((3, 4), 3.0))
 for i in range(5):  # both banks, reused in turn
     y = torch.arange(6, dtype=torch.bfloat16) * (rank + 1) + i
     assert torch.equal(tp.all_reduce(y), torch.arange(6, dtype=torch.bfloat16) * 3 + 2 * i)
-big = torch.full((tp.shm.slot_bytes // 4 + 1,), float(rank))  # too big: through gloo
-assert not tp.shm.fits(big) and torch.equal(tp.all_reduce(big), torch.ones_like(big))
+big = torch.full((tp.shm.slot_bytes // 4 + 1,), float(rank))  # bigger than a slot: 2 rounds
+assert tp.shm.fits(big) and torch.equal(tp.all_reduce(big), torch.ones_like(big))
 g = tp.gather(torch.full((2, 3), float(rank)), dim=-1)
 assert (g is None) == (rank == 1)
 if g is not None:
     assert torch.equal(g, torch.cat([torch.zeros(2, 3), torch.ones(2, 3)], -1))
+assert not tp.shm.fits_gather(big)  # a gather part bigger than a slot goes through gloo
+g = tp.gather(torch.full_like(big, float(rank)), dim=0)
+if g is not None:
+    assert g.shape == (2 * big.numel(),) and g[-1].item() == 1.0 and g[0].item() == 0.0
 c = tp.counters
-assert (c.num_all_reduce, c.num_gather, c.gather_bytes) == (7, 1, 24)
+assert (c.num_all_reduce, c.num_gather, c.gather_bytes) == (7, 2, 24 + big.numel() * 4)
 assert c.all_reduce_bytes == 48 + 5 * 12 + big.numel() * 4
 assert c.comm_s > 0
 dist.barrier()

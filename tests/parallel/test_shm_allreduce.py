@@ -1,4 +1,5 @@
-"""Shared-memory AllReduce between three real processes: sums equal gloo's, every rank
+"""Shared-memory AllReduce and gather between three real processes: sums equal gloo's
+(also over several slot-sized rounds), gathers land in rank order, every rank
 gets the same bits, nothing is left in /dev/shm, a wrong group falls back to gloo."""
 
 from __future__ import annotations
@@ -35,7 +36,24 @@ for step in range(20):
         bits = [None] * 3
         dist.all_gather_object(bits, got.view(torch.uint8).tolist(), group=group)
         assert bits[0] == bits[1] == bits[2], "ranks disagree"
-assert not shm.fits(torch.zeros(1 << 15))  # 128 KiB > 64 KiB slot
+# 200 KiB > 64 KiB slot: summed in four rounds, still equal to gloo's sum
+big = torch.randn(100, 512, generator=gen)
+want = big.clone()
+dist.all_reduce(want, group=group)
+torch.testing.assert_close(shm.all_reduce(big.clone()), want)
+# gathers, back to back and mixed with sums: rank 1 collects, the others move on at once
+for step in range(10):
+    part = torch.full((4, 3), float(10 * step + rank))
+    got = shm.gather(part, dim=-1, dst=1)
+    if rank == 1:
+        assert got.shape == (4, 9), got.shape
+        assert got[0].tolist() == [float(10 * step + r) for r in range(3) for _ in range(3)]
+    else:
+        assert got is None
+    if step % 3 == 0:
+        total = shm.all_reduce(torch.ones(5))
+        assert total.tolist() == [3.0] * 5
+assert shm.fits(torch.zeros(1 << 15)) and not shm.fits_gather(torch.zeros(1 << 15))
 assert not shm.fits(torch.zeros(8, 8)[:, ::2])  # not contiguous
 assert not shm.fits(torch.zeros(4, dtype=torch.int64))
 shm.close()
