@@ -10,11 +10,12 @@ and wider TP cost in practice (imbalanced micro-batches, harder failure handling
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from meshserve.parallel.cluster import ClusterConfig
-from meshserve.parallel.cost_model import CostModel, StepWork
+from meshserve.parallel.cost_model import CostModel, StageTime, StepWork
 from meshserve.parallel.model_shape import ArchLike, ModelShape
 from meshserve.parallel.plan import Plan, layout_for, place_ranks, tp_within_domain
 from meshserve.parallel.prediction import Prediction, predict
@@ -116,11 +117,23 @@ def enumerate_degrees(num_devices: int) -> list[tuple[int, int, int]]:
 
 def stage_ranges(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
                  tp: int, pp: int) -> list[tuple[int, int]]:
-    """Layers per stage balanced by the decode cost at the scenario's batch and context."""
+    """Layers per stage balanced by what a typical request of the scenario costs each part:
+    its prompt's prefill plus its share of output_len decode steps at the scenario's batch.
+
+    Balancing by decode alone gives the last stage few layers when the LM head is large
+    (the head runs for every decode token but for one row per prefill); a workload whose
+    time goes mostly to prefill then leaves the first stage doing most of the work.
+    """
     probe = CostModel(shape, cluster, layout_for(tp, [(0, shape.num_layers)], 1, cluster))
-    work = StepWork.decode(scenario.max_batch, scenario.prompt_len + scenario.output_len / 2)
-    costs = StageCosts(layer=probe.layer_time(work).total_s, embed=probe.embed_time(work).total_s,
-                       head=probe.head_time(work).total_s)
+    prefill = StepWork.prefill(scenario.prompt_len)
+    decode = StepWork.decode(scenario.max_batch, scenario.prompt_len + scenario.output_len / 2)
+    steps = scenario.output_len / scenario.max_batch  # one sequence's share of decode steps
+
+    def per_request(time_of: Callable[[StepWork], StageTime]) -> float:
+        return time_of(prefill).total_s + steps * time_of(decode).total_s
+
+    costs = StageCosts(layer=per_request(probe.layer_time), embed=per_request(probe.embed_time),
+                       head=per_request(probe.head_time))
     return stage_layer_ranges(shape.num_layers, pp, costs)
 
 

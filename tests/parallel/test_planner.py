@@ -19,6 +19,7 @@ from meshserve.parallel.planner import (
     enumerate_degrees,
     plan,
     plan_for,
+    stage_ranges,
 )
 from meshserve.parallel.scenario import ScenarioConfig
 
@@ -124,6 +125,18 @@ def test_plan_stage_ranges_follow_the_lm_head_at_small_batch() -> None:
     # At batch 32 and 640 tokens of context the 8B LM head costs ~2.0 layers: its stage
     # runs 6; the embedding's sliver of cost leaves stage 0 one layer short of the others.
     assert p.stage_layers == ((0, 8), (8, 17), (17, 26), (26, 32))
+
+
+def test_stage_ranges_weigh_prefill_and_decode_as_the_scenario_does() -> None:
+    shape, h100, _ = setup("llama-3-8b", "dgx-h100", "chatbot")
+    # Long prompts, few output tokens: prefill dominates and the head runs for one row per
+    # prompt, so the split is even. Short prompts, long outputs: the head runs at every
+    # decode step and its stage gets fewer layers.
+    prefill_heavy = ScenarioConfig(name="p", prompt_len=4096, output_len=16, max_batch=32)
+    decode_heavy = ScenarioConfig(name="d", prompt_len=16, output_len=4096, max_batch=32)
+    assert stage_ranges(shape, h100, prefill_heavy, 1, 2) == [(0, 16), (16, 32)]
+    (_, split), _ = stage_ranges(shape, h100, decode_heavy, 1, 2)
+    assert split > 16
 
 
 def test_enumeration_uses_every_device() -> None:
