@@ -82,21 +82,31 @@ def matmul_tflops(n: int, dtype: str, device: torch.device, repeats: int) -> flo
     return 2 * n**3 / best_time(lambda: a @ b, repeats, device) / 1e12
 
 
-MATMUL_ROWS = (1, 4, 16, 64)
-"""Row counts (tokens) at which calibrate times a weight matmul against the square rate."""
+MATMUL_ROWS = (4, 8, 16, 32, 64)
+"""Row counts (tokens) at which calibrate times a weight matmul against the square rate
+(one row is a matter of memory bandwidth, which the roofline prices on its own)."""
+
+WEIGHTS_BYTES = 64 << 20
+"""The weights the half-rows matmuls cycle through: more than a last-level cache holds, as
+in a forward pass, which reads each weight once. One weight timed over and over stays in
+cache and runs small batches up to twice as fast as the model ever sees."""
 
 
 def matmul_half_rows(width: int, dtype: str, device: torch.device, repeats: int,
-                     peak_tflops: float) -> float:
-    """The M at which an [M, width] x [width, width] matmul runs at half `peak_tflops`:
-    the median over MATMUL_ROWS of M x (peak / rate(M) - 1), 0 when it is at peak."""
+                     peak_tflops: float, weights_bytes: int = WEIGHTS_BYTES) -> float:
+    """The M at which [M, width] x [width, 4·width] weight matmuls (cycling through
+    `weights_bytes` of weights) run at half `peak_tflops`: the median over MATMUL_ROWS of
+    M x (peak / rate(M) - 1), 0 when they run at peak."""
     torch_dtype = getattr(torch, dtype)
-    w = torch.randn(width, width, device=device, dtype=torch_dtype)
+    n = 4 * width
+    per_weight = width * n * torch_dtype.itemsize
+    ws = [torch.randn(width, n, device=device, dtype=torch_dtype)
+          for _ in range(max(1, -(-weights_bytes // per_weight)))]
     estimates = []
     for m in MATMUL_ROWS:
         x = torch.randn(m, width, device=device, dtype=torch_dtype)
-        t = best_time(lambda x=x: x @ w, repeats, device)
-        rate = 2 * m * width * width / t / 1e12
+        t = best_time(lambda x=x: [x @ w for w in ws], repeats, device) / len(ws)
+        rate = 2 * m * width * n / t / 1e12
         estimates.append(max(0.0, m * (peak_tflops / rate - 1)))
     estimates.sort()
     return estimates[len(estimates) // 2]
@@ -330,7 +340,8 @@ def preset_yaml(cluster: ClusterConfig, cal: Calibration, notes_after: Sequence[
              "# matmul TFLOP/s: " + ", ".join(f"{k} {v:.4g}" for k, v in cal.tflops.items()),
              f"# memory GB/s, one rank: sum {cal.read_gbs:.1f}, vector-matrix {cal.gemv_gbs:.1f}",
              f"# stand-in decoder layer at width 64: {cal.layer_overhead_us:.1f} us",
-             f"# float32 weight matmul reaches half the square rate at {cal.half_rows:.3g} rows"]
+             f"# float32 weight matmul (weights not in cache) reaches half the square rate at "
+             f"{cal.half_rows:.3g} rows"]
     for c in cal.collectives:
         notes.append(f"# {c.world} ranks: vector-matrix {c.concurrent_gemv_gbs:.1f} GB/s each; "
                      "AllReduce " + ", ".join(f"{s}B {t * 1e6:.0f}us"

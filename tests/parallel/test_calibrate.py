@@ -107,6 +107,8 @@ def test_matmul_half_rows_is_measured_against_the_square_rate() -> None:
     from meshserve.parallel.calibrate import matmul_half_rows
 
     # Against an impossible peak every size is far below it: a positive half point.
-    assert matmul_half_rows(64, "float32", torch.device("cpu"), 2, peak_tflops=1e3) > 0
+    assert matmul_half_rows(64, "float32", torch.device("cpu"), 2, peak_tflops=1e3,
+                            weights_bytes=1 << 20) > 0
     # Against a peak of ~0 every size is above it: none.
-    assert matmul_half_rows(64, "float32", torch.device("cpu"), 2, peak_tflops=1e-12) == 0
+    assert matmul_half_rows(64, "float32", torch.device("cpu"), 2, peak_tflops=1e-12,
+                            weights_bytes=1 << 20) == 0
