@@ -95,6 +95,14 @@ class Engine:
         self._seq_ids = itertools.count()
         if self.step_log is not None:
             self.step_log.comm = self._measured_comm()
+            self.step_log.write_run(self._run_header())
+
+    def _run_header(self) -> dict[str, object]:
+        """What `meshserve diagnose` needs to price this run's step records."""
+        c = self.config
+        return {"model_name": c.model.name, "model_path": str(self.model_dir),
+                "dtype": c.model.dtype, "tp": c.parallel.tp, "pp": c.parallel.pp,
+                "dp": c.parallel.dp, "scenario": c.scenario.name, "cluster": c.cluster.name}
 
     def _measured_comm(self) -> CommCounters | None:
         """The driver's TP collective counters when their times are real: gloo on CPU."""

@@ -1,5 +1,9 @@
 """The engine's step records for `meshserve diagnose`: one JSON line per step, appended.
 
+Each engine starts its records with a `{"run": {...}}` line naming the model, its dtype,
+the layout, the scenario and the cluster, so `meshserve diagnose` prices the records with
+the run's own model and layout without being told again.
+
 Lines go through a 64 KiB buffer, flushed at least every FLUSH_INTERVAL_S while steps run
 and on close, so a running server's file can be diagnosed as it grows (a reader may see
 the last line cut short; `meshserve diagnose` skips it). Writing a record costs some
@@ -9,6 +13,7 @@ fields are StepRecord's; `meshserve diagnose` validates them when it reads).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +43,11 @@ class StepLog:
         self.comm: CommCounters | None = None
         """The driver's TP collective counters, when their times are real (gloo on CPU)."""
         self._last_flush = time.monotonic()
+
+    def write_run(self, run: dict[str, object]) -> None:
+        """Start a run's records: the line `meshserve diagnose` takes its config from."""
+        self._file.write(json.dumps({"run": run}) + "\n")
+        self.flush()
 
     def comm_mark(self) -> float | None:
         """Communication seconds so far (pass to `write` to count a step's own); None when

@@ -2,17 +2,20 @@
 split a workload's step time by cause against the cost model, name the bottleneck.
 
 The records are JSON lines, one step each, with StepRecord's fields (parallel/diagnose.py).
-The layout is the run's: its parallel degrees, or the planner's choice under parallel=auto.
+An engine starts its records with a `{"run": {...}}` line; the model, dtype, layout,
+scenario and cluster preset come from there unless given on the command line. A file that
+several runs appended to is diagnosed for its last run.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
-from meshserve.launch.config import load_config
+from meshserve.launch.config import load_config, presets
 from meshserve.launch.plan import resolve_arch, shorthand
 from meshserve.parallel.cost_model import CostModel
 from meshserve.parallel.diagnose import StepRecord, diagnose
@@ -20,11 +23,26 @@ from meshserve.parallel.model_shape import ModelShape
 from meshserve.parallel.plan import layout_for
 from meshserve.parallel.planner import plan_for, resolve_dtype
 
+RUN_OVERRIDES = {"model_path": "model.path", "model_name": "model.name", "dtype": "model.dtype",
+                 "tp": "parallel.tp", "pp": "parallel.pp", "scenario": "scenario",
+                 "cluster": "cluster"}
+"""A run header's fields and the config keys they set."""
 
-def read_records(path: str | None) -> tuple[list[StepRecord], str | None]:
-    """StepRecords from a JSON-lines file, and a note when its last line was skipped: a
-    running engine may be writing it (cut short, no newline yet). Other bad lines are
-    errors naming the line and the field."""
+
+@dataclass
+class Records:
+    """A step-records file read for diagnosis: the last run's records and header."""
+
+    steps: list[StepRecord] = field(default_factory=list)
+    run: dict[str, Any] | None = None
+    """The last run's header (None in files written before engines wrote headers)."""
+    notes: list[str] = field(default_factory=list)
+
+
+def read_records(path: str | None) -> Records:
+    """The last run's StepRecords from a JSON-lines file, with notes when earlier runs or a
+    last line still being written (cut short, no newline yet) were skipped. Other bad lines
+    are errors naming the line and the field."""
     if not path:
         raise ValueError("diagnose.records=None is invalid: allowed is a JSON-lines file of "
                          "step records (one StepRecord's fields per line)")
@@ -32,10 +50,10 @@ def read_records(path: str | None) -> tuple[list[StepRecord], str | None]:
     if not p.is_file():
         raise ValueError(f"diagnose.records={path!r}: no such file")
     names = {f.name for f in fields(StepRecord)}
-    records = []
+    out = Records()
+    earlier = 0
     text = p.read_text(errors="replace")
     lines = text.splitlines()
-    note = None
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -43,33 +61,62 @@ def read_records(path: str | None) -> tuple[list[StepRecord], str | None]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             if i == len(lines) and not text.endswith("\n"):
-                note = f"{path}:{i}: skipped the last line, still being written ({len(line)} chars)"
+                out.notes.append(f"{path}:{i}: skipped the last line, still being written "
+                                 f"({len(line)} chars)")
                 break
             raise ValueError(f"{path}:{i}: not JSON ({e})") from None
+        if "run" in row:  # a new run starts: diagnose from here on
+            earlier += 1 if out.steps or out.run is not None else 0
+            out.steps, out.run = [], dict(row["run"])
+            continue
         unknown = set(row) - names
         if unknown:
             raise ValueError(f"{path}:{i}: unknown field(s) {sorted(unknown)}; allowed: "
                              f"{', '.join(sorted(names))}")
         try:
-            records.append(StepRecord(**row))
+            out.steps.append(StepRecord(**row))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}:{i}: {e}") from None
-    return records, note
+    if earlier:
+        out.notes.insert(0, f"{path}: {earlier} earlier run(s) in the file skipped; "
+                            "diagnosing the last one")
+    return out
+
+
+def run_overrides(run: dict[str, Any] | None, given: list[str]) -> list[str]:
+    """Config overrides from a run header for every key the command line leaves unset (a
+    cluster only when it is a preset: a calibrated file must be passed again)."""
+    if not run:
+        return []
+    set_keys = {ov.split("=", 1)[0].lstrip("+~") for ov in given}
+    if any(k.startswith("parallel") for k in set_keys):
+        set_keys |= {"parallel.tp", "parallel.pp"}
+    out = []
+    for field_name, key in RUN_OVERRIDES.items():
+        value = run.get(field_name)
+        if value is None or key in set_keys:
+            continue
+        if key == "cluster" and value not in presets("cluster"):
+            continue
+        out.append(f"{key}='{value}'" if key.startswith("model.") and key != "model.dtype"
+                   else f"{key}={value}")
+    return out
 
 
 def run(overrides: list[str]) -> int:
     """Read the records, diagnose, print; returns the exit code."""
-    cfg = load_config(shorthand(overrides, "diagnose"))
-    records, note = read_records(cfg.diagnose.records)
-    if note:
+    given = shorthand(overrides, "diagnose")
+    records = read_records(load_config(given).diagnose.records)
+    for note in records.notes:
         print(f"meshserve diagnose: {note}", file=sys.stderr)
+    cfg = load_config(run_overrides(records.run, given) + given)
     arch = resolve_arch(cfg.model)
     plan = plan_for(cfg, arch)
     shape = ModelShape.from_arch(arch, resolve_dtype(cfg.model.dtype, arch.dtype,
                                                      cfg.cluster.device_type))
     cost = CostModel(shape, cfg.cluster, layout_for(plan.tp, list(plan.stage_layers),
                                                     plan.num_micro_batches, cfg.cluster))
-    d = diagnose(records, cost, cfg.scenario.name)
+    d = diagnose(records.steps, cost, cfg.scenario.name)
     if cfg.diagnose.format == "json":
         print(json.dumps({"model": cfg.model.name, "cluster": cfg.cluster.name, "tp": plan.tp,
                           "pp": plan.pp, "dp": plan.dp, **d.as_dict()}, indent=1))

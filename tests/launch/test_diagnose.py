@@ -20,12 +20,15 @@ def meshserve(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def generate_and_diagnose(tmp_path: Path, *layout: str) -> tuple[list[dict], dict]:
+    """Generate with `layout`, then diagnose with no layout given: it comes from the run
+    header the engine wrote first."""
     steps = tmp_path / "steps.jsonl"
     gen = meshserve("generate", f"engine.step_log={steps}", "generate.max_tokens=6",
                     "generate.ignore_eos=true", *layout)
     assert gen.returncode == 0, gen.stderr[-3000:]
-    rows = [json.loads(line) for line in steps.read_text().splitlines()]
-    out = meshserve("diagnose", f"diagnose.records={steps}", "format=json", *layout)
+    header, *rows = [json.loads(line) for line in steps.read_text().splitlines()]
+    assert header["run"]["model_name"] == "meshcoder"
+    out = meshserve("diagnose", f"diagnose.records={steps}", "format=json")
     assert out.returncode == 0, out.stderr[-3000:]
     return rows, json.loads(out.stdout)
 
