@@ -26,10 +26,10 @@ def launched_cluster(cluster: ClusterConfig, env: LaunchEnv) -> ClusterConfig:
 
 
 def resolve_layout(config: MeshConfig, arch: ModelArch, env: LaunchEnv | None, *,
-                   announce: bool = True) -> MeshConfig:
+                   announce: bool = True, max_dp: int | None = 1) -> MeshConfig:
     """`config` with concrete degrees: unchanged unless parallel.auto, else the planner's
-    (tp, pp) with one replica, for exactly the launched ranks or, without a launcher, for
-    up to the configured cluster's devices.
+    (tp, pp, dp) with at most `max_dp` replicas (None: any), for exactly the launched ranks
+    or, without a launcher, for up to the configured cluster's devices.
 
     Every rank computes the same answer (the planner is deterministic), so no rank has to
     wait for another's choice.
@@ -39,13 +39,14 @@ def resolve_layout(config: MeshConfig, arch: ModelArch, env: LaunchEnv | None, *
     cluster = config.cluster if env is None else launched_cluster(config.cluster, env)
     # A launcher's ranks must all be used; started alone, the run takes as many of the
     # cluster's devices as pay for themselves (a small model stays on one).
-    chosen = plan_for(dataclasses.replace(config, cluster=cluster), arch, max_dp=1,
+    chosen = plan_for(dataclasses.replace(config, cluster=cluster), arch, max_dp=max_dp,
                       fill_cluster=env is not None)
     if announce and (env is None or env.rank == 0):
-        print(f"meshserve: parallel=auto chose tp={chosen.tp}, pp={chosen.pp} for "
+        print(f"meshserve: parallel=auto chose tp={chosen.tp}, pp={chosen.pp}, "
+              f"dp={chosen.dp} for "
               f"{cluster.num_nodes} node(s) x {cluster.devices_per_node} "
               f"{cluster.device_type} rank(s): {chosen.explanation}", file=sys.stderr)
     parallel = dataclasses.replace(config.parallel, auto=False, tp=chosen.tp, pp=chosen.pp,
-                                   dp=1)
+                                   dp=chosen.dp)
     # The reshaped cluster goes along, so the runtime's stage split is the planner's.
     return dataclasses.replace(config, cluster=cluster, parallel=parallel)

@@ -133,7 +133,7 @@ class Engine:
             raise ValueError(f"sampling_params: got {type(params).__name__}, "
                              "allowed is a SamplingParams")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(ids)
+        self.check_prompt(ids)
         seq_id = next(self._seq_ids)
         request_id = request_id if request_id is not None else str(seq_id)
         if request_id in self._by_request_id:
@@ -152,7 +152,8 @@ class Engine:
         self._by_request_id[request_id] = seq_id
         return request_id
 
-    def _check_prompt(self, ids: list[int]) -> None:
+    def check_prompt(self, ids: list[int]) -> None:
+        """Raise ValueError naming the field if `ids` is not a prompt this engine takes."""
         if not ids:
             raise ValueError("prompt: empty; allowed is at least one token")
         vocab = self.arch.vocab_size

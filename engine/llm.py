@@ -8,7 +8,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from meshserve.engine.auto_layout import resolve_layout
-from meshserve.engine.engine import Engine
+from meshserve.engine.data_parallel import make_engine
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.worker import run_worker_rank
@@ -48,7 +48,7 @@ class LLM:
             model_dir = resolve_model_dir(self.config.model.name, self.config.model.path)
             config = resolve_layout(self.config, ModelArch.from_dir(model_dir), env)
             raise SystemExit(run_worker_rank(config, model_dir, env))
-        self.engine = Engine(self.config, progress=progress)
+        self.engine = make_engine(self.config, progress=progress)
         self.progress = progress
 
     def shutdown(self) -> None:

@@ -1,0 +1,314 @@
+"""Data parallelism: parallel.dp replicas of the tp x pp layout, each a whole engine.
+
+A replica has its own scheduler, KV cache and ranks; replicas share nothing but the
+stream of requests. This process runs replica 0 itself and starts replicas 1..dp-1 as
+child processes, each of which starts its own tp x pp ranks as a lone engine would. Every
+request goes to the replica with the least work outstanding (prompt tokens plus tokens
+still allowed), and its outputs come back from there with that replica's counters.
+
+A replica that exits, fails, or sends nothing for parallel.timeout_s while it has work
+stops the run with a RankFailure naming it; shutdown stops every replica and its ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import fields, replace
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from meshserve.engine.auto_layout import resolve_layout
+from meshserve.engine.engine import Engine
+from meshserve.engine.executor import resolve_device
+from meshserve.engine.outputs import RequestOutput
+from meshserve.engine.prefix_cache import PrefixCacheStats
+from meshserve.engine.sampling_params import SamplingParams
+from meshserve.engine.scheduler_output import SchedulerStats
+from meshserve.launch.discovery import discover
+from meshserve.launch.ranks import RankFailure
+from meshserve.launch.run_config import MeshConfig
+from meshserve.models.arch import ModelArch
+from meshserve.models.bundled import resolve_model_dir
+
+STARTUP_TIMEOUT_S = 300.0
+"""Longest a replica may take to load its model and start its ranks."""
+
+STOP_TIMEOUT_S = 10.0
+"""How long shutdown waits for a replica to stop before killing it."""
+
+
+def make_engine(config: MeshConfig, *, progress: bool = True) -> Engine | DataParallelEngine:
+    """One engine, or dp replicas of it behind one front when parallel.dp > 1 (or when
+    parallel=auto, started without a launcher, plans replicas)."""
+    env = discover()
+    if config.parallel.auto and env is None:
+        arch = ModelArch.from_dir(resolve_model_dir(config.model.name, config.model.path))
+        config = resolve_layout(config, arch, None, max_dp=None)
+    if config.parallel.dp == 1:
+        return Engine(config, progress=progress)
+    if env is not None:
+        raise ValueError(f"parallel.dp={config.parallel.dp} under a launcher: allowed is dp=1 "
+                         "there (run one job per replica), or start meshserve without "
+                         "torchrun/srun/mpirun and it starts the replicas itself")
+    return DataParallelEngine(config, progress=progress)
+
+
+def replica_config(config: MeshConfig) -> MeshConfig:
+    """One replica's config: dp=1, and on CPU without an explicit thread count, the cores
+    shared evenly by every rank of every replica."""
+    par = config.parallel
+    one = replace(config, parallel=replace(par, dp=1))
+    if config.threads is None and resolve_device(config.device).type == "cpu":
+        one = replace(one, threads=max(1, (os.cpu_count() or 1) // par.world_size))
+    return one
+
+
+def _sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
+    """Counters of several replicas added up."""
+    cache = PrefixCacheStats(**{f.name: sum(getattr(s.prefix_cache, f.name) for s in stats)
+                                for f in fields(PrefixCacheStats)})
+    return SchedulerStats(**{f.name: sum(getattr(s, f.name) for s in stats)
+                             for f in fields(SchedulerStats) if f.name != "prefix_cache"},
+                          prefix_cache=cache)
+
+
+class _Remote:
+    """The front's handle on one child replica: a `python -m meshserve.engine.replica`
+    process (no multiprocessing spawn, which would re-run the user's script) talking over
+    a socket pair."""
+
+    def __init__(self, index: int, config: MeshConfig) -> None:
+        mine, theirs = socket.socketpair()
+        self.index = index
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "meshserve.engine.replica", str(theirs.fileno()), str(index)],
+            pass_fds=(theirs.fileno(),))
+        theirs.close()
+        self.conn = Connection(mine.detach())
+        self.conn.send(config)
+        self.num_blocks = 0
+        self.stats: SchedulerStats | None = None
+
+    def describe(self) -> str:
+        return f"data-parallel replica {self.index} (pid {self.proc.pid})"
+
+    def recv(self) -> tuple[Any, ...]:
+        """The next message; RankFailure when the replica is gone or reported an error."""
+        try:
+            msg = self.conn.recv()
+        except (EOFError, OSError):
+            code = _exit_code(self.proc, 1.0)
+            raise RankFailure(f"{self.describe()} exited (code {code}); "
+                              "the run cannot go on") from None
+        if msg[0] == "error":
+            raise RankFailure(f"{self.describe()} failed: {msg[1]}")
+        return msg
+
+    def send(self, *msg: object) -> None:
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, OSError):
+            raise RankFailure(f"{self.describe()} is gone; the run cannot go on") from None
+
+    def stop(self) -> None:
+        """Ask it to stop; kill it if it does not within STOP_TIMEOUT_S."""
+        try:
+            self.conn.send(("stop",))
+        except OSError:
+            pass
+        if _exit_code(self.proc, STOP_TIMEOUT_S) is None:
+            self.proc.kill()
+            self.proc.wait(STOP_TIMEOUT_S)
+        self.conn.close()
+
+
+def _exit_code(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
+    """The process's exit code, waiting up to `timeout`; None if it is still running."""
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _stop_all(remotes: list[_Remote]) -> None:
+    for r in remotes:
+        if r.proc.poll() is None or not r.conn.closed:
+            r.stop()
+
+
+class DataParallelEngine:
+    """dp engines behind Engine's interface: add_request, step, abort, has_unfinished,
+    reset_prefix_cache, stats, shutdown (what LLM, the server and the benchmark use)."""
+
+    def __init__(self, config: MeshConfig, *, progress: bool = True) -> None:
+        self.config = config
+        self.dp = config.parallel.dp
+        one = replica_config(config)
+        self._timeout_s = config.parallel.timeout_s
+        self._remotes = [_Remote(i, one) for i in range(1, self.dp)]  # they load meanwhile
+        self._finalizer = weakref.finalize(self, _stop_all, self._remotes)
+        try:
+            self.local = Engine(one, progress=progress)
+            for r in self._remotes:
+                self._await_ready(r)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.tokenizer = self.local.tokenizer
+        self.arch = self.local.arch
+        self.model_dir = self.local.model_dir
+        self.max_model_len = self.local.max_model_len
+        self.device = self.local.device
+        self.timing = self.local.timing
+        self.num_blocks = self.local.num_blocks + sum(r.num_blocks for r in self._remotes)
+        self._ids = itertools.count()
+        self._owner: dict[str, int] = {}
+        """Unfinished request id -> replica index (0: this process)."""
+        self._work = [0] * self.dp
+        self._work_of: dict[str, int] = {}
+        self._buffered: list[RequestOutput] = []
+        self.requests_per_replica = [0] * self.dp
+        """Requests each replica was given (for tests and logs)."""
+
+    def _await_ready(self, r: _Remote) -> None:
+        timeout = max(STARTUP_TIMEOUT_S, self._timeout_s)
+        if not r.conn.poll(timeout):
+            raise RankFailure(f"{r.describe()} did not start within {timeout:.0f} s")
+        _, r.num_blocks, r.stats = r.recv()
+
+    @property
+    def executor(self) -> DataParallelEngine:
+        """What the server asks for health checks (this object)."""
+        return self
+
+    def check_health(self) -> None:
+        """Raise RankFailure if a replica (or one of replica 0's ranks) has died."""
+        self.local.executor.check_health()
+        for r in self._remotes:
+            if r.proc.poll() is not None:
+                raise RankFailure(f"{r.describe()} exited (code {r.proc.returncode}); "
+                                  "the run cannot go on")
+
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt."""
+        return self.local.encode(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Validate here (bad input raises ValueError before any replica sees it), then
+        queue on the replica with the least outstanding work."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: got {type(params).__name__}, "
+                             "allowed is a SamplingParams")
+        ids = self.local.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.local.check_prompt(ids)
+        if request_id is None:
+            request_id = f"dp-{next(self._ids)}"
+        if request_id in self._owner:
+            raise ValueError(f"request_id={request_id!r} is already in use: allowed is a new id")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        target = min(range(self.dp), key=lambda i: (self._work[i], i))
+        if target == 0:
+            self.local.add_request(ids, params, request_id, arrival)
+        else:
+            self._remotes[target - 1].send("add", ids, params, request_id, arrival)
+        work = len(ids) + params.max_tokens
+        self._owner[request_id] = target
+        self._work_of[request_id] = work
+        self._work[target] += work
+        self.requests_per_replica[target] += 1
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it runs; False if it is unknown or already done."""
+        owner = self._owner.get(request_id)
+        if owner is None:
+            return False
+        if owner == 0:
+            self.local.abort(request_id)
+        else:
+            self._remotes[owner - 1].send("abort", request_id)
+        self._done(request_id)
+        return True
+
+    def _done(self, request_id: str) -> None:
+        owner = self._owner.pop(request_id)
+        self._work[owner] -= self._work_of.pop(request_id)
+
+    def _busy_remotes(self) -> list[_Remote]:
+        return [r for r in self._remotes if self._work[r.index] > 0]
+
+    def has_unfinished(self) -> bool:
+        """Whether any replica has a request not yet finished."""
+        return bool(self._owner) or self.local.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Step replica 0 when it has work and collect what the others have produced;
+        with nothing to do here, wait for the others (at most parallel.timeout_s)."""
+        outs, self._buffered = self._buffered, []
+        outs += self._receive(timeout=0.0)
+        if self.local.has_unfinished():
+            outs += self.local.step()
+        elif not outs and self._busy_remotes():
+            outs += self._receive(timeout=self._timeout_s)
+            if not outs:
+                names = ", ".join(r.describe() for r in self._busy_remotes())
+                raise RankFailure(f"{names} sent nothing for parallel.timeout_s="
+                                  f"{self._timeout_s} s while it had requests (hung?)")
+        kept = []
+        for out in outs:
+            if out.request_id not in self._owner:  # aborted meanwhile
+                continue
+            if out.finished:
+                self._done(out.request_id)
+            kept.append(out)
+        return kept
+
+    def _receive(self, timeout: float) -> list[RequestOutput]:
+        """Outputs the replicas have sent, waiting up to `timeout` for the first."""
+        busy = {r.conn: r for r in self._busy_remotes()}
+        if not busy:
+            return []
+        outs: list[RequestOutput] = []
+        for conn in wait(list(busy), timeout):
+            r = busy[conn]  # type: ignore[index]
+            while r.conn.poll():
+                msg = r.recv()
+                if msg[0] == "outputs":
+                    outs += msg[1]
+                r.stats = msg[-1]
+        return outs
+
+    def reset_prefix_cache(self) -> int:
+        """Uncache every unused cached block on every replica; how many in all."""
+        n = self.local.reset_prefix_cache()
+        for r in self._remotes:
+            r.send("reset")
+            while True:
+                msg = r.recv()
+                r.stats = msg[-1]
+                if msg[0] == "reset":
+                    n += msg[1]
+                    break
+                self._buffered += msg[1]
+        return n
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Every replica's counters added up (the others' as of their latest message)."""
+        return _sum_stats([self.local.stats] + [r.stats for r in self._remotes
+                                                if r.stats is not None])
+
+    def shutdown(self) -> None:
+        """Stop every replica and its ranks."""
+        self._finalizer()
+        if getattr(self, "local", None) is not None:
+            self.local.shutdown()

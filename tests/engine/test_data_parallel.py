@@ -1,0 +1,100 @@
+"""Data-parallel replicas (parallel.dp): each a whole engine in its own process, requests
+routed to the least loaded one; the same tokens as one engine, failures reported, nothing
+left running after shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshserve import LLM, SamplingParams
+from meshserve.engine import data_parallel
+from meshserve.engine.data_parallel import DataParallelEngine, make_engine, replica_config
+from meshserve.launch.config import load_config
+from meshserve.launch.ranks import RankFailure
+
+# Small KV cache and token budget: prompts are chunked and sequences get preempted.
+ENGINE = ["engine.block_size=4", "engine.num_gpu_blocks=28", "engine.max_num_batched_tokens=16",
+          "parallel.timeout_s=60", "threads=1"]
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(make_checkpoint) -> Path:
+    return make_checkpoint("llama", num_hidden_layers=3)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 320, (n,), generator=gen).tolist() for n in (2, 9, 17, 30, 44, 5)]
+
+
+@pytest.fixture(scope="module")
+def single(checkpoint: Path, prompts: list[list[int]]) -> list[list[int]]:
+    with LLM(str(checkpoint), overrides=ENGINE, progress=False) as llm:
+        return [o.token_ids for o in llm.generate(prompts, PARAMS)]
+
+
+def test_a_replica_config_has_one_replica_and_its_share_of_the_cores() -> None:
+    cfg = load_config(["parallel.dp=2", "parallel.tp=2", "device=cpu"])
+    one = replica_config(cfg)
+    assert (one.parallel.dp, one.parallel.tp) == (1, 2)
+    assert one.threads == max(1, (os.cpu_count() or 1) // 4)
+    assert replica_config(load_config(["parallel.dp=2", "threads=3"])).threads == 3
+
+
+def test_replicas_under_a_launcher_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(data_parallel, "discover", lambda: object())
+    with pytest.raises(ValueError, match=r"parallel.dp=2 under a launcher: allowed is dp=1"):
+        make_engine(load_config(["parallel.dp=2"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["parallel.dp=2"], ["parallel.dp=2", "parallel.tp=2"],
+                                    ["parallel=auto", "cluster=local-cpu"]],
+                         ids=["dp2", "dp2-tp2", "auto-plans-two-replicas"])
+def test_replicas_give_the_tokens_of_one_engine(checkpoint: Path, prompts: list[list[int]],
+                                                single: list[list[int]],
+                                                layout: list[str]) -> None:
+    with LLM(str(checkpoint), overrides=ENGINE + layout, progress=False) as llm:
+        engine = llm.engine
+        assert isinstance(engine, DataParallelEngine)
+        outs = llm.generate(prompts, PARAMS)
+        assert [o.token_ids for o in outs] == single
+        assert engine.requests_per_replica == [3, 3]  # equal work, split evenly
+        stats = engine.stats
+        assert (stats.num_running, stats.num_waiting) == (0, 0)
+        assert stats.prefix_cache.num_queries > 0
+        assert engine.reset_prefix_cache() >= 0
+        remote = engine._remotes[0].proc
+    assert remote.poll() is not None  # the replica process is gone
+
+
+@pytest.mark.slow
+def test_bad_input_aborts_and_a_dead_replica(checkpoint: Path, prompts: list[list[int]]) -> None:
+    with LLM(str(checkpoint), overrides=ENGINE + ["parallel.dp=2"], progress=False) as llm:
+        engine = llm.engine
+        with pytest.raises(ValueError, match="prompt_token_ids"):
+            engine.add_request([1, 999999], PARAMS)
+        assert not engine.has_unfinished()
+        a = engine.add_request(prompts[4], PARAMS)
+        b = engine.add_request(prompts[4], PARAMS)  # the other replica
+        assert engine.abort(b) and not engine.abort(b)
+        done = []
+        while engine.has_unfinished():
+            done += [o.request_id for o in engine.step() if o.finished]
+        assert done == [a]
+        os.kill(engine._remotes[0].proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match=r"data-parallel replica 1 \(pid \d+\)"):
+            engine.add_request(prompts[0], PARAMS)
+            engine.add_request(prompts[1], PARAMS)  # to the dead replica
+            while engine.has_unfinished():
+                engine.step()
+        assert time.monotonic() - t0 < 30
