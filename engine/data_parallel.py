@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import fields, replace
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 from meshserve.engine.auto_layout import resolve_layout
@@ -68,6 +69,17 @@ def replica_config(config: MeshConfig) -> MeshConfig:
     if config.threads is None and resolve_device(config.device).type == "cpu":
         one = replace(one, threads=max(1, (os.cpu_count() or 1) // par.world_size))
     return one
+
+
+def with_step_log_of(config: MeshConfig, replica: int) -> MeshConfig:
+    """Replica `replica`'s config: its step records in a file of its own (steps.jsonl ->
+    steps.replica1.jsonl), so replicas never interleave lines; replica 0 keeps the name."""
+    path = config.engine.step_log
+    if not path or replica == 0:
+        return config
+    p = Path(path)
+    own = p.with_name(f"{p.stem}.replica{replica}{p.suffix}")
+    return replace(config, engine=replace(config.engine, step_log=str(own)))
 
 
 def _sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
@@ -152,7 +164,8 @@ class DataParallelEngine:
         self.dp = config.parallel.dp
         one = replica_config(config)
         self._timeout_s = config.parallel.timeout_s
-        self._remotes = [_Remote(i, one) for i in range(1, self.dp)]  # they load meanwhile
+        self._remotes = [_Remote(i, with_step_log_of(one, i))  # they load meanwhile
+                         for i in range(1, self.dp)]
         self._finalizer = weakref.finalize(self, _stop_all, self._remotes)
         try:
             self.local = Engine(one, progress=progress)

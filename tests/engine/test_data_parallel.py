@@ -14,7 +14,12 @@ import torch
 
 from meshserve import LLM, SamplingParams
 from meshserve.engine import data_parallel
-from meshserve.engine.data_parallel import DataParallelEngine, make_engine, replica_config
+from meshserve.engine.data_parallel import (
+    DataParallelEngine,
+    make_engine,
+    replica_config,
+    with_step_log_of,
+)
 from meshserve.launch.config import load_config
 from meshserve.launch.ranks import RankFailure
 
@@ -47,6 +52,14 @@ def test_a_replica_config_has_one_replica_and_its_share_of_the_cores() -> None:
     assert (one.parallel.dp, one.parallel.tp) == (1, 2)
     assert one.threads == max(1, (os.cpu_count() or 1) // 4)
     assert replica_config(load_config(["parallel.dp=2", "threads=3"])).threads == 3
+
+
+def test_each_replica_logs_its_steps_to_a_file_of_its_own() -> None:
+    cfg = load_config(["engine.step_log=/logs/steps.jsonl"])
+    assert with_step_log_of(cfg, 0) is cfg
+    assert with_step_log_of(cfg, 2).engine.step_log == "/logs/steps.replica2.jsonl"
+    plain = load_config([])
+    assert with_step_log_of(plain, 1) is plain
 
 
 def test_replicas_under_a_launcher_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
