@@ -126,6 +126,26 @@ def gemv_gbs(nbytes: int, device: torch.device, repeats: int) -> float:
     return w.numel() * 4 / best_time(lambda: v @ w, repeats, device) / 1e9
 
 
+def kv_read_gbs(device: torch.device, repeats: int, batch: int = 8, context: int = 512,
+                kv_heads: int = 8, head_dim: int = 128, block_size: int = 16) -> float:
+    """GB/s of K and V read by the runtime's paged decode attention (`kernels.dispatch`):
+    `batch` sequences of `context` cached tokens in blocks scattered over the cache."""
+    from meshserve.kernels import dispatch
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    blocks_per_seq = context // block_size
+    num_blocks = 2 * batch * blocks_per_seq
+    cache = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(device)
+             for _ in range(2)]
+    tables = torch.randperm(num_blocks, generator=gen)[:batch * blocks_per_seq]
+    tables = tables.view(batch, blocks_per_seq).to(device)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, 2 * kv_heads, head_dim, generator=gen).to(device)
+    t = best_time(lambda: dispatch.paged_decode(q, cache[0], cache[1], tables, lens,
+                                                head_dim ** -0.5), repeats, device)
+    return 2 * batch * context * kv_heads * head_dim * 4 / t / 1e9
+
+
 def layer_overhead_us(device: torch.device, repeats: int) -> float:
     """Fixed cost of one decoder layer's ~20 ops at a width where the math is free: the
     dispatch and launch time a real layer pays on top of its roofline, µs."""
@@ -281,6 +301,8 @@ class Calibration:
     """Vector-matrix product (decode's access pattern), one rank alone."""
     half_rows: float = 0.0
     """Rows at which a float32 weight matmul reaches half the square rate."""
+    kv_read_gbs: float = 0.0
+    """K/V bytes per second read by paged decode attention (0: not measured)."""
     layer_overhead_us: float
     """Fixed time of a stand-in decoder layer at negligible width."""
     collectives: list[CollectiveTimes]
@@ -306,7 +328,9 @@ class Calibration:
             peak_tflops_fp32=sig(self.tflops["float32"]),
             peak_tflops_bf16=sig(self.tflops.get("bfloat16", self.tflops["float32"])),
             layer_overhead_us=sig(self.layer_overhead_us, 3),
-            matmul_half_rows=sig(self.half_rows, 3))
+            matmul_half_rows=sig(self.half_rows, 3),
+            kv_read_fraction=(sig(min(1.0, self.kv_read_gbs / self.gemv_gbs), 3)
+                              if self.kv_read_gbs else base.kv_read_fraction))
         if not self.collectives:
             return measured
         widest = max(self.collectives, key=lambda c: c.world)
@@ -330,6 +354,7 @@ def calibrate(*, world_sizes: list[int], sizes: list[int], read_bytes: int, matm
         gemv_gbs=gemv_gbs(read_bytes, device, repeats),
         layer_overhead_us=layer_overhead_us(device, repeats),
         half_rows=matmul_half_rows(matmul_size, "float32", device, repeats, tflops["float32"]),
+        kv_read_gbs=kv_read_gbs(device, repeats),
         collectives=[measure_collectives(w, sizes, repeats, read_bytes, use_cuda)
                      for w in world_sizes])
 
@@ -341,7 +366,8 @@ def preset_yaml(cluster: ClusterConfig, cal: Calibration, notes_after: Sequence[
              f"# memory GB/s, one rank: sum {cal.read_gbs:.1f}, vector-matrix {cal.gemv_gbs:.1f}",
              f"# stand-in decoder layer at width 64: {cal.layer_overhead_us:.1f} us",
              f"# float32 weight matmul (weights not in cache) reaches half the square rate at "
-             f"{cal.half_rows:.3g} rows"]
+             f"{cal.half_rows:.3g} rows",
+             f"# paged decode attention reads K/V at {cal.kv_read_gbs:.3g} GB/s"]
     for c in cal.collectives:
         notes.append(f"# {c.world} ranks: vector-matrix {c.concurrent_gemv_gbs:.1f} GB/s each; "
                      "AllReduce " + ", ".join(f"{s}B {t * 1e6:.0f}us"

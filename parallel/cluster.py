@@ -55,6 +55,10 @@ class ClusterConfig:
     seq_overhead_us: float = 0.0
     """Time per sequence per decoder layer besides the roofline (per-sequence attention
     bookkeeping), µs."""
+    kv_read_fraction: float = 1.0
+    """Share of memory_bandwidth at which decode attention reads the paged KV cache (the
+    CPU's reference attention gathers blocks into a copy before attending: measured about
+    a third there; 1 where a kernel reads the blocks in place at full speed)."""
     matmul_half_rows: float = 0.0
     """Rows (tokens) at which a weight matmul reaches half the peak rate: a matmul of M rows
     runs at peak x M / (M + this). CPU BLAS runs small-M (decode) matmuls far below peak;
@@ -74,6 +78,8 @@ class ClusterConfig:
         for n in ("intra_node_latency_us", "inter_node_latency_us", "layer_overhead_us",
                   "step_overhead_us", "seq_overhead_us", "matmul_half_rows"):
             require(getattr(self, n) >= 0, f"cluster.{n}", getattr(self, n), "a number >= 0")
+        require(0 < self.kv_read_fraction <= 1, "cluster.kv_read_fraction",
+                self.kv_read_fraction, "a number in (0, 1]")
         require(self.node_memory_bandwidth_gbs is None or self.node_memory_bandwidth_gbs > 0,
                 "cluster.node_memory_bandwidth_gbs", self.node_memory_bandwidth_gbs,
                 "null or a number > 0")

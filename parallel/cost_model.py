@@ -215,11 +215,12 @@ class CostModel:
         matmul_rate = self.cluster.matmul_flops(s.dtype, work.num_new_tokens)
         compute_s = (work.num_new_tokens * s.layer_matmul_flops(tp) / matmul_rate
                      + s.attention_flops(work.num_attended, tp) / flops_rate)
-        nbytes = s.layer_params(tp) * s.dtype_bytes + (
-            work.num_kv_read + work.num_new_tokens) * s.kv_bytes_per_token(tp)
-        act = work.num_new_tokens * s.hidden_size * s.dtype_bytes
         c = self.cluster
-        return StageTime.roofline(compute_s, nbytes / bytes_rate,
+        kv_bytes = (work.num_kv_read + work.num_new_tokens) * s.kv_bytes_per_token(tp)
+        memory_s = (s.layer_params(tp) * s.dtype_bytes / bytes_rate
+                    + kv_bytes / (bytes_rate * c.kv_read_fraction))
+        act = work.num_new_tokens * s.hidden_size * s.dtype_bytes
+        return StageTime.roofline(compute_s, memory_s,
                                   comm_s=2 * self._allreduce_s(act),
                                   overhead_s=(c.layer_overhead_us
                                               + work.num_seqs * c.seq_overhead_us) * 1e-6)

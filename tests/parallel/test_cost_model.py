@@ -173,3 +173,17 @@ def test_small_matmuls_run_below_peak_when_the_cluster_says_so() -> None:
     # Decode's 8-row matmuls at 8 / (8 + 16) of peak: three times the compute time.
     matmul_s = 8 * s.layer_matmul_flops(1) / cpu.peak_flops("float32")
     assert slow.compute_s - at_peak.compute_s == pytest.approx(2 * matmul_s, rel=1e-9)
+
+
+def test_a_slow_paged_kv_read_prices_only_the_kv_bytes_slower() -> None:
+    base = cluster("local-cpu")
+    slow = dataclasses.replace(base, kv_read_fraction=0.25)
+    s = shape("llama-3-8b", "float32")
+    layout = Layout(tp=1, stage_layers=(32,))
+    work = StepWork.decode(1, 4096)  # one row: bound by memory either way
+    fast_t = CostModel(s, base, layout).layer_time(work)
+    slow_t = CostModel(s, slow, layout).layer_time(work)
+    kv_s = (4096 + 1) * s.kv_bytes_per_token(1) / base.memory_bandwidth()
+    assert slow_t.memory_s - fast_t.memory_s == pytest.approx(3 * kv_s, rel=1e-9)
+    with pytest.raises(ValueError, match=r"cluster.kv_read_fraction"):
+        dataclasses.replace(base, kv_read_fraction=0.0)
