@@ -6,8 +6,9 @@ child processes, each of which starts its own tp x pp ranks as a lone engine wou
 request goes to the replica with the least work outstanding (prompt tokens plus tokens
 still allowed), and its outputs come back from there with that replica's counters.
 
-A replica that exits, fails, or sends nothing for parallel.timeout_s while it has work
-stops the run with a RankFailure naming it; shutdown stops every replica and its ranks.
+A replica that exits, fails, or sends nothing (not even its heartbeat, once a second) for
+parallel.timeout_s while it has work stops the run with a RankFailure naming it; a long
+step is not a hang. Shutdown stops every replica and its ranks.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from meshserve.engine.engine import Engine
 from meshserve.engine.executor import resolve_device
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.prefix_cache import PrefixCacheStats
+from meshserve.engine.replica import BEAT_S
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler_output import SchedulerStats
 from meshserve.launch.discovery import discover
@@ -107,6 +109,8 @@ class _Remote:
         self.conn.send(config)
         self.num_blocks = 0
         self.stats: SchedulerStats | None = None
+        self.last_seen = time.monotonic()
+        """When it last sent anything (outputs or a heartbeat)."""
 
     def describe(self) -> str:
         return f"data-parallel replica {self.index} (pid {self.proc.pid})"
@@ -192,9 +196,15 @@ class DataParallelEngine:
 
     def _await_ready(self, r: _Remote) -> None:
         timeout = max(STARTUP_TIMEOUT_S, self._timeout_s)
-        if not r.conn.poll(timeout):
-            raise RankFailure(f"{r.describe()} did not start within {timeout:.0f} s")
-        _, r.num_blocks, r.stats = r.recv()
+        deadline = time.monotonic() + timeout
+        while True:  # heartbeats come while it loads
+            if not r.conn.poll(max(0.0, deadline - time.monotonic())):
+                raise RankFailure(f"{r.describe()} did not start within {timeout:.0f} s")
+            msg = r.recv()
+            if msg[0] == "ready":
+                _, r.num_blocks, r.stats = msg
+                r.last_seen = time.monotonic()
+                return
 
     @property
     def executor(self) -> DataParallelEngine:
@@ -270,12 +280,12 @@ class DataParallelEngine:
         outs += self._receive(timeout=0.0)
         if self.local.has_unfinished():
             outs += self.local.step()
-        elif not outs and self._busy_remotes():
-            outs += self._receive(timeout=self._timeout_s)
-            if not outs:
-                names = ", ".join(r.describe() for r in self._busy_remotes())
-                raise RankFailure(f"{names} sent nothing for parallel.timeout_s="
-                                  f"{self._timeout_s} s while it had requests (hung?)")
+            outs += self._receive(timeout=0.0)  # heartbeats sent meanwhile
+        else:
+            while not outs and self._busy_remotes():
+                outs += self._receive(timeout=BEAT_S)
+                self._check_alive()
+        self._check_alive()
         kept = []
         for out in outs:
             if out.request_id not in self._owner:  # aborted meanwhile
@@ -286,7 +296,7 @@ class DataParallelEngine:
         return kept
 
     def _receive(self, timeout: float) -> list[RequestOutput]:
-        """Outputs the replicas have sent, waiting up to `timeout` for the first."""
+        """Outputs the replicas have sent, waiting up to `timeout` for any message."""
         busy = {r.conn: r for r in self._busy_remotes()}
         if not busy:
             return []
@@ -295,10 +305,20 @@ class DataParallelEngine:
             r = busy[conn]  # type: ignore[index]
             while r.conn.poll():
                 msg = r.recv()
+                r.last_seen = time.monotonic()
                 if msg[0] == "outputs":
                     outs += msg[1]
-                r.stats = msg[-1]
+                    r.stats = msg[2]
         return outs
+
+    def _check_alive(self) -> None:
+        """RankFailure for a replica with work that has sent nothing, not even a
+        heartbeat, for parallel.timeout_s (stopped or hung)."""
+        now = time.monotonic()
+        for r in self._busy_remotes():
+            if now - r.last_seen > self._timeout_s:
+                raise RankFailure(f"{r.describe()} sent nothing for parallel.timeout_s="
+                                  f"{self._timeout_s} s while it had requests (hung?)")
 
     def reset_prefix_cache(self) -> int:
         """Uncache every unused cached block on every replica; how many in all."""
@@ -307,11 +327,13 @@ class DataParallelEngine:
             r.send("reset")
             while True:
                 msg = r.recv()
-                r.stats = msg[-1]
                 if msg[0] == "reset":
                     n += msg[1]
+                    r.stats = msg[2]
                     break
-                self._buffered += msg[1]
+                if msg[0] == "outputs":
+                    self._buffered += msg[1]
+                    r.stats = msg[2]
         return n
 
     @property

@@ -3,26 +3,58 @@
 Started by `data_parallel.DataParallelEngine` with one end of a socket pair as FD. The
 first message is the replica's config; then it runs its own Engine (and that engine's
 tp x pp ranks), taking "add", "abort", "reset" and "stop" commands and sending back every
-step's outputs with its counters. It exits when told to stop or when the front is gone.
+step's outputs with its counters. A thread sends a heartbeat every BEAT_S, so the front
+tells a long step from a hung replica. It exits when told to stop or when the front is gone.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from multiprocessing.connection import Connection
 
 from meshserve.engine.engine import Engine
+
+BEAT_S = 1.0
+"""Seconds between heartbeats."""
+
+
+class _Sender:
+    """Sends on `conn` from the main thread and the heartbeat thread, one at a time."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn, self.lock, self.stopped = conn, threading.Lock(), threading.Event()
+        threading.Thread(target=self._beat, name="meshserve-replica-beat", daemon=True).start()
+
+    def send(self, msg: tuple[object, ...]) -> None:
+        with self.lock:
+            self.conn.send(msg)
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(BEAT_S):
+            try:
+                self.send(("beat",))
+            except OSError:
+                return
 
 
 def serve(index: int, conn: Connection) -> int:
     """Run the replica until "stop" or the front's end of `conn` closes."""
     config = conn.recv()
+    out = _Sender(conn)
     try:
-        engine = Engine(config, progress=False)
+        return _serve(config, conn, out)
+    finally:
+        out.stopped.set()
+
+
+def _serve(config: object, conn: Connection, out: _Sender) -> int:
+    try:
+        engine = Engine(config, progress=False)  # type: ignore[arg-type]
     except BaseException as e:  # noqa: BLE001 - reported to the front
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        out.send(("error", f"{type(e).__name__}: {e}"))
         return 1
-    conn.send(("ready", engine.num_blocks, engine.stats))
+    out.send(("ready", engine.num_blocks, engine.stats))
     try:
         while True:
             while not engine.has_unfinished() or conn.poll():
@@ -34,15 +66,15 @@ def serve(index: int, conn: Connection) -> int:
                 elif kind == "abort":
                     engine.abort(args[0])
                 elif kind == "reset":
-                    conn.send(("reset", engine.reset_prefix_cache(), engine.stats))
+                    out.send(("reset", engine.reset_prefix_cache(), engine.stats))
             outs = engine.step()
             if outs:
-                conn.send(("outputs", outs, engine.stats))
+                out.send(("outputs", outs, engine.stats))
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the front is gone
         return 0
     except BaseException as e:  # noqa: BLE001 - reported to the front
         try:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+            out.send(("error", f"{type(e).__name__}: {e}"))
         except OSError:
             pass
         return 1

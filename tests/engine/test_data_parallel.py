@@ -111,3 +111,24 @@ def test_bad_input_aborts_and_a_dead_replica(checkpoint: Path, prompts: list[lis
             while engine.has_unfinished():
                 engine.step()
         assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.slow
+def test_a_stopped_replica_is_reported_in_bounded_time(checkpoint: Path,
+                                                        prompts: list[list[int]]) -> None:
+    overrides = [*ENGINE[:3], "threads=1", "parallel.timeout_s=3", "parallel.dp=2"]
+    with LLM(str(checkpoint), overrides=overrides, progress=False) as llm:
+        engine = llm.engine
+        pid = engine._remotes[0].proc.pid
+        time.sleep(2.5)  # idle longer than a heartbeat: no false alarm on an idle replica
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(RankFailure, match=r"sent nothing for parallel.timeout_s=3"):
+                for p in prompts[:4]:
+                    engine.add_request(p, PARAMS)
+                while engine.has_unfinished():
+                    engine.step()
+            assert time.monotonic() - t0 < 15
+        finally:
+            os.kill(pid, signal.SIGKILL)
