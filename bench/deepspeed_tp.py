@@ -14,6 +14,7 @@ stamps the prompt and each new token. Rank 0 writes the `CaseResult`s as JSON.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import time
@@ -88,6 +89,21 @@ def main(argv: list[str] | None = None) -> None:
                                               "threads": args.threads, "cases": results}))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    remove_shm_buffers(os.environ.get("MASTER_PORT", ""))
+
+
+def remove_shm_buffers(port: str) -> list[str]:
+    """Delete this run's DeepSpeed all-reduce buffers (`/dev/shm/deepspeed_allreduce_buffer_
+    <n>_<host>_<port>_<rank>`, about 70 MB each): DeepSpeed leaves them behind. Each rank
+    deletes only its own run's, after every rank is past the last collective."""
+    removed = []
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{glob.escape(port)}_*"):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:  # the other rank got there first
+            pass
+    return removed
 
 
 if __name__ == "__main__":
