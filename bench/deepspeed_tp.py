@@ -51,6 +51,20 @@ def run_case(model: torch.nn.Module, case: Case) -> tuple[float, list[list[int]]
     return median_step_seconds(token_times), new
 
 
+def run_cases(model: torch.nn.Module, cases: list[Case], repeats: int) -> list[CaseResult]:
+    """A warm-up (first-call allocations, DeepSpeed's all-reduce build), then every case
+    `repeats` times; the last repeat's token ids."""
+    run_case(model, warmup_case(model.config.vocab_size))
+    results = []
+    for case in cases:
+        result = CaseResult(case.name, case.metric)
+        for _ in range(repeats):
+            seconds, result.token_ids = run_case(model, case)
+            result.seconds.append(seconds)
+        results.append(result)
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     """Shard the model with DeepSpeed, run the cases, write rank 0's results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -76,14 +90,8 @@ def main(argv: list[str] | None = None) -> None:
                                       dtype=torch.float32, replace_with_kernel_inject=False)
     model = engine.module
     vocab = model.config.vocab_size
-    results = []
-    run_case(model, warmup_case(vocab))  # first-call allocations, the all-reduce op build
-    for case in select_cases(make_cases(vocab, args.decode_tokens), args.cases):
-        result = CaseResult(case.name, case.metric)
-        for _ in range(args.repeats):
-            seconds, result.token_ids = run_case(model, case)
-            result.seconds.append(seconds)
-        results.append(result.as_dict())
+    cases = select_cases(make_cases(vocab, args.decode_tokens), args.cases)
+    results = [r.as_dict() for r in run_cases(model, cases, args.repeats)]
     if torch.distributed.get_rank() == 0:
         Path(args.out).write_text(json.dumps({"engine": f"deepspeed-tp{world}",
                                               "threads": args.threads, "cases": results}))

@@ -88,19 +88,10 @@ def run_deepspeed(model_dir: Path, tp: int, threads: int, repeats: int,
 
 def run_transformers(model_dir: Path, cases: list[Case], repeats: int) -> list[CaseResult]:
     """The cases on transformers `generate` in this process."""
-    from meshserve.bench.deepspeed_tp import run_case
+    from meshserve.bench.deepspeed_tp import run_cases
     from meshserve.bench.peers import load_hf_model
 
-    model = load_hf_model(model_dir, torch.float32)
-    results = []
-    run_case(model, warmup_case(model.config.vocab_size))
-    for case in cases:
-        result = CaseResult(case.name, case.metric)
-        for _ in range(repeats):
-            seconds, result.token_ids = run_case(model, case)
-            result.seconds.append(seconds)
-        results.append(result)
-    return results
+    return run_cases(load_hf_model(model_dir, torch.float32), cases, repeats)
 
 
 def equal_tokens(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:

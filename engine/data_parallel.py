@@ -102,7 +102,7 @@ class _Remote:
         mine, theirs = socket.socketpair()
         self.index = index
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meshserve.engine.replica", str(theirs.fileno()), str(index)],
+            [sys.executable, "-m", "meshserve.engine.replica", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),))
         theirs.close()
         self.conn = Connection(mine.detach())
@@ -227,12 +227,7 @@ class DataParallelEngine:
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Validate here (bad input raises ValueError before any replica sees it), then
         queue on the replica with the least outstanding work."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: got {type(params).__name__}, "
-                             "allowed is a SamplingParams")
-        ids = self.local.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.local.check_prompt(ids)
+        ids, params = self.local.validate(prompt, params)
         if request_id is None:
             request_id = f"dp-{next(self._ids)}"
         if request_id in self._owner:

@@ -128,12 +128,7 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Queue a request; returns its id. Bad input raises ValueError naming the field."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: got {type(params).__name__}, "
-                             "allowed is a SamplingParams")
-        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.check_prompt(ids)
+        ids, params = self.validate(prompt, params)
         seq_id = next(self._seq_ids)
         request_id = request_id if request_id is not None else str(seq_id)
         if request_id in self._by_request_id:
@@ -152,8 +147,19 @@ class Engine:
         self._by_request_id[request_id] = seq_id
         return request_id
 
-    def check_prompt(self, ids: list[int]) -> None:
-        """Raise ValueError naming the field if `ids` is not a prompt this engine takes."""
+    def validate(self, prompt: str | list[int], params: SamplingParams | None
+                 ) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the params (defaults if None); ValueError naming the
+        field for anything this engine does not take."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: got {type(params).__name__}, "
+                             "allowed is a SamplingParams")
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(ids)
+        return ids, params
+
+    def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("prompt: empty; allowed is at least one token")
         vocab = self.arch.vocab_size

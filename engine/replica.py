@@ -1,4 +1,4 @@
-"""A data-parallel replica's process: `python -m meshserve.engine.replica FD INDEX`.
+"""A data-parallel replica's process: `python -m meshserve.engine.replica FD`.
 
 Started by `data_parallel.DataParallelEngine` with one end of a socket pair as FD. The
 first message is the replica's config; then it runs its own Engine (and that engine's
@@ -38,7 +38,7 @@ class _Sender:
                 return
 
 
-def serve(index: int, conn: Connection) -> int:
+def serve(conn: Connection) -> int:
     """Run the replica until "stop" or the front's end of `conn` closes."""
     config = conn.recv()
     out = _Sender(conn)
@@ -83,9 +83,9 @@ def _serve(config: object, conn: Connection, out: _Sender) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: the socket's file descriptor and this replica's index."""
-    fd, index = (argv if argv is not None else sys.argv[1:])[:2]
-    return serve(int(index), Connection(int(fd)))
+    """Entry point: the file descriptor of the replica's end of the socket pair."""
+    (fd,) = (argv if argv is not None else sys.argv[1:])[:1]
+    return serve(Connection(int(fd)))
 
 
 if __name__ == "__main__":
