@@ -5,11 +5,30 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+from meshserve.engine.executor import resolve_device
 from meshserve.launch.discovery import LaunchEnv
 from meshserve.launch.run_config import MeshConfig
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.cluster import ClusterConfig
 from meshserve.parallel.planner import plan_for
+from meshserve.parallel.topology import detect_cluster
+
+
+def run_cluster(config: MeshConfig) -> ClusterConfig:
+    """The cluster parallel=auto plans on: the configured preset when it describes the
+    devices this run uses, else (a GPU run with a CPU preset, such as the default
+    local-cpu) this machine's GPUs as detected."""
+    device = resolve_device(config.device).type
+    if device == config.cluster.device_type:
+        return config.cluster
+    detected = detect_cluster() if device == "cuda" else None
+    if detected is None:
+        raise ValueError(f"parallel=auto: cluster={config.cluster.name} describes "
+                         f"{config.cluster.device_type} devices but this run's device is "
+                         f"{device}; allowed: a {device} cluster preset (`meshserve calibrate` "
+                         "writes one for this machine), or degrees set by hand "
+                         "(parallel.tp=..., or parallel=single)")
+    return detected
 
 
 def launched_cluster(cluster: ClusterConfig, env: LaunchEnv) -> ClusterConfig:
@@ -36,7 +55,9 @@ def resolve_layout(config: MeshConfig, arch: ModelArch, env: LaunchEnv | None, *
     """
     if not config.parallel.auto:
         return config
-    cluster = config.cluster if env is None else launched_cluster(config.cluster, env)
+    cluster = run_cluster(config)
+    if env is not None:
+        cluster = launched_cluster(cluster, env)
     # A launcher's ranks must all be used; started alone, the run takes as many of the
     # cluster's devices as pay for themselves (a small model stays on one).
     chosen = plan_for(dataclasses.replace(config, cluster=cluster), arch, max_dp=max_dp,

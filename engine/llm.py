@@ -49,6 +49,7 @@ class LLM:
             config = resolve_layout(self.config, ModelArch.from_dir(model_dir), env)
             raise SystemExit(run_worker_rank(config, model_dir, env))
         self.engine = make_engine(self.config, progress=progress)
+        self.config = self.engine.config  # the layout it runs: parallel=auto resolved
         self.progress = progress
 
     def shutdown(self) -> None:

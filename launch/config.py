@@ -16,6 +16,8 @@ from meshserve.launch.run_config import MeshConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("model", "engine", "parallel", "cluster", "scenario")
+DEGREES = ("parallel.tp", "parallel.pp", "parallel.dp")
+"""Overrides that set a layout by hand: any of them switches parallel=auto off."""
 
 
 class ConfigError(ValueError):
@@ -64,6 +66,8 @@ def load_config(overrides: list[str] | None = None) -> MeshConfig:
             cfg = compose("config", overrides=overrides)
     except Exception as e:  # Hydra wraps the cause; surface one readable line
         raise ConfigError(_explain(e, overrides)) from None
+    if any(ov.split("=", 1)[0].lstrip("+~") in DEGREES for ov in overrides):
+        cfg.parallel.auto = False  # degrees given by hand are the layout, as given
     try:
         return OmegaConf.to_object(cfg)  # type: ignore[return-value]
     except OmegaConfBaseException as e:

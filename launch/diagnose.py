@@ -109,7 +109,13 @@ def run(overrides: list[str]) -> int:
     records = read_records(load_config(given).diagnose.records)
     for note in records.notes:
         print(f"meshserve diagnose: {note}", file=sys.stderr)
-    cfg = load_config(run_overrides(records.run, given) + given)
+    layout = run_overrides(records.run, given)
+    if records.run is None and not any(ov.lstrip("+~").startswith("parallel") for ov in given):
+        layout = ["parallel=single"]  # not the planner's guess: the run's, which is unknown
+        print("meshserve diagnose: the records have no run header naming their layout; "
+              "assuming one rank (give parallel.tp=... parallel.pp=... otherwise)",
+              file=sys.stderr)
+    cfg = load_config(layout + given)
     arch = resolve_arch(cfg.model)
     plan = plan_for(cfg, arch)
     shape = ModelShape.from_arch(arch, resolve_dtype(cfg.model.dtype, arch.dtype,

@@ -56,7 +56,7 @@ def tiny_checkpoint(path: Path, num_layers: int, seed: int = 0) -> Path:
 
 def decode_step_s(model_dir: Path, device: str, tokens: int, batch: int) -> float:
     """Median time per output token of `batch` sequences decoding `tokens` tokens each."""
-    overrides = [f"model.path={model_dir}", f"device={device}", "threads=1",
+    overrides = [f"model.path={model_dir}", f"device={device}", "threads=1", "parallel=single",
                  "engine.enable_prefix_caching=false", "engine.kv_cache_memory=16777216"]
     with LLM(overrides=overrides, progress=False) as llm:
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)

@@ -27,7 +27,7 @@ def model_dir(make_checkpoint: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="module")
 def meshserve_run(model_dir: Path) -> tuple[MeshserveRunner, RunResult]:
     torch.set_num_threads(1)
-    runner = MeshserveRunner(load_config([f"model.path={model_dir}", "threads=1",
+    runner = MeshserveRunner(load_config([f"model.path={model_dir}", "threads=1", "parallel=single",
                                           "engine.kv_cache_memory=16777216"]))
     return runner, runner.run(REQS)
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from meshserve import LLM, SamplingParams
 from meshserve.engine.auto_layout import resolve_layout
 from meshserve.launch.config import load_config
 from meshserve.launch.discovery import LaunchEnv
 from meshserve.models.arch import ModelArch
 from meshserve.models.bundled import resolve_model_dir
+from meshserve.parallel.planner import plan_for
 
 
 def launched(nodes: int, per_node: int, world: int | None = None) -> LaunchEnv:
@@ -43,3 +45,23 @@ def test_fixed_degrees_are_kept(arch: ModelArch) -> None:
 def test_uneven_nodes_are_refused_naming_the_launch(arch: ModelArch) -> None:
     with pytest.raises(ValueError, match="same number of ranks on every node"):
         resolve_layout(load_config(["parallel=auto"]), arch, launched(2, 2, world=3))
+
+
+def test_a_gpu_preset_on_a_cpu_run_is_refused_naming_both(arch: ModelArch) -> None:
+    with pytest.raises(ValueError, match=r"cluster=dgx-h100 describes cuda devices but this "
+                                         r"run's device is cpu"):
+        resolve_layout(load_config(["cluster=dgx-h100", "device=cpu"]), arch, None)
+
+
+@pytest.mark.slow
+def test_the_default_layout_is_the_planners_and_gives_one_ranks_tokens(arch: ModelArch) -> None:
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 17]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM("meshcoder", overrides=["threads=1", "engine.max_model_len=256"],
+             progress=False) as auto:
+        chosen = plan_for(load_config(["threads=1"]), arch, max_dp=None, fill_cluster=False)
+        p = auto.config.parallel
+        assert (p.auto, p.tp, p.pp, p.dp) == (False, chosen.tp, chosen.pp, chosen.dp)
+        got = [o.token_ids for o in auto.generate(prompts, params)]
+    with LLM("meshcoder", overrides=["threads=1", "parallel=single"], progress=False) as one:
+        assert [o.token_ids for o in one.generate(prompts, params)] == got

@@ -24,8 +24,8 @@ from meshserve.launch.config import load_config
 from meshserve.launch.ranks import RankFailure
 
 # Small KV cache and token budget: prompts are chunked and sequences get preempted.
-ENGINE = ["engine.block_size=4", "engine.num_gpu_blocks=28", "engine.max_num_batched_tokens=16",
-          "parallel.timeout_s=60", "threads=1"]
+ENGINE = ["parallel=single", "engine.block_size=4", "engine.num_gpu_blocks=28",
+          "engine.max_num_batched_tokens=16", "parallel.timeout_s=60", "threads=1"]
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
@@ -116,7 +116,7 @@ def test_bad_input_aborts_and_a_dead_replica(checkpoint: Path, prompts: list[lis
 @pytest.mark.slow
 def test_a_stopped_replica_is_reported_in_bounded_time(checkpoint: Path,
                                                         prompts: list[list[int]]) -> None:
-    overrides = [*ENGINE[:3], "threads=1", "parallel.timeout_s=3", "parallel.dp=2"]
+    overrides = [*ENGINE[:4], "threads=1", "parallel.timeout_s=3", "parallel.dp=2"]
     with LLM(str(checkpoint), overrides=overrides, progress=False) as llm:
         engine = llm.engine
         pid = engine._remotes[0].proc.pid

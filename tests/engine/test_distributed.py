@@ -20,8 +20,8 @@ pytestmark = pytest.mark.slow
 
 # 28 blocks of 4 tokens for ~300 prompt tokens: preemption is certain; 16-token budget:
 # prompts are chunked.
-ENGINE = ["engine.block_size=4", "engine.num_gpu_blocks=28", "engine.max_num_batched_tokens=16",
-          "parallel.timeout_s=60"]
+ENGINE = ["parallel=single", "engine.block_size=4", "engine.num_gpu_blocks=28",
+          "engine.max_num_batched_tokens=16", "parallel.timeout_s=60"]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
 
 LAYOUTS = {

@@ -10,6 +10,7 @@ import pytest
 from meshserve import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+ONE_RANK = ["parallel=single"]  # these check the engine; parallel=auto is tested on its own
 
 
 MODES = {
@@ -25,7 +26,8 @@ MODES = {
 
 @pytest.mark.parametrize("mode", MODES)
 def test_greedy_identical_to_transformers(make_checkpoint, prompts, expected, mode) -> None:
-    llm = LLM(str(make_checkpoint("llama")), overrides=MODES[mode], progress=False)
+    llm = LLM(str(make_checkpoint("llama")), overrides=[*ONE_RANK, *MODES[mode]],
+              progress=False)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == expected
     stats = llm.engine.stats
@@ -35,7 +37,8 @@ def test_greedy_identical_to_transformers(make_checkpoint, prompts, expected, mo
 
 
 def test_prefix_cache_hits_and_same_output(make_checkpoint, prompts, expected) -> None:
-    llm = LLM(str(make_checkpoint("llama")), overrides=["engine.block_size=4"], progress=False)
+    llm = LLM(str(make_checkpoint("llama")), overrides=[*ONE_RANK, "engine.block_size=4"],
+              progress=False)
     first = llm.generate(prompts, GREEDY)
     again = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in again] == [o.token_ids for o in first] == expected
@@ -44,7 +47,7 @@ def test_prefix_cache_hits_and_same_output(make_checkpoint, prompts, expected) -
 
 
 def test_seeded_sampling_is_reproducible(make_checkpoint, prompts) -> None:
-    llm = LLM(str(make_checkpoint("llama")), progress=False)
+    llm = LLM(str(make_checkpoint("llama")), overrides=ONE_RANK, progress=False)
     sp = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=123, ignore_eos=True)
     a = llm.generate(prompts[:4], sp)
     b = llm.generate(prompts[2:3], sp)  # alone, with a different batch around it
@@ -55,7 +58,7 @@ def test_seeded_sampling_is_reproducible(make_checkpoint, prompts) -> None:
 
 
 def test_stop_token_and_min_tokens(make_checkpoint, prompts, expected) -> None:
-    llm = LLM(str(make_checkpoint("llama")), progress=False)
+    llm = LLM(str(make_checkpoint("llama")), overrides=ONE_RANK, progress=False)
     stop_at = expected[5][4]
     first_hit = expected[5].index(stop_at)
     out = llm.generate([prompts[5]], SamplingParams(max_tokens=12, temperature=0.0,
@@ -69,7 +72,7 @@ def test_stop_token_and_min_tokens(make_checkpoint, prompts, expected) -> None:
 
 
 def test_text_prompts_stop_strings_and_logprobs(text_checkpoint: Path) -> None:
-    llm = LLM(str(text_checkpoint), progress=False)
+    llm = LLM(str(text_checkpoint), overrides=ONE_RANK, progress=False)
     full = llm.generate("def add(a, b):", SamplingParams(max_tokens=24, temperature=0.0,
                                                          ignore_eos=True))[0]
     assert full.text == llm.tokenizer.decode(full.token_ids)
@@ -90,7 +93,7 @@ def test_text_prompts_stop_strings_and_logprobs(text_checkpoint: Path) -> None:
 ])
 def test_bad_prompts_raise_and_the_rest_still_run(make_checkpoint, prompts, expected, prompt,
                                                   match) -> None:
-    llm = LLM(str(make_checkpoint("llama")), progress=False)
+    llm = LLM(str(make_checkpoint("llama")), overrides=ONE_RANK, progress=False)
     engine = llm.engine
     good = engine.add_request(prompts[3], GREEDY)
     with pytest.raises(ValueError, match=match):
@@ -106,7 +109,7 @@ def test_bad_prompts_raise_and_the_rest_still_run(make_checkpoint, prompts, expe
 
 
 def test_abort_frees_blocks(make_checkpoint, prompts) -> None:
-    llm = LLM(str(make_checkpoint("llama")), progress=False)
+    llm = LLM(str(make_checkpoint("llama")), overrides=ONE_RANK, progress=False)
     engine = llm.engine
     rid = engine.add_request(prompts[-1], GREEDY)
     keep = engine.add_request(prompts[-2], GREEDY)

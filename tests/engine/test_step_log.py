@@ -65,7 +65,8 @@ def test_an_unwritable_step_log_is_a_config_error(tmp_path: Path) -> None:
 def test_the_engine_writes_one_record_per_step(tmp_path: Path) -> None:
     path = tmp_path / "steps.jsonl"
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
-    with LLM(overrides=[f"engine.step_log={path}", "engine.enable_prefix_caching=false"],
+    with LLM(overrides=[f"engine.step_log={path}", "engine.enable_prefix_caching=false",
+                        "parallel=single"],
              progress=False) as llm:
         llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
         num_steps = llm.engine.timing.num_steps

@@ -28,7 +28,8 @@ def one_rank_output(text3: Path) -> list[str]:
     """What one process prints, less the speed line."""
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert generate.run([f"model.path='{text3}'", "generate.max_tokens=8"]) == 0
+        assert generate.run([f"model.path='{text3}'", "generate.max_tokens=8",
+                             "parallel=single"]) == 0
     return printed(buf.getvalue())
 
 

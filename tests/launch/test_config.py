@@ -10,7 +10,7 @@ from meshserve.launch.config import ConfigError, load_config, presets
 def test_defaults_compose_into_frozen_dataclasses() -> None:
     cfg = load_config()
     assert cfg.model.name == "meshcoder" and cfg.engine.block_size == 16
-    assert cfg.parallel.world_size == 1 and cfg.scenario.name == "chatbot"
+    assert cfg.parallel.auto and cfg.scenario.name == "chatbot"  # the planner lays it out
     with pytest.raises(AttributeError):
         cfg.engine.block_size = 32  # type: ignore[misc]
 
@@ -34,6 +34,14 @@ def test_overrides_apply() -> None:
     assert cfg.model.arch is not None and cfg.model.arch["num_hidden_layers"] == 80
     assert cfg.engine.max_num_seqs == 8 and cfg.engine.policy == "static"
     assert cfg.parallel.world_size == 16
+
+
+@pytest.mark.parametrize("given", [["parallel.tp=2"], ["parallel=auto", "parallel.pp=2"],
+                                   ["parallel.dp=1"]])
+def test_degrees_given_by_hand_switch_auto_off(given: list[str]) -> None:
+    cfg = load_config(given)
+    assert not cfg.parallel.auto
+    assert load_config(["parallel=single"]).parallel.world_size == 1
 
 
 @pytest.mark.parametrize(("override", "message"), [

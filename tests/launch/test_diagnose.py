@@ -34,7 +34,7 @@ def generate_and_diagnose(tmp_path: Path, *layout: str) -> tuple[list[dict], dic
 
 
 def test_generate_then_diagnose_names_a_bottleneck(tmp_path: Path) -> None:
-    rows, d = generate_and_diagnose(tmp_path)
+    rows, d = generate_and_diagnose(tmp_path, "parallel=single")
     assert sum(r["num_decode_seqs"] for r in rows) == 3 * 5  # three prompts, 6 tokens each
     assert (d["model"], d["tp"], d["pp"], d["num_steps"]) == ("meshcoder", 1, 1, len(rows))
     assert d["bottleneck"] in d["seconds"] and d["strategy"]

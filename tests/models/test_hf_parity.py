@@ -94,6 +94,6 @@ def test_greedy_continuations_match_transformers(make_checkpoint, hf_reference, 
         out = hf.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16,
                           do_sample=False)
         expected.append(out[0, len(p):].tolist())
-    llm = LLM(str(path), overrides=["engine.block_size=4"], progress=False)
+    llm = LLM(str(path), overrides=["engine.block_size=4", "parallel=single"], progress=False)
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected

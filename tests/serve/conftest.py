@@ -17,7 +17,7 @@ import pytest
 from meshserve.engine.llm import LLM
 
 # Small enough that fuzzed max_tokens / n stay cheap, large enough for real prompts.
-ENGINE_OVERRIDES = ["threads=1", "engine.max_model_len=256"]
+ENGINE_OVERRIDES = ["threads=1", "parallel=single", "engine.max_model_len=256"]
 MODEL = "meshcoder"
 
 
