@@ -1,7 +1,9 @@
-"""Picks each kernel's implementation: Triton on CUDA, the PyTorch reference on CPU.
+"""Picks each kernel's implementation: Triton on CUDA, C (kernels/native_cpu.py) on the CPU.
 
 MESHSERVE_KERNELS chooses: `auto` (the default: Triton for CUDA tensors when Triton is
-installed, the reference otherwise), `reference` (always), or `triton` (always, which on
+installed; on the CPU the C kernels for fp32 paged decode attention and RMSNorm when a C
+compiler built them, else the PyTorch reference), `reference` (the PyTorch reference
+everywhere), or `triton` (always, which on
 a CPU means Triton's interpreter: TRITON_INTERPRET=1 must be set before Triton is first
 imported; the kernel tests do this). Triton is imported only when a Triton path is
 taken, so a CPU-only install never needs it.
@@ -20,6 +22,7 @@ from typing import Protocol
 import torch
 
 from meshserve.kernels import activation as ref_activation
+from meshserve.kernels import native_cpu
 from meshserve.kernels import paged_attention as ref_attention
 from meshserve.kernels import rmsnorm as ref_rmsnorm
 from meshserve.kernels import rotary as ref_rotary
@@ -36,8 +39,10 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+@cache
 def kernel_mode() -> str:
-    """The validated MESHSERVE_KERNELS value."""
+    """The validated MESHSERVE_KERNELS value, read once per process (every layer of every
+    step asks; `kernel_mode.cache_clear()` makes the next call read it again)."""
     mode = os.environ.get(ENV_VAR, "auto")
     if mode not in MODES:
         raise ValueError(f"{ENV_VAR}={mode!r} is invalid: allowed are {MODES}")
@@ -45,9 +50,8 @@ def kernel_mode() -> str:
 
 
 def use_triton(device: torch.device) -> bool:
-    """Whether kernels for tensors on `device` run in Triton (asked by every layer of every
-    step: decided once per variable value and device type)."""
-    return _use_triton(os.environ.get(ENV_VAR, "auto"), device.type)
+    """Whether kernels for tensors on `device` run in Triton."""
+    return _use_triton(kernel_mode(), device.type)
 
 
 @cache
@@ -64,6 +68,17 @@ def _use_triton(mode: str, device_type: str) -> bool:
     return device_type == "cuda" and triton_installed()
 
 
+def use_native(*tensors: torch.Tensor) -> bool:
+    """Whether these tensors take the C kernels: fp32 on the CPU, auto mode, library built."""
+    return (all(t.dtype is torch.float32 and t.device.type == "cpu" for t in tensors)
+            and _native_allowed(kernel_mode()))
+
+
+@cache
+def _native_allowed(mode: str) -> bool:
+    return mode == "auto" and native_cpu.library() is not None
+
+
 @cache
 def _module(name: str) -> ModuleType:
     return importlib.import_module(f"meshserve.kernels.{name}")
@@ -76,6 +91,15 @@ class ChunkLike(Protocol):
     num_tokens: int
     start_pos: int
     block_table: torch.Tensor
+
+
+class AttentionMetaLike(Protocol):
+    """What the one-call CPU attention reads of a step (models.attention.AttentionMetadata):
+    int64, contiguous."""
+
+    slot_mapping: torch.Tensor
+    decode_block_tables: torch.Tensor
+    decode_context_lens: torch.Tensor
 
 
 @dataclass
@@ -111,6 +135,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Store k, v [T, Hkv, D] at flat slots [T] of the caches."""
     if use_triton(k.device):
         _module("triton_write_kv").write_kv(k, v, k_cache, v_cache, slot_mapping)
+    elif k_cache.is_contiguous() and v_cache.is_contiguous() and use_native(k, v, k_cache):
+        native_cpu.write_kv(k, v, k_cache, v_cache, slot_mapping)
     else:
         ref_attention.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
@@ -122,8 +148,31 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if use_triton(q.device) and k_cache.shape[1] >= MIN_ATTENTION_BLOCK_SIZE:
         return _module("triton_paged_decode").paged_decode(
             q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
+    if (k_cache.is_contiguous() and v_cache.is_contiguous() and q.shape[1] % k_cache.shape[2] == 0
+            and use_native(q, k_cache, v_cache)):
+        return native_cpu.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                       sliding_window)
     return ref_attention.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
                                       sliding_window)
+
+
+def attend_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
+               sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetaLike, scale: float,
+               sliding_window: int | None) -> torch.Tensor | None:
+    """The CPU's one-call attention (native_cpu.attend_qkv): rotates q and k of qkv in place,
+    stores K/V, returns the decodes' output [num_decode, H, D]. None where it doesn't apply
+    (not fp32 on the CPU, reference mode, a layout it can't read): the caller then takes
+    the step by step path."""
+    if not (use_native(qkv, cos, k_cache) and qkv.is_contiguous() and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+            and num_heads % num_kv_heads == 0
+            and all(t.dtype is torch.int64 and t.is_contiguous() for t in (
+                meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens))):
+        return None
+    return native_cpu.attend_qkv(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache,
+                                 meta.slot_mapping, meta.decode_block_tables,
+                                 meta.decode_context_lens, scale, sliding_window)
 
 
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -155,6 +204,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / rms(x) over the last dim of x [T, N]."""
     if use_triton(x.device) and x.dim() == 2:
         return _module("triton_rmsnorm").rms_norm(x, weight, eps)
+    if use_native(x, weight):
+        return native_cpu.rms_norm(x, weight, eps)
     return ref_rmsnorm.rms_norm(x, weight, eps)
 
 
@@ -163,6 +214,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """(rms_norm(x + residual), x + residual)."""
     if use_triton(x.device) and x.dim() == 2:
         return _module("triton_rmsnorm").add_rms_norm(x, residual, weight, eps)
+    if use_native(x, residual, weight):
+        return native_cpu.add_rms_norm(x, residual, weight, eps)
     return ref_rmsnorm.add_rms_norm(x, residual, weight, eps)
 
 
@@ -187,7 +240,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] by cos/sin [T, D // 2]."""
+    """Rotate x [T, H, D] by cos/sin [T, D // 2]. On the CPU's C path x itself is rotated
+    and returned: pass a tensor nothing else reads (the model passes its fresh QKV)."""
     if use_triton(x.device):
         return _module("triton_rotary").apply_rotary(x, cos, sin)
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2] and use_native(x):
+        return native_cpu.rotary_(x, cos, sin)
     return ref_rotary.apply_rotary(x, cos, sin)

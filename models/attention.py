@@ -61,6 +61,26 @@ class Attention(nn.Module):
         """Point this layer at its K and V cache [num_blocks, block_size, Hkv, D]."""
         self.k_cache, self.v_cache = k_cache, v_cache
 
+    def forward_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+        """qkv [T, H + 2 Hkv, D], the fused projection (this call may overwrite it): rotate
+        q and k by cos/sin [T, D/2], store K/V, attend -> [T, H, D]."""
+        h, hkv = self.num_heads, self.num_kv_heads
+        decoded = dispatch.attend_qkv(qkv, h, hkv, cos, sin, self.k_cache, self.v_cache, meta,
+                                      self.scale, self.sliding_window)
+        if decoded is None:  # the step by step path
+            qk = dispatch.apply_rotary(qkv[:, :h + hkv], cos, sin)  # q and k in one call
+            return self(qk[:, :h], qk[:, h:], qkv[:, h + hkv:], meta)
+        if not meta.prefills:
+            return decoded
+        out = torch.empty_like(qkv[:, :h])
+        out[:meta.num_decode_tokens] = decoded
+        meta.prefill_batch = dispatch.prefill(qkv[:, :h], qkv[:, h:h + hkv], qkv[:, h + hkv:],
+                                              self.k_cache, self.v_cache, meta.prefills, out,
+                                              self.scale, self.sliding_window,
+                                              meta.prefill_batch)
+        return out
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k and v [T, Hkv, D] -> [T, H, D]."""

@@ -57,8 +57,7 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, h + 2 * hkv, self.head_dim)
-        qk = RotaryEmbedding.apply(qkv[:, :h + hkv], cos_sin)  # q and k rotated in one call
-        out = self.attn(qk[:, :h], qk[:, h:], qkv[:, h + hkv:], meta)
+        out = self.attn.forward_qkv(qkv, *cos_sin, meta)
         return self.o_proj(out.reshape(t, h * self.head_dim))
 
 

@@ -8,8 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshserve.kernels.dispatch import apply_rotary
-
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
     """Per-pair inverse frequencies [head_dim // 2], scaled as the checkpoint asks."""
@@ -47,8 +45,3 @@ class RotaryEmbedding(nn.Module):
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, D/2] for `positions` [T]; computed once per step, shared by layers."""
         return self.cos[positions], self.sin[positions]
-
-    @staticmethod
-    def apply(qk: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Rotate qk [T, H, D] (queries and keys stacked on the head axis: one call for both)."""
-        return apply_rotary(qk, *cos_sin)

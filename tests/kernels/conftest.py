@@ -7,7 +7,7 @@ then) and when each kernel module is imported; it is set here, before either hap
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -19,6 +19,16 @@ tests compile them for the device and the interpreter tests are skipped."""
 if INTERPRET:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed: the kernel tests need it")
+
+
+@pytest.fixture(autouse=True)
+def _kernel_mode_read_afresh() -> Iterator[None]:
+    """MESHSERVE_KERNELS is read once per process; tests that set it start and end clean."""
+    from meshserve.kernels import dispatch
+
+    dispatch.kernel_mode.cache_clear()
+    yield
+    dispatch.kernel_mode.cache_clear()
 
 
 @pytest.fixture(autouse=True)

@@ -14,13 +14,17 @@ from meshserve.models.loader import load_model
 
 def test_cpu_defaults_to_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    dispatch.kernel_mode.cache_clear()
     assert not dispatch.use_triton(torch.device("cpu"))
     assert dispatch.use_triton(torch.device("cuda")) == dispatch.triton_installed()
     monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    dispatch.kernel_mode.cache_clear()
     assert not dispatch.use_triton(torch.device("cuda"))
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    dispatch.kernel_mode.cache_clear()
     assert dispatch.use_triton(torch.device("cpu"))
     monkeypatch.setenv(dispatch.ENV_VAR, "fast")
+    dispatch.kernel_mode.cache_clear()
     with pytest.raises(ValueError, match="allowed are"):
         dispatch.use_triton(torch.device("cpu"))
 
@@ -49,6 +53,7 @@ STEPS = [
 
 def _logits(path, mode: str, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     monkeypatch.setenv(dispatch.ENV_VAR, mode)
+    dispatch.kernel_mode.cache_clear()
     model = load_model(path, dtype=torch.float32, progress=False)
     attn = model.attention_layers()[0]
     shape = (8, 16, attn.num_kv_heads, attn.head_dim)
@@ -57,10 +62,12 @@ def _logits(path, mode: str, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tens
     return [runner.execute(step)[0] for step in STEPS]
 
 
-def test_model_steps_match_reference(make_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode", ["triton", "auto"])  # auto on a CPU: the C kernels
+def test_model_steps_match_reference(make_checkpoint, monkeypatch: pytest.MonkeyPatch,
+                                     mode: str) -> None:
     """Prefill, chunked prefill over a cached block, and decodes: same logits both ways."""
     path = make_checkpoint("llama", seed=3)
     ref = _logits(path, "reference", monkeypatch)
-    ours = _logits(path, "triton", monkeypatch)
+    ours = _logits(path, mode, monkeypatch)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -49,6 +49,7 @@ def test_rules_pick_by_rows_and_weight_size(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_dispatch_takes_the_rule(monkeypatch: pytest.MonkeyPatch, close) -> None:
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    dispatch.kernel_mode.cache_clear()
     cfg = tg.GemvConfig(block_n=16, block_k=32)
     monkeypatch.setattr(tg, "RULES", [tg.GemvRule(8, 1 << 20, cfg)])
     calls = []

@@ -1,0 +1,286 @@
+/* meshserve's CPU kernels: attention that reads the paged KV cache in place, and RMSNorm.
+ *
+ * Plain C99, no Python or torch headers: kernels/native_cpu.py compiles this file once per
+ * machine (cc -O3 -march=native) and calls it through ctypes with tensors' data pointers.
+ * Every function is single-threaded: on the CPU meshserve runs one rank per core.
+ *
+ * Dot products and sums use LANES independent accumulators, so the compiler vectorizes
+ * them (AVX2 / AVX-512 / NEON) without being allowed to reorder floating-point sums.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static float dot(const float *a, const float *b, int64_t n) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    for (; i + 8 <= n; i += 8)
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    float s = hsum8(_mm256_add_ps(acc0, acc1));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+#else
+static float dot(const float *a, const float *b, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += a[i + l] * b[i + l];
+    float s = 0.0f;
+    for (int l = 0; l < LANES; l++) s += acc[l];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+#endif
+
+static float sum_squares(const float *a, int64_t n) {
+    return dot(a, a, n);
+}
+
+#define CHUNK 32
+
+/* acc[0:CHUNK] += p * row[0:CHUNK] over rows, then stored: four AVX2 registers, or an array
+ * the compiler may vectorize. */
+#if defined(__AVX2__) && defined(__FMA__)
+#define CHUNK_ACC_DECL __m256 a0_ = _mm256_setzero_ps(), a1_ = a0_, a2_ = a0_, a3_ = a0_;
+#define CHUNK_ACC_STEP(p, row)                                           \
+    {                                                                    \
+        const __m256 p_ = _mm256_set1_ps(p);                             \
+        a0_ = _mm256_fmadd_ps(p_, _mm256_loadu_ps((row)), a0_);          \
+        a1_ = _mm256_fmadd_ps(p_, _mm256_loadu_ps((row) + 8), a1_);      \
+        a2_ = _mm256_fmadd_ps(p_, _mm256_loadu_ps((row) + 16), a2_);     \
+        a3_ = _mm256_fmadd_ps(p_, _mm256_loadu_ps((row) + 24), a3_);     \
+    }
+#define CHUNK_ACC_STORE(o)                                               \
+    _mm256_storeu_ps((o), a0_); _mm256_storeu_ps((o) + 8, a1_);          \
+    _mm256_storeu_ps((o) + 16, a2_); _mm256_storeu_ps((o) + 24, a3_);
+#else
+#define CHUNK_ACC_DECL float acc_[CHUNK] = {0};
+#define CHUNK_ACC_STEP(p, row) \
+    { const float p_ = (p); for (int i_ = 0; i_ < CHUNK; i_++) acc_[i_] += p_ * (row)[i_]; }
+#define CHUNK_ACC_STORE(o) memcpy((o), acc_, sizeof(acc_));
+#endif
+
+/* The cached rows of positions [start, n) of one sequence: for each, fn(row, t - start). */
+#define FOR_EACH_ROW(cache, table, start, n, block_size, blk_stride, tok_stride, row, i, body) \
+    for (int64_t blk_ = (start) / (block_size), i = 0; blk_ * (block_size) < (n); blk_++) {  \
+        const float *base_ = (cache) + (table)[blk_] * (blk_stride);                       \
+        int64_t lo_ = blk_ * (block_size) < (start) ? (start) - blk_ * (block_size) : 0;   \
+        int64_t hi_ = (n) - blk_ * (block_size) < (block_size) ? (n) - blk_ * (block_size)  \
+                                                                  : (block_size);          \
+        for (int64_t o_ = lo_; o_ < hi_; o_++, i++) {                                     \
+            const float *row = base_ + o_ * (tok_stride);                                  \
+            body                                                                           \
+        }                                                                                  \
+    }
+
+/* scores[h * len + r] = scale * q_h . row_r for `rows` consecutive key rows; returns rows. */
+static int64_t key_scores(float *scores, int64_t len, const float *q, const float *row,
+                          int64_t rows, int64_t tok_stride, int64_t heads, int64_t group,
+                          int64_t head_dim, float scale) {
+    int64_t r = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    /* Eight rows at a time: eight accumulators reduced together into one register. */
+    if (head_dim % 8 == 0) {
+        const __m256 sc = _mm256_set1_ps(scale);
+        for (; r + 8 <= rows; r += 8) {
+            const float *rr = row + r * tok_stride;
+            for (int64_t h = 0; h < heads; h++) {
+                const float *qh = q + h * head_dim, *kh = rr + (h / group) * head_dim;
+                __m256 a[8];
+                for (int x = 0; x < 8; x++) a[x] = _mm256_setzero_ps();
+                for (int64_t c = 0; c < head_dim; c += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qh + c);
+                    for (int x = 0; x < 8; x++)
+                        a[x] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kh + x * tok_stride + c), a[x]);
+                }
+                const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]),
+                                                    _mm256_hadd_ps(a[2], a[3]));
+                const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]),
+                                                    _mm256_hadd_ps(a[6], a[7]));
+                const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                                 _mm256_permute2f128_ps(s0123, s4567, 0x31));
+                _mm256_storeu_ps(scores + h * len + r, _mm256_mul_ps(sum, sc));
+            }
+        }
+    }
+#endif
+    for (; r < rows; r++) {
+        const float *rr = row + r * tok_stride;
+        for (int64_t h = 0; h < heads; h++)
+            scores[h * len + r] = scale * dot(q + h * head_dim, rr + (h / group) * head_dim,
+                                              head_dim);
+    }
+    return rows;
+}
+
+/* One query token per sequence against its cached keys and values.
+ *
+ * q       [B, H, D] with row stride q_stride (heads contiguous, D floats each)
+ * k, v    caches [num_blocks, block_size, Hkv, D], contiguous
+ * tables  [B, table_stride] block ids (int64); lens [B] tokens cached, the query's included
+ * out     [B, H, D] contiguous
+ * window  > 0: attend to the last `window` positions only
+ * Returns 0, or -1 when scratch memory could not be allocated.
+ */
+int ms_paged_decode_f32(const float *q, int64_t q_stride, const float *k, const float *v,
+                        const int64_t *tables, int64_t table_stride, const int64_t *lens,
+                        float *out, int64_t batch, int64_t heads, int64_t kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale, int64_t window) {
+    const int64_t group = heads / kv_heads;
+    const int64_t tok_stride = kv_heads * head_dim;
+    const int64_t blk_stride = block_size * tok_stride;
+    int64_t longest = 1;
+    for (int64_t b = 0; b < batch; b++) longest = lens[b] > longest ? lens[b] : longest;
+    float *scores = malloc(sizeof(float) * (size_t)(heads * longest));
+    if (scores == NULL) return -1;
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t n = lens[b];
+        const int64_t start = (window > 0 && n > window) ? n - window : 0;
+        const int64_t len = n - start;
+        const int64_t *table = tables + b * table_stride;
+        const float *qb = q + b * q_stride;
+        float *ob = out + b * heads * head_dim;
+        /* Pass 1: scores[h][t] = scale * q_h . k_t, each key row read once. */
+        for (int64_t blk = start / block_size, i = 0; blk * block_size < n; blk++) {
+            const float *base = k + table[blk] * blk_stride;
+            const int64_t first = blk * block_size;
+            const int64_t lo = first < start ? start - first : 0;
+            const int64_t hi = n - first < block_size ? n - first : block_size;
+            i += key_scores(scores + i, len, qb, base + lo * tok_stride, hi - lo, tok_stride,
+                            heads, group, head_dim, scale);
+        }
+        /* Softmax per head, normalized in place. */
+        for (int64_t h = 0; h < heads; h++) {
+            float *s = scores + h * len;
+            float m = s[0];
+            for (int64_t i = 1; i < len; i++) m = s[i] > m ? s[i] : m;
+            float total = 0.0f;
+            for (int64_t i = 0; i < len; i++) {
+                s[i] = expf(s[i] - m);
+                total += s[i];
+            }
+            const float inv = 1.0f / total;
+            for (int64_t i = 0; i < len; i++) s[i] *= inv;
+        }
+        /* Pass 2: out_h = sum_t p[h][t] v_t, CHUNK output floats at a time kept in
+         * registers across every t (the value rows come again from cache). */
+        for (int64_t h = 0; h < heads; h++) {
+            const float *p = scores + h * len;
+            for (int64_t c = 0; c < head_dim; c += CHUNK) {
+                const int64_t offset = (h / group) * head_dim + c;
+                const int64_t width = head_dim - c < CHUNK ? head_dim - c : CHUNK;
+                float *o = ob + h * head_dim + c;
+                if (width == CHUNK) {
+                    CHUNK_ACC_DECL
+                    FOR_EACH_ROW(v, table, start, n, block_size, blk_stride, tok_stride, vt, t, {
+                        CHUNK_ACC_STEP(p[t], vt + offset)
+                    })
+                    CHUNK_ACC_STORE(o)
+                } else {
+                    float acc[CHUNK] = {0};
+                    FOR_EACH_ROW(v, table, start, n, block_size, blk_stride, tok_stride, vt, t, {
+                        for (int64_t i = 0; i < width; i++) acc[i] += p[t] * vt[offset + i];
+                    })
+                    memcpy(o, acc, sizeof(float) * (size_t)width);
+                }
+            }
+        }
+    }
+    free(scores);
+    return 0;
+}
+
+/* out = weight * x / sqrt(mean(x^2) + eps), row by row; x, out [rows, width] contiguous. */
+void ms_rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows,
+                     int64_t width, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * width;
+        float *yr = out + r * width;
+        const float inv = 1.0f / sqrtf(sum_squares(xr, width) / (float)width + eps);
+        for (int64_t i = 0; i < width; i++) yr[i] = weight[i] * (xr[i] * inv);
+    }
+}
+
+/* residual_out = x + residual; out = rms_norm(residual_out). */
+void ms_add_rms_norm_f32(const float *x, const float *residual, const float *weight,
+                         float *out, float *residual_out, int64_t rows, int64_t width,
+                         float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * width, *rr = residual + r * width;
+        float *sr = residual_out + r * width;
+        for (int64_t i = 0; i < width; i++) sr[i] = xr[i] + rr[i];
+    }
+    ms_rms_norm_f32(residual_out, weight, out, rows, width, eps);
+}
+
+/* Rotary embedding (rotate-half layout) in place: x [T, H, D] with token stride t_stride and
+ * heads D apart; cos, sin [T, D/2] contiguous. Each product is rounded before the sum, as
+ * PyTorch's x1 * cos - x2 * sin does (this file is built without FMA contraction). */
+void ms_rotary_inplace_f32(float *x, int64_t t_stride, int64_t tokens, int64_t heads,
+                           int64_t head_dim, const float *cos, const float *sin) {
+    const int64_t half = head_dim / 2;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * half, *s = sin + t * half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *x1 = x + t * t_stride + h * head_dim, *x2 = x1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                const float ac = a * c[i], bs = b * s[i], bc = b * c[i], as = a * s[i];
+                x1[i] = ac - bs;
+                x2[i] = bc + as;
+            }
+        }
+    }
+}
+
+/* Store each token's K and V rows (row floats each, token strides k_stride / v_stride) at
+ * flat cache slots [tokens] of caches laid out [slots, row]. */
+void ms_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                     int64_t tokens, int64_t row, float *k_cache, float *v_cache,
+                     const int64_t *slots) {
+    for (int64_t t = 0; t < tokens; t++) {
+        memcpy(k_cache + slots[t] * row, k + t * k_stride, sizeof(float) * (size_t)row);
+        memcpy(v_cache + slots[t] * row, v + t * v_stride, sizeof(float) * (size_t)row);
+    }
+}
+
+/* A layer's attention up to the prefill part, in one call: qkv [T, H + 2 Hkv, D] (contiguous)
+ * has its q and k heads rotated in place by cos, sin [T, D/2]; every token's K and V is
+ * stored at slots [T]; the first num_decode tokens (one per sequence) attend through their
+ * block tables into out [num_decode, H, D]. The prefill tokens after them are left to the
+ * caller, their q and k rotated and their K/V stored. Returns ms_paged_decode_f32's code. */
+int ms_attend_qkv_f32(float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads,
+                      int64_t head_dim, const float *cos, const float *sin, float *k_cache,
+                      float *v_cache, int64_t block_size, const int64_t *slots,
+                      int64_t num_decode, const int64_t *tables, int64_t table_stride,
+                      const int64_t *lens, float scale, int64_t window, float *out) {
+    const int64_t t_stride = (heads + 2 * kv_heads) * head_dim;
+    const int64_t kv_row = kv_heads * head_dim;
+    ms_rotary_inplace_f32(qkv, t_stride, tokens, heads + kv_heads, head_dim, cos, sin);
+    ms_write_kv_f32(qkv + heads * head_dim, t_stride, qkv + (heads + kv_heads) * head_dim,
+                    t_stride, tokens, kv_row, k_cache, v_cache, slots);
+    if (num_decode == 0) return 0;
+    return ms_paged_decode_f32(qkv, t_stride, k_cache, v_cache, tables, table_stride, lens, out,
+                               num_decode, heads, kv_heads, head_dim, block_size, scale, window);
+}

@@ -1,0 +1,201 @@
+"""The C CPU kernels (kernels/native/cpu_kernels.c): built once per machine, called by ctypes.
+
+On the CPU the PyTorch reference path pays for every small op it launches (5-10 us each
+here) and for copying the paged KV cache into a padded tensor before attending over it.
+These kernels read the cache blocks in place and fuse RMSNorm into one pass.
+
+The library is compiled on first use with the system C compiler (`cc -O3 -march=native`)
+into ~/.cache/meshserve/native (MESHSERVE_NATIVE_DIR overrides), keyed by the source, the
+compiler and this CPU's flags, so machines that share a home directory never load each
+other's builds. Concurrent ranks each write a temporary file and rename it into place.
+Without a compiler, or if the build fails, `library()` returns None once the reason has
+been printed, and dispatch keeps the reference kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "native" / "cpu_kernels.c"
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c99"]
+DIR_VAR = "MESHSERVE_NATIVE_DIR"
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the machine and its CPU flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def _build(compiler: str, out: Path) -> None:
+    """Compile SOURCE into `out` atomically (a temporary file renamed into place)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, building them first if needed; None (said once) if they can't be."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        print("meshserve: no C compiler (cc) found; the CPU runs the PyTorch reference "
+              "kernels", file=sys.stderr)
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + compiler.encode() + _cpu_id().encode() +
+                         " ".join(FLAGS).encode()).hexdigest()[:16]
+    root = Path(os.environ.get(DIR_VAR) or Path.home() / ".cache" / "meshserve" / "native")
+    path = root / f"cpu_kernels-{key}.so"
+    try:
+        if not path.exists():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        print(f"meshserve: the native CPU kernels did not build ({detail.strip()[:500]}); "
+              "the CPU runs the PyTorch reference kernels", file=sys.stderr)
+        return None
+    lib.ms_paged_decode_f32.restype = ctypes.c_int
+    lib.ms_paged_decode_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
+                                        _i64, _i64, _i64, _i64, _f32, _i64]
+    lib.ms_rms_norm_f32.restype = None
+    lib.ms_rms_norm_f32.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _f32]
+    lib.ms_add_rms_norm_f32.restype = None
+    lib.ms_add_rms_norm_f32.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32]
+    lib.ms_rotary_inplace_f32.restype = None
+    lib.ms_rotary_inplace_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr]
+    lib.ms_write_kv_f32.restype = None
+    lib.ms_write_kv_f32.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr]
+    lib.ms_attend_qkv_f32.restype = ctypes.c_int
+    lib.ms_attend_qkv_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
+                                      _i64, _ptr, _i64, _ptr, _i64, _ptr, _f32, _i64, _ptr]
+    return lib
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                 sliding_window: int | None = None) -> torch.Tensor:
+    """One query per sequence, q [B, H, D] -> [B, H, D], reading K/V blocks in place."""
+    lib = library()
+    assert lib is not None, "native_cpu.paged_decode called without the library"
+    b, h, d = q.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    out = torch.empty(b, h, d, dtype=q.dtype)
+    if b == 0:
+        return out
+    rc = lib.ms_paged_decode_f32(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        tables.stride(0), lens.data_ptr(), out.data_ptr(), b, h, k_cache.shape[2], d,
+        k_cache.shape[1], scale, sliding_window or 0)
+    if rc != 0:
+        raise MemoryError(f"paged decode attention: no memory for {h} x "
+                          f"{int(lens.max())} scores")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) over the last dimension."""
+    lib = library()
+    assert lib is not None, "native_cpu.rms_norm called without the library"
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    width = x.shape[-1]
+    lib.ms_rms_norm_f32(x.data_ptr(), weight.contiguous().data_ptr(), out.data_ptr(),
+                        x.numel() // width, width, eps)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual)."""
+    lib = library()
+    assert lib is not None, "native_cpu.add_rms_norm called without the library"
+    x, residual = x.contiguous(), residual.contiguous()
+    out, summed = torch.empty_like(x), torch.empty_like(x)
+    width = x.shape[-1]
+    lib.ms_add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.contiguous().data_ptr(),
+                            out.data_ptr(), summed.data_ptr(), x.numel() // width, width, eps)
+    return out, summed
+
+
+def _rows_packed(x: torch.Tensor) -> bool:
+    """Whether x [T, H, D] has each token's H x D values contiguous (any token stride)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] by cos/sin [T, D // 2] in place (x must be writable: the model
+    passes a slice of its fresh QKV projection); returns x."""
+    lib = library()
+    assert lib is not None, "native_cpu.rotary_ called without the library"
+    assert _rows_packed(x), f"rotary_: x strides {x.stride()} are not [T, H, D] row-packed"
+    t, h, d = x.shape
+    cos, sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
+    lib.ms_rotary_inplace_f32(x.data_ptr(), x.stride(0), t, h, d, cos.data_ptr(),
+                              sin.data_ptr())
+    return x
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k, v [T, Hkv, D] at flat slots [T] of the contiguous caches."""
+    lib = library()
+    assert lib is not None, "native_cpu.write_kv called without the library"
+    if not (_rows_packed(k) and _rows_packed(v)):
+        k, v = k.contiguous(), v.contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    lib.ms_write_kv_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0],
+                        k.shape[1] * k.shape[2], k_cache.data_ptr(), v_cache.data_ptr(),
+                        slots.data_ptr())
+
+
+def attend_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
+               sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+               context_lens: torch.Tensor, scale: float,
+               sliding_window: int | None) -> torch.Tensor:
+    """One C call for a layer's attention as far as the decodes go: rotate q and k of
+    qkv [T, H + 2 Hkv, D] in place, store every token's K/V at its slot, and attend the
+    first len(context_lens) tokens (the decodes) -> [num_decode, H, D]. Every tensor must
+    already be contiguous, fp32 (cos, sin, caches) or int64 (slots, tables, lengths): the
+    caller checks (dispatch.attend_qkv)."""
+    lib = library()
+    assert lib is not None, "native_cpu.attend_qkv called without the library"
+    num_decode, d = context_lens.shape[0], qkv.shape[2]
+    out = torch.empty(num_decode, num_heads, d)
+    rc = lib.ms_attend_qkv_f32(
+        qkv.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, d, cos.data_ptr(),
+        sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
+        slot_mapping.data_ptr(), num_decode, block_tables.data_ptr(), block_tables.stride(0),
+        context_lens.data_ptr(), scale, sliding_window or 0, out.data_ptr())
+    if rc != 0:
+        raise MemoryError(f"paged decode attention: no memory for {num_heads} x "
+                          f"{int(context_lens.max())} scores")
+    return out

@@ -1,0 +1,114 @@
+"""The C CPU kernels against the PyTorch reference they replace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshserve.kernels import dispatch, native_cpu
+from meshserve.kernels import paged_attention as ref_attention
+from meshserve.kernels import rmsnorm as ref_rmsnorm
+from meshserve.kernels import rotary as ref_rotary
+
+pytestmark = pytest.mark.skipif(native_cpu.library() is None, reason="no C compiler")
+
+
+@st.composite
+def decode_cases(draw: st.DrawFn) -> dict:
+    kv_heads = draw(st.sampled_from([1, 2, 4]))
+    heads = kv_heads * draw(st.sampled_from([1, 2, 3]))
+    head_dim = draw(st.sampled_from([8, 12, 32, 64, 80]))
+    block_size = draw(st.sampled_from([1, 4, 5, 16]))
+    lens = draw(st.lists(st.integers(1, 70), min_size=1, max_size=5))
+    window = draw(st.one_of(st.none(), st.integers(1, 40)))
+    return dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                lens=lens, window=window, seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(decode_cases())
+def test_paged_decode_matches_the_reference(case: dict) -> None:
+    gen = torch.Generator().manual_seed(case["seed"])
+    bs, lens = case["block_size"], case["lens"]
+    width = max(-(-n // bs) for n in lens) + 1  # one padding column, as the engine pads
+    num_blocks = width * len(lens) + 3
+    shape = (num_blocks, bs, case["kv_heads"], case["head_dim"])
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen)[:width * len(lens)].view(len(lens), width)
+    # q as the model passes it: a view into a wider fused projection, not contiguous.
+    qkv = torch.randn(len(lens), case["heads"] + 3, case["head_dim"], generator=gen)
+    q = qkv[:, :case["heads"]]
+    context = torch.tensor(lens)
+    scale = case["head_dim"] ** -0.5
+    want = ref_attention.paged_decode(q, k_cache, v_cache, tables, context, scale,
+                                      case["window"])
+    got = native_cpu.paged_decode(q, k_cache, v_cache, tables, context, scale, case["window"])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("width", [1, 7, 64, 513])
+def test_rms_norms_match_the_reference(width: int) -> None:
+    gen = torch.Generator().manual_seed(width)
+    x, res = torch.randn(5, width, generator=gen), torch.randn(5, width, generator=gen)
+    weight = torch.randn(width, generator=gen)
+    torch.testing.assert_close(native_cpu.rms_norm(x, weight, 1e-5),
+                               ref_rmsnorm.rms_norm(x, weight, 1e-5))
+    got, got_sum = native_cpu.add_rms_norm(x, res, weight, 1e-6)
+    want, want_sum = ref_rmsnorm.add_rms_norm(x, res, weight, 1e-6)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_sum, want_sum)
+
+
+def test_dispatch_takes_them_for_fp32_on_cpu_only_in_auto_mode(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(2, 8)
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    dispatch.kernel_mode.cache_clear()
+    assert dispatch.use_native(x)
+    assert not dispatch.use_native(x.to(torch.bfloat16))
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    dispatch.kernel_mode.cache_clear()
+    assert not dispatch.use_native(x)
+
+
+def test_without_a_compiler_the_reference_stays_and_says_why(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv(native_cpu.DIR_VAR, str(tmp_path / "build"))
+    native_cpu.library.cache_clear()
+    dispatch._native_allowed.cache_clear()
+    try:
+        assert native_cpu.library() is None
+        assert not dispatch.use_native(torch.randn(2, 8))
+        assert "native CPU kernels did not build" in capsys.readouterr().err
+        assert list((tmp_path / "build").glob("*")) == []  # no half-written library left
+    finally:
+        native_cpu.library.cache_clear()
+        dispatch._native_allowed.cache_clear()
+
+
+def test_rotary_in_place_equals_the_reference_bit_for_bit() -> None:
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(7, 6 + 2, 16, generator=gen)  # 4 q + 2 k heads rotated, 2 v heads not
+    cos, sin = torch.randn(7, 8, generator=gen), torch.randn(7, 8, generator=gen)
+    want = ref_rotary.apply_rotary(qkv[:, :6], cos, sin)
+    v_before = qkv[:, 6:].clone()
+    got = native_cpu.rotary_(qkv[:, :6], cos, sin)
+    assert got.data_ptr() == qkv.data_ptr() and torch.equal(got, want)
+    assert torch.equal(qkv[:, 6:], v_before)
+
+
+def test_write_kv_stores_strided_rows_at_their_slots() -> None:
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(5, 4 + 2 + 2, 8, generator=gen)
+    k, v = qkv[:, 4:6], qkv[:, 6:]
+    slots = torch.tensor([3, 17, 0, 9, 30])
+    caches = [torch.zeros(4, 8, 2, 8) for _ in range(4)]
+    ref_attention.write_kv(k, v, caches[0], caches[1], slots)
+    native_cpu.write_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
