@@ -1,8 +1,15 @@
-"""meshserve's own fixed costs, measured: decode steps of tiny random models through the
-engine, where the math is negligible, so a step's time is the runtime's overhead.
+"""meshserve's own costs beyond the math, measured: decode steps of random models through
+the engine, less the time the cost model prices for their matmuls and memory traffic.
+
+The layers are as wide as a small real model's (width 512, 11 MB of fp32 weights each):
+streaming them evicts the caches between layers, as serving does, and the Python and
+small-op work of every layer then runs cache-cold, which costs this CPU about twice what
+it does on layers that fit in cache. Without a cluster to price the math, narrow (width 64)
+layers make the math negligible instead.
 
 Two depths (1 and 4 layers) and two batch sizes (1 and 4 sequences) separate the parts of
-t(L, B) = step + L · (layer + B · seq): per step, per layer, per sequence per layer.
+t(L, B) - math(L, B) = step + L · (layer + B · seq): per step, per layer, per sequence per
+layer.
 """
 
 from __future__ import annotations
@@ -10,45 +17,68 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
+from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import save_file
 
 from meshserve.engine.llm import LLM
 from meshserve.engine.sampling_params import SamplingParams
+from meshserve.models.arch import ModelArch
+from meshserve.parallel.cluster import ClusterConfig
+from meshserve.parallel.cost_model import CostModel, StepWork
+from meshserve.parallel.model_shape import ModelShape
+from meshserve.parallel.plan import layout_for
 
-WIDTH, HEADS, KV_HEADS, FFN, VOCAB = 64, 4, 2, 128, 256
+
+class Shape(NamedTuple):
+    """A calibration model's dimensions."""
+
+    width: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+
+
+NARROW = Shape(64, 4, 2, 128, 256)
+"""Math negligible: every cost is the runtime's (its caches stay warm)."""
+WIDE = Shape(512, 8, 4, 1408, 256)
+"""A small real model's layers (the bench's tiny): weights evict the caches between layers."""
 DEPTHS = (1, 4)
 BATCHES = (1, 4)
+PROMPT_LEN = 4
 
 
-def tiny_checkpoint(path: Path, num_layers: int, seed: int = 0) -> Path:
-    """A random fp32 Llama of width 64 as config.json + model.safetensors in `path`."""
+def tiny_checkpoint(path: Path, num_layers: int, seed: int = 0, shape: Shape = NARROW) -> Path:
+    """A random fp32 Llama of `shape` as config.json + model.safetensors in `path`."""
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
-    hd = WIDTH // HEADS
+    width, heads, kv_heads, ffn, vocab = shape
+    hd = width // heads
 
-    def w(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * 0.05
+    def w(*dims: int) -> torch.Tensor:
+        return torch.randn(*dims, generator=gen) * 0.05
 
-    tensors = {"model.embed_tokens.weight": w(VOCAB, WIDTH), "lm_head.weight": w(VOCAB, WIDTH),
-               "model.norm.weight": torch.ones(WIDTH)}
+    tensors = {"model.embed_tokens.weight": w(vocab, width), "lm_head.weight": w(vocab, width),
+               "model.norm.weight": torch.ones(width)}
     for i in range(num_layers):
         p = f"model.layers.{i}."
-        tensors |= {p + "self_attn.q_proj.weight": w(HEADS * hd, WIDTH),
-                    p + "self_attn.k_proj.weight": w(KV_HEADS * hd, WIDTH),
-                    p + "self_attn.v_proj.weight": w(KV_HEADS * hd, WIDTH),
-                    p + "self_attn.o_proj.weight": w(WIDTH, HEADS * hd),
-                    p + "mlp.gate_proj.weight": w(FFN, WIDTH), p + "mlp.up_proj.weight": w(FFN, WIDTH),
-                    p + "mlp.down_proj.weight": w(WIDTH, FFN),
-                    p + "input_layernorm.weight": torch.ones(WIDTH),
-                    p + "post_attention_layernorm.weight": torch.ones(WIDTH)}
+        tensors |= {p + "self_attn.q_proj.weight": w(heads * hd, width),
+                    p + "self_attn.k_proj.weight": w(kv_heads * hd, width),
+                    p + "self_attn.v_proj.weight": w(kv_heads * hd, width),
+                    p + "self_attn.o_proj.weight": w(width, heads * hd),
+                    p + "mlp.gate_proj.weight": w(ffn, width), p + "mlp.up_proj.weight": w(ffn, width),
+                    p + "mlp.down_proj.weight": w(width, ffn),
+                    p + "input_layernorm.weight": torch.ones(width),
+                    p + "post_attention_layernorm.weight": torch.ones(width)}
     save_file(tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
-        "hidden_size": WIDTH, "intermediate_size": FFN, "num_hidden_layers": num_layers,
-        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": width, "intermediate_size": ffn, "num_hidden_layers": num_layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads,
         "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
         "tie_word_embeddings": False}))
     return path
@@ -60,7 +90,7 @@ def decode_step_s(model_dir: Path, device: str, tokens: int, batch: int) -> floa
                  "engine.enable_prefix_caching=false", "engine.kv_cache_memory=16777216"]
     with LLM(overrides=overrides, progress=False) as llm:
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-        prompts = [[1 + i, 2, 3, 4] for i in range(batch)]
+        prompts = [[1 + i, *range(2, PROMPT_LEN + 1)] for i in range(batch)]
         llm.generate(prompts, params)  # warm-up
         outs = [o for _ in range(2) for o in llm.generate(prompts, params)]
     return statistics.median(o.metrics.tpot for o in outs if o.metrics.tpot is not None)
@@ -76,10 +106,25 @@ def fit_overheads(t: dict[tuple[int, int], float]) -> tuple[float, float, float]
     return step, layer, seq
 
 
-def runtime_overhead_us(device: str, tokens: int = 32) -> tuple[float, float, float]:
-    """(per-step, per-layer, per-sequence-per-layer) µs of the engine's decode here."""
+def math_s(model_dir: Path, cluster: ClusterConfig, tokens: int, batch: int) -> float:
+    """The cost model's time for one of `model_dir`'s decode steps on one rank of `cluster`,
+    with no overheads: matmuls, weight and KV reads, at the run's mean context."""
+    arch = ModelArch.from_dir(model_dir)
+    bare = replace(cluster, step_overhead_us=0.0, layer_overhead_us=0.0, seq_overhead_us=0.0)
+    cost = CostModel(ModelShape.from_arch(arch, "float32"), bare,
+                     layout_for(1, [(0, arch.num_hidden_layers)], 1, bare))
+    return cost.step(StepWork.decode(batch, PROMPT_LEN + tokens / 2)).total_s
+
+
+def runtime_overhead_us(device: str, tokens: int = 32, cluster: ClusterConfig | None = None
+                        ) -> tuple[float, float, float]:
+    """(per-step, per-layer, per-sequence-per-layer) µs of the engine's decode here beyond
+    `cluster`'s priced math (WIDE layers), or in all (NARROW layers) without a cluster."""
+    shape = NARROW if cluster is None else WIDE
     with tempfile.TemporaryDirectory(prefix="meshserve-calibrate-") as tmp:
-        dirs = {n: tiny_checkpoint(Path(tmp) / f"l{n}", n) for n in DEPTHS}
+        dirs = {n: tiny_checkpoint(Path(tmp) / f"l{n}", n, shape=shape) for n in DEPTHS}
         t = {(n, b): decode_step_s(dirs[n], device, tokens, b) for n in DEPTHS for b in BATCHES}
+        if cluster is not None:
+            t = {(n, b): v - math_s(dirs[n], cluster, tokens, b) for (n, b), v in t.items()}
     step, layer, seq = fit_overheads(t)
     return step * 1e6, layer * 1e6, seq * 1e6

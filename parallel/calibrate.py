@@ -112,6 +112,30 @@ def matmul_half_rows(width: int, dtype: str, device: torch.device, repeats: int,
     return estimates[len(estimates) // 2]
 
 
+EFFICIENCY_ROWS = tuple(2 ** i for i in range(9))
+"""Rows at which calibrate measures weight matmuls: 1, 2, 4, ..., 256."""
+EFFICIENCY_WIDTH = 512
+"""[M, 512] x [512, 2048] weights, 4 MB each, like a small model's projections."""
+
+
+def matmul_efficiency(dtype: str, device: torch.device, repeats: int, peak_tflops: float,
+                      width: int = EFFICIENCY_WIDTH,
+                      weights_bytes: int = WEIGHTS_BYTES) -> list[float]:
+    """Share of `peak_tflops` reached by [M, width] x [width, 4·width] matmuls over weights
+    cycled through `weights_bytes` (so not in cache), for M in EFFICIENCY_ROWS."""
+    torch_dtype = getattr(torch, dtype)
+    n = 4 * width
+    per_weight = width * n * torch_dtype.itemsize
+    ws = [torch.randn(width, n, device=device, dtype=torch_dtype)
+          for _ in range(max(1, -(-weights_bytes // per_weight)))]
+    shares = []
+    for m in EFFICIENCY_ROWS:
+        x = torch.randn(m, width, device=device, dtype=torch_dtype)
+        t = best_time(lambda x=x: [x @ w for w in ws], repeats, device) / len(ws)
+        shares.append(min(1.0, 2 * m * width * n / t / 1e12 / peak_tflops))
+    return shares
+
+
 def read_gbs(nbytes: int, device: torch.device, repeats: int) -> float:
     """GB/s reading an fp32 tensor of `nbytes` (its sum)."""
     x = torch.ones(nbytes // 4, device=device)
@@ -301,6 +325,8 @@ class Calibration:
     """Vector-matrix product (decode's access pattern), one rank alone."""
     half_rows: float = 0.0
     """Rows at which a float32 weight matmul reaches half the square rate."""
+    efficiency: list[float] = field(default_factory=list)
+    """Share of the float32 peak at EFFICIENCY_ROWS rows (weights not in cache)."""
     kv_read_gbs: float = 0.0
     """K/V bytes per second read by paged decode attention (0: not measured)."""
     layer_overhead_us: float
@@ -329,6 +355,7 @@ class Calibration:
             peak_tflops_bf16=sig(self.tflops.get("bfloat16", self.tflops["float32"])),
             layer_overhead_us=sig(self.layer_overhead_us, 3),
             matmul_half_rows=sig(self.half_rows, 3),
+            matmul_efficiency=[sig(e, 3) for e in self.efficiency],
             kv_read_fraction=(sig(min(1.0, self.kv_read_gbs / self.gemv_gbs), 3)
                               if self.kv_read_gbs else base.kv_read_fraction))
         if not self.collectives:
@@ -354,6 +381,7 @@ def calibrate(*, world_sizes: list[int], sizes: list[int], read_bytes: int, matm
         gemv_gbs=gemv_gbs(read_bytes, device, repeats),
         layer_overhead_us=layer_overhead_us(device, repeats),
         half_rows=matmul_half_rows(matmul_size, "float32", device, repeats, tflops["float32"]),
+        efficiency=matmul_efficiency("float32", device, repeats, tflops["float32"]),
         kv_read_gbs=kv_read_gbs(device, repeats),
         collectives=[measure_collectives(w, sizes, repeats, read_bytes, use_cuda)
                      for w in world_sizes])
@@ -367,6 +395,8 @@ def preset_yaml(cluster: ClusterConfig, cal: Calibration, notes_after: Sequence[
              f"# stand-in decoder layer at width 64: {cal.layer_overhead_us:.1f} us",
              f"# float32 weight matmul (weights not in cache) reaches half the square rate at "
              f"{cal.half_rows:.3g} rows",
+             "# float32 [M, 512] x [512, 2048] matmul share of peak at M = "
+             + ", ".join(f"{m}: {e:.2f}" for m, e in zip(EFFICIENCY_ROWS, cal.efficiency)),
              f"# paged decode attention reads K/V at {cal.kv_read_gbs:.3g} GB/s"]
     for c in cal.collectives:
         notes.append(f"# {c.world} ranks: vector-matrix {c.concurrent_gemv_gbs:.1f} GB/s each; "

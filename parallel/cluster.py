@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from meshserve.validation import require
 
@@ -56,13 +57,19 @@ class ClusterConfig:
     """Time per sequence per decoder layer besides the roofline (per-sequence attention
     bookkeeping), µs."""
     kv_read_fraction: float = 1.0
-    """Share of memory_bandwidth at which decode attention reads the paged KV cache (the
-    CPU's reference attention gathers blocks into a copy before attending: measured about
-    a third there; 1 where a kernel reads the blocks in place at full speed)."""
+    """Share of memory_bandwidth at which decode attention reads the paged KV cache
+    (`meshserve calibrate` measures it: on this project's CPUs the C kernel reads the blocks
+    in place at about half a GEMV's rate, the PyTorch reference's gather and copy at 8%;
+    1 where a kernel reads at full speed)."""
     matmul_half_rows: float = 0.0
     """Rows (tokens) at which a weight matmul reaches half the peak rate: a matmul of M rows
     runs at peak x M / (M + this). CPU BLAS runs small-M (decode) matmuls far below peak;
     0 means peak from one row (GPUs, where such steps are memory-bound anyway)."""
+    matmul_efficiency: list[float] = field(default_factory=list)
+    """Measured share of the peak rate a weight matmul of 1, 2, 4, ... rows reaches (weights
+    not in cache; `meshserve calibrate`), interpolated in log rows and held beyond the last;
+    empty: the matmul_half_rows curve. CPU BLAS is far from that curve's shape: its time
+    barely grows from 4 to 8 rows, say, which decides whether pipeline micro-batches pay."""
 
     def __post_init__(self) -> None:
         require(self.device_type in DEVICE_TYPES, "cluster.device_type", self.device_type,
@@ -78,6 +85,8 @@ class ClusterConfig:
         for n in ("intra_node_latency_us", "inter_node_latency_us", "layer_overhead_us",
                   "step_overhead_us", "seq_overhead_us", "matmul_half_rows"):
             require(getattr(self, n) >= 0, f"cluster.{n}", getattr(self, n), "a number >= 0")
+        require(all(0 < e <= 1 for e in self.matmul_efficiency), "cluster.matmul_efficiency",
+                self.matmul_efficiency, "shares of the peak in (0, 1]")
         require(0 < self.kv_read_fraction <= 1, "cluster.kv_read_fraction",
                 self.kv_read_fraction, "a number in (0, 1]")
         require(self.node_memory_bandwidth_gbs is None or self.node_memory_bandwidth_gbs > 0,
@@ -95,8 +104,16 @@ class ClusterConfig:
         return getattr(self, DTYPE_PEAKS[dtype]) * 1e12
 
     def matmul_flops(self, dtype: str, rows: float) -> float:
-        """FLOP/s of a weight matmul over `rows` tokens (see matmul_half_rows)."""
+        """FLOP/s of a weight matmul over `rows` tokens (see matmul_efficiency and
+        matmul_half_rows)."""
         peak = self.peak_flops(dtype)
+        table = self.matmul_efficiency
+        if table and rows > 0:
+            x = min(max(math.log2(rows), 0.0), len(table) - 1.0)
+            i = min(int(x), len(table) - 2) if len(table) > 1 else 0
+            frac = x - i
+            share = table[i] if len(table) == 1 else table[i] + frac * (table[i + 1] - table[i])
+            return peak * share
         if self.matmul_half_rows <= 0 or rows <= 0:
             return peak
         return peak * rows / (rows + self.matmul_half_rows)

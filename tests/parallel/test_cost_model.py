@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -173,6 +174,19 @@ def test_small_matmuls_run_below_peak_when_the_cluster_says_so() -> None:
     # Decode's 8-row matmuls at 8 / (8 + 16) of peak: three times the compute time.
     matmul_s = 8 * s.layer_matmul_flops(1) / cpu.peak_flops("float32")
     assert slow.compute_s - at_peak.compute_s == pytest.approx(2 * matmul_s, rel=1e-9)
+
+
+def test_a_measured_matmul_efficiency_table_is_interpolated_in_log_rows() -> None:
+    cpu = dataclasses.replace(cluster("local-cpu"), matmul_efficiency=[0.1, 0.2, 0.4],
+                              matmul_half_rows=16.0)  # the table wins over the curve
+    peak = cpu.peak_flops("float32")
+    assert cpu.matmul_flops("float32", 1) == pytest.approx(0.1 * peak)
+    assert cpu.matmul_flops("float32", 2) == pytest.approx(0.2 * peak)
+    assert cpu.matmul_flops("float32", 3) == pytest.approx((0.2 + 0.2 * math.log2(1.5)) * peak)
+    assert cpu.matmul_flops("float32", 4) == cpu.matmul_flops("float32", 4096) == \
+        pytest.approx(0.4 * peak)
+    with pytest.raises(ValueError, match=r"cluster.matmul_efficiency=\[0.5, 1.5\]"):
+        dataclasses.replace(cpu, matmul_efficiency=[0.5, 1.5])
 
 
 def test_a_slow_paged_kv_read_prices_only_the_kv_bytes_slower() -> None:
