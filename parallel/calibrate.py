@@ -92,23 +92,29 @@ in a forward pass, which reads each weight once. One weight timed over and over 
 cache and runs small batches up to twice as fast as the model ever sees."""
 
 
-def matmul_half_rows(width: int, dtype: str, device: torch.device, repeats: int,
-                     peak_tflops: float, weights_bytes: int = WEIGHTS_BYTES) -> float:
-    """The M at which [M, width] x [width, 4·width] weight matmuls (cycling through
-    `weights_bytes` of weights) run at half `peak_tflops`: the median over MATMUL_ROWS of
-    M x (peak / rate(M) - 1), 0 when they run at peak."""
+def cold_matmul_tflops(width: int, dtype: str, device: torch.device, repeats: int,
+                       rows: Sequence[int], weights_bytes: int = WEIGHTS_BYTES) -> list[float]:
+    """TFLOP/s of [M, width] x [width, 4·width] weight matmuls cycling through
+    `weights_bytes` of weights (so none is in cache), for each M in `rows`."""
     torch_dtype = getattr(torch, dtype)
     n = 4 * width
     per_weight = width * n * torch_dtype.itemsize
     ws = [torch.randn(width, n, device=device, dtype=torch_dtype)
           for _ in range(max(1, -(-weights_bytes // per_weight)))]
-    estimates = []
-    for m in MATMUL_ROWS:
+    rates = []
+    for m in rows:
         x = torch.randn(m, width, device=device, dtype=torch_dtype)
         t = best_time(lambda x=x: [x @ w for w in ws], repeats, device) / len(ws)
-        rate = 2 * m * width * n / t / 1e12
-        estimates.append(max(0.0, m * (peak_tflops / rate - 1)))
-    estimates.sort()
+        rates.append(2 * m * width * n / t / 1e12)
+    return rates
+
+
+def matmul_half_rows(width: int, dtype: str, device: torch.device, repeats: int,
+                     peak_tflops: float, weights_bytes: int = WEIGHTS_BYTES) -> float:
+    """The M at which cache-cold weight matmuls (cold_matmul_tflops) run at half
+    `peak_tflops`: the median over MATMUL_ROWS of M x (peak / rate(M) - 1), 0 at peak."""
+    rates = cold_matmul_tflops(width, dtype, device, repeats, MATMUL_ROWS, weights_bytes)
+    estimates = sorted(max(0.0, m * (peak_tflops / r - 1)) for m, r in zip(MATMUL_ROWS, rates))
     return estimates[len(estimates) // 2]
 
 
@@ -119,21 +125,10 @@ EFFICIENCY_WIDTH = 512
 
 
 def matmul_efficiency(dtype: str, device: torch.device, repeats: int, peak_tflops: float,
-                      width: int = EFFICIENCY_WIDTH,
-                      weights_bytes: int = WEIGHTS_BYTES) -> list[float]:
-    """Share of `peak_tflops` reached by [M, width] x [width, 4·width] matmuls over weights
-    cycled through `weights_bytes` (so not in cache), for M in EFFICIENCY_ROWS."""
-    torch_dtype = getattr(torch, dtype)
-    n = 4 * width
-    per_weight = width * n * torch_dtype.itemsize
-    ws = [torch.randn(width, n, device=device, dtype=torch_dtype)
-          for _ in range(max(1, -(-weights_bytes // per_weight)))]
-    shares = []
-    for m in EFFICIENCY_ROWS:
-        x = torch.randn(m, width, device=device, dtype=torch_dtype)
-        t = best_time(lambda x=x: [x @ w for w in ws], repeats, device) / len(ws)
-        shares.append(min(1.0, 2 * m * width * n / t / 1e12 / peak_tflops))
-    return shares
+                      width: int = EFFICIENCY_WIDTH) -> list[float]:
+    """Share of `peak_tflops` that cache-cold weight matmuls reach at EFFICIENCY_ROWS rows."""
+    rates = cold_matmul_tflops(width, dtype, device, repeats, EFFICIENCY_ROWS)
+    return [min(1.0, r / peak_tflops) for r in rates]
 
 
 def read_gbs(nbytes: int, device: torch.device, repeats: int) -> float:
