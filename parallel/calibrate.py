@@ -92,20 +92,21 @@ in a forward pass, which reads each weight once. One weight timed over and over 
 cache and runs small batches up to twice as fast as the model ever sees."""
 
 
-def cold_matmul_tflops(width: int, dtype: str, device: torch.device, repeats: int,
-                       rows: Sequence[int], weights_bytes: int = WEIGHTS_BYTES) -> list[float]:
-    """TFLOP/s of [M, width] x [width, 4·width] weight matmuls cycling through
-    `weights_bytes` of weights (so none is in cache), for each M in `rows`."""
+def cold_matmul_tflops(shapes: Sequence[tuple[int, int]], dtype: str, device: torch.device,
+                       repeats: int, rows: Sequence[int],
+                       weights_bytes: int = WEIGHTS_BYTES) -> list[float]:
+    """TFLOP/s of x [M, k] @ w [k, n] over the (k, n) weight `shapes` in turn, cycled
+    through `weights_bytes` of weights (so none is in cache), for each M in `rows`."""
     torch_dtype = getattr(torch, dtype)
-    n = 4 * width
-    per_weight = width * n * torch_dtype.itemsize
-    ws = [torch.randn(width, n, device=device, dtype=torch_dtype)
-          for _ in range(max(1, -(-weights_bytes // per_weight)))]
+    per_round = sum(k * n for k, n in shapes) * torch_dtype.itemsize
+    ws = [torch.randn(k, n, device=device, dtype=torch_dtype)
+          for _ in range(max(1, -(-weights_bytes // per_round))) for k, n in shapes]
+    flops_per_row = 2 * sum(w.shape[0] * w.shape[1] for w in ws)
     rates = []
     for m in rows:
-        x = torch.randn(m, width, device=device, dtype=torch_dtype)
-        t = best_time(lambda x=x: [x @ w for w in ws], repeats, device) / len(ws)
-        rates.append(2 * m * width * n / t / 1e12)
+        xs = {k: torch.randn(m, k, device=device, dtype=torch_dtype) for k, _ in shapes}
+        t = best_time(lambda xs=xs: [xs[w.shape[0]] @ w for w in ws], repeats, device)
+        rates.append(m * flops_per_row / t / 1e12)
     return rates
 
 
@@ -113,21 +114,23 @@ def matmul_half_rows(width: int, dtype: str, device: torch.device, repeats: int,
                      peak_tflops: float, weights_bytes: int = WEIGHTS_BYTES) -> float:
     """The M at which cache-cold weight matmuls (cold_matmul_tflops) run at half
     `peak_tflops`: the median over MATMUL_ROWS of M x (peak / rate(M) - 1), 0 at peak."""
-    rates = cold_matmul_tflops(width, dtype, device, repeats, MATMUL_ROWS, weights_bytes)
+    rates = cold_matmul_tflops([(width, 4 * width)], dtype, device, repeats, MATMUL_ROWS,
+                               weights_bytes)
     estimates = sorted(max(0.0, m * (peak_tflops / r - 1)) for m, r in zip(MATMUL_ROWS, rates))
     return estimates[len(estimates) // 2]
 
 
 EFFICIENCY_ROWS = tuple(2 ** i for i in range(9))
 """Rows at which calibrate measures weight matmuls: 1, 2, 4, ..., 256."""
-EFFICIENCY_WIDTH = 512
-"""[M, 512] x [512, 2048] weights, 4 MB each, like a small model's projections."""
+EFFICIENCY_SHAPES = ((512, 1024), (512, 512), (512, 2816), (1408, 512))
+"""A decoder layer's projections at width 512 (fused QKV with half as many KV heads, out,
+merged gate/up, down; 11.8 MB in fp32): what decode steps of a small model multiply."""
 
 
 def matmul_efficiency(dtype: str, device: torch.device, repeats: int, peak_tflops: float,
-                      width: int = EFFICIENCY_WIDTH) -> list[float]:
-    """Share of `peak_tflops` that cache-cold weight matmuls reach at EFFICIENCY_ROWS rows."""
-    rates = cold_matmul_tflops(width, dtype, device, repeats, EFFICIENCY_ROWS)
+                      shapes: Sequence[tuple[int, int]] = EFFICIENCY_SHAPES) -> list[float]:
+    """Share of `peak_tflops` that cache-cold layer matmuls reach at EFFICIENCY_ROWS rows."""
+    rates = cold_matmul_tflops(shapes, dtype, device, repeats, EFFICIENCY_ROWS)
     return [min(1.0, r / peak_tflops) for r in rates]
 
 
@@ -390,7 +393,7 @@ def preset_yaml(cluster: ClusterConfig, cal: Calibration, notes_after: Sequence[
              f"# stand-in decoder layer at width 64: {cal.layer_overhead_us:.1f} us",
              f"# float32 weight matmul (weights not in cache) reaches half the square rate at "
              f"{cal.half_rows:.3g} rows",
-             "# float32 [M, 512] x [512, 2048] matmul share of peak at M = "
+             "# float32 width-512 layer matmuls (weights not in cache): share of peak at M = "
              + ", ".join(f"{m}: {e:.2f}" for m, e in zip(EFFICIENCY_ROWS, cal.efficiency)),
              f"# paged decode attention reads K/V at {cal.kv_read_gbs:.3g} GB/s"]
     for c in cal.collectives:
