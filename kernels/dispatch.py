@@ -1,8 +1,8 @@
 """Picks each kernel's implementation: Triton on CUDA, C (kernels/native_cpu.py) on the CPU.
 
 MESHSERVE_KERNELS chooses: `auto` (the default: Triton for CUDA tensors when Triton is
-installed; on the CPU the C kernels for fp32 paged decode attention and RMSNorm when a C
-compiler built them, else the PyTorch reference), `reference` (the PyTorch reference
+installed; on the CPU the C kernels for fp32 decode attention, RMSNorm, rotary and the KV
+write when a C compiler built them, else the PyTorch reference), `reference` (the PyTorch reference
 everywhere), or `triton` (always, which on
 a CPU means Triton's interpreter: TRITON_INTERPRET=1 must be set before Triton is first
 imported; the kernel tests do this). Triton is imported only when a Triton path is
@@ -164,7 +164,7 @@ def attend_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.
     stores K/V, returns the decodes' output [num_decode, H, D]. None where it doesn't apply
     (not fp32 on the CPU, reference mode, a layout it can't read): the caller then takes
     the step by step path."""
-    if not (use_native(qkv, cos, k_cache) and qkv.is_contiguous() and k_cache.is_contiguous()
+    if not (use_native(qkv, cos, sin, k_cache, v_cache) and qkv.is_contiguous() and k_cache.is_contiguous()
             and v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
             and num_heads % num_kv_heads == 0
             and all(t.dtype is torch.int64 and t.is_contiguous() for t in (
