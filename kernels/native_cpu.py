@@ -96,12 +96,18 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def _loaded() -> ctypes.CDLL:
+    """The library, for the kernel wrappers below (dispatch calls them only once built)."""
+    lib = library()
+    assert lib is not None, "a native_cpu kernel was called without the library"
+    return lib
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                  sliding_window: int | None = None) -> torch.Tensor:
     """One query per sequence, q [B, H, D] -> [B, H, D], reading K/V blocks in place."""
-    lib = library()
-    assert lib is not None, "native_cpu.paged_decode called without the library"
+    lib = _loaded()
     b, h, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
@@ -122,8 +128,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / rms(x) over the last dimension."""
-    lib = library()
-    assert lib is not None, "native_cpu.rms_norm called without the library"
+    lib = _loaded()
     x = x.contiguous()
     out = torch.empty_like(x)
     width = x.shape[-1]
@@ -135,8 +140,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual)."""
-    lib = library()
-    assert lib is not None, "native_cpu.add_rms_norm called without the library"
+    lib = _loaded()
     x, residual = x.contiguous(), residual.contiguous()
     out, summed = torch.empty_like(x), torch.empty_like(x)
     width = x.shape[-1]
@@ -153,8 +157,7 @@ def _rows_packed(x: torch.Tensor) -> bool:
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] by cos/sin [T, D // 2] in place (x must be writable: the model
     passes a slice of its fresh QKV projection); returns x."""
-    lib = library()
-    assert lib is not None, "native_cpu.rotary_ called without the library"
+    lib = _loaded()
     assert _rows_packed(x), f"rotary_: x strides {x.stride()} are not [T, H, D] row-packed"
     t, h, d = x.shape
     cos, sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
@@ -166,8 +169,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store k, v [T, Hkv, D] at flat slots [T] of the contiguous caches."""
-    lib = library()
-    assert lib is not None, "native_cpu.write_kv called without the library"
+    lib = _loaded()
     if not (_rows_packed(k) and _rows_packed(v)):
         k, v = k.contiguous(), v.contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
@@ -186,8 +188,7 @@ def attend_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.
     first len(context_lens) tokens (the decodes) -> [num_decode, H, D]. Every tensor must
     already be contiguous, fp32 (cos, sin, caches) or int64 (slots, tables, lengths): the
     caller checks (dispatch.attend_qkv)."""
-    lib = library()
-    assert lib is not None, "native_cpu.attend_qkv called without the library"
+    lib = _loaded()
     num_decode, d = context_lens.shape[0], qkv.shape[2]
     out = torch.empty(num_decode, num_heads, d)
     rc = lib.ms_attend_qkv_f32(
