@@ -5,17 +5,19 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 from meshserve.bench.metrics import RequestRecord, RunResult
 from meshserve.bench.peer_names import MESHSERVE
 from meshserve.bench.roofline import kv_bytes_per_token, weight_bytes_read
 from meshserve.bench.workloads import BenchRequest
+from meshserve.engine.distributed_executor import DistributedExecutor
 from meshserve.engine.executor import resolve_dtype
 from meshserve.engine.llm import LLM
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.sampling_params import SamplingParams
+from meshserve.engine.stage_worker import StageStats
 from meshserve.launch.run_config import MeshConfig
 
 OnFinish = Callable[[], None]
@@ -77,6 +79,7 @@ class MeshserveRunner:
         # prompt into a hit and measure nothing.
         engine.reset_prefix_cache()
         before = engine.stats.prefix_cache
+        ranks_before = self._stage_stats()
         state = _RunState(reqs, time.monotonic())
         while len(state.done) < len(reqs):
             self._submit_due(state)
@@ -84,6 +87,7 @@ class MeshserveRunner:
                 self._step(state, on_finish)
             else:  # idle until the next arrival
                 time.sleep(max(0.0, state.next_arrival() - time.monotonic()))
+        ranks_after = self._stage_stats()
         records = [_record(state.done[i], state.t0) for i in range(len(reqs))]
         wall = max(r.finish for r in records) - min(r.arrival for r in records)
         after = engine.stats.prefix_cache
@@ -95,7 +99,14 @@ class MeshserveRunner:
                  "prefix_cache_hits": after.num_hits - before.num_hits,
                  "prefix_cache_queries": after.num_queries - before.num_queries,
                  "decode_steps": state.steps.as_dict()}
+        if ranks_before is not None and ranks_after is not None:
+            extra["ranks"] = [asdict(a.minus(b)) for a, b in zip(ranks_after, ranks_before)]
         return RunResult(self.name, records, wall, extra)
+
+    def _stage_stats(self) -> list[StageStats] | None:
+        """Each rank's busy time so far (multi-rank runs), else None."""
+        executor = self.llm.engine.executor
+        return executor.stage_stats() if isinstance(executor, DistributedExecutor) else None
 
     def _submit_due(self, state: _RunState) -> None:
         """Add the requests whose arrival time has come, stamped with that time."""

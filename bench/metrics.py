@@ -99,6 +99,7 @@ def summarize(run: RunResult, slo_ttft_s: float, slo_tpot_s: float) -> dict[str,
         "tpot_s": distribution(tpot),
         "e2e_s": distribution([r.e2e for r in recs]),
         **_engine_counters(run, prompt, cached),
+        **_rank_shares(run, wall),
     }
 
 
@@ -110,6 +111,19 @@ def _engine_counters(run: RunResult, prompt: int, cached: int) -> dict[str, Any]
             "num_cached_tokens": cached,
             "prefill_tokens_computed": run.extra["prefill_tokens_computed"],
             "num_preemptions": sum(r.num_preemptions for r in run.records)}
+
+
+def _rank_shares(run: RunResult, wall: float) -> dict[str, Any]:
+    """Each rank's share of the run's wall time busy and waiting for activations, and its
+    pipeline bubble (BENCH.md: 1 - busy / wall), for engines that report ranks."""
+    ranks = run.extra.get("ranks")
+    if not ranks:
+        return {}
+    return {"ranks": {f"r{r['rank']}": {"pp_rank": r["pp_rank"], "tp_rank": r["tp_rank"],
+                                         "busy": r["busy_s"] / wall,
+                                         "input_wait": r["input_wait_s"] / wall,
+                                         "bubble": 1.0 - r["busy_s"] / wall}
+                      for r in ranks}}
 
 
 def flatten(summary: dict[str, Any], prefix: str = "") -> dict[str, float]:

@@ -143,8 +143,29 @@ def table(result: dict[str, Any]) -> str:
             f"{med['total_tok_s']:11.1f} {1e3 * med['ttft_s.p50']:7.0f}/{1e3 * med['ttft_s.p99']:<8.0f} "
             f"{1e3 * med['tpot_s.p50']:7.1f}/{1e3 * med['tpot_s.p99']:<8.1f} {med['e2e_s.p50']:9.2f} "
             f"{_pct(mbu):>6s} {_pct(med.get('cpu_share', math.nan)):>5s}")
+    lines += _rank_lines(result)
     lines += _ratio_lines(result)
     return "\n".join(lines)
+
+
+def _rank_lines(result: dict[str, Any]) -> list[str]:
+    """Per rank of a multi-rank meshserve run: busy, waiting for activations, bubble
+    (medians over the timed runs)."""
+    data = result["engines"].get(MESHSERVE)
+    if data is None:
+        return []
+    med = {k: v["median"] for k, v in data["aggregate"].items()}
+    ranks = sorted({k.split(".")[1] for k in med if k.startswith("ranks.")},
+                   key=lambda r: int(r[1:]))
+    if not ranks:
+        return []
+    lines = ["meshserve ranks (share of wall time; bubble = 1 - busy):"]
+    for r in ranks:
+        m = {k.split(".")[2]: v for k, v in med.items() if k.startswith(f"ranks.{r}.")}
+        lines.append(f"  rank {r[1:]} (pp stage {m['pp_rank']:.0f}, tp rank {m['tp_rank']:.0f}): "
+                     f"busy {_pct(m['busy'])}, waiting for activations "
+                     f"{_pct(m['input_wait'])}, bubble {_pct(m['bubble'])}")
+    return lines
 
 
 def _ratio_lines(result: dict[str, Any]) -> list[str]:

@@ -28,8 +28,14 @@ import torch.distributed as dist
 from meshserve.engine.executor import StepResult
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler_output import SchedulerOutput
-from meshserve.engine.stage_worker import StepMessage
-from meshserve.engine.worker import STARTUP_TIMEOUT_S, check_layout, max_in_flight, start_rank
+from meshserve.engine.stage_worker import StageStats, StatsRequest, StepMessage
+from meshserve.engine.worker import (
+    STARTUP_TIMEOUT_S,
+    check_layout,
+    max_in_flight,
+    start_rank,
+    stats_key,
+)
 from meshserve.launch.discovery import discover
 from meshserve.launch.ranks import (
     RankFailure,
@@ -84,6 +90,8 @@ class DistributedExecutor:
                 torch.set_num_threads(config.threads)
             store = launcher_store(env, startup)
         assert store is not None
+        self._store = store
+        self._num_stats_requests = 0
         # Runs at interpreter exit too: no spawned rank outlives its driver.
         self._finalizer = weakref.finalize(self, _stop_ranks, self._spawned)
         try:
@@ -102,7 +110,10 @@ class DistributedExecutor:
         g = self.groups
         self._broadcaster = ObjectBroadcaster(g.cpu_group, src=g.driver_rank,
                                               send_timeout=g.op_timeout)
-        self._results = (ObjectChannel(g.result_group, self.max_in_flight, g.op_timeout)
+        spawned = self._spawned
+        self._results = (ObjectChannel(g.result_group, self.max_in_flight, g.op_timeout,
+                                       ring=g.rings.get(("result", g.sampler_rank, g.rank)),
+                                       alive=spawned.check if spawned else lambda: None)
                          if g.result_group is not None else None)
         if progress:
             d = self.groups.dims
@@ -160,6 +171,24 @@ class DistributedExecutor:
         """Run one step to completion (no pipelining)."""
         self.submit(out, new_params, finished)
         return self.collect()
+
+    def stage_stats(self) -> list[StageStats]:
+        """Every rank's busy and waiting time so far, by rank. Micro-batches still in
+        flight count where they have already run."""
+        self._check()
+        request_id = self._num_stats_requests
+        self._num_stats_requests += 1
+        stats = [self.worker.stats()]
+        try:
+            self._broadcaster.send(StatsRequest(request_id))
+            for rank in range(1, self.groups.dims.world_size):
+                key = stats_key(request_id, rank)
+                self._store.wait([key], timedelta(seconds=self._timeout_s))
+                stats.append(pickle.loads(self._store.get(key)))
+                self._store.delete_key(key)
+        except Exception as e:
+            raise self._fail(e) from e
+        return stats
 
     def check_health(self) -> None:
         """Raise RankFailure if a rank has died (an idle driver sees it without a step)."""

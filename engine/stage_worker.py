@@ -4,7 +4,8 @@ every micro-batch through `StageWorker.run`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -35,6 +36,34 @@ class StepMessage:
     finished: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class StatsRequest:
+    """Broadcast by the driver between steps: every rank answers with its StageStats."""
+
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class StageStats:
+    """Where one rank's time went since it started serving (seconds, summed)."""
+
+    rank: int
+    pp_rank: int
+    tp_rank: int
+    busy_s: float = 0.0
+    """Running micro-batches: its layers, their collectives, sampling; waits excluded."""
+    input_wait_s: float = 0.0
+    """Waiting for the previous stage's activations (a pipeline bubble)."""
+    num_micro_batches: int = 0
+
+    def minus(self, earlier: StageStats) -> StageStats:
+        """The time spent between `earlier` (the same rank's) and this snapshot."""
+        assert earlier.rank == self.rank, (earlier.rank, self.rank)
+        return replace(self, busy_s=self.busy_s - earlier.busy_s,
+                       input_wait_s=self.input_wait_s - earlier.input_wait_s,
+                       num_micro_batches=self.num_micro_batches - earlier.num_micro_batches)
+
+
 class StageWorker:
     """This rank's layers [start, end) of the model, their KV cache and (sampling rank)
     the samplers; `allocate(num_blocks)` must follow once every rank agreed on the count."""
@@ -47,15 +76,26 @@ class StageWorker:
                                 device=device, progress=progress,
                                 cpu_weight_layout=config.model.cpu_weight_layout)
         self.hidden_size = self.model.arch.hidden_size
-        pp = groups.dims.pp
-        self.link = StageLink(
-            groups.pp_group,
-            groups.stage_rank(groups.pp_rank - 1) if groups.pp_rank > 0 else None,
-            groups.stage_rank(groups.pp_rank + 1) if groups.pp_rank < pp - 1 else None,
-            max_pending=max_in_flight + 1, timeout=groups.op_timeout)
+        pp, rank = groups.dims.pp, groups.rank
+        prev = groups.stage_rank(groups.pp_rank - 1) if groups.pp_rank > 0 else None
+        nxt = groups.stage_rank(groups.pp_rank + 1) if groups.pp_rank < pp - 1 else None
+        self.link = StageLink(groups.pp_group, prev, nxt, max_pending=max_in_flight + 1,
+                              timeout=groups.op_timeout,
+                              ring_in=groups.rings.get(("act", prev, rank)) if prev is not None
+                              else None,
+                              ring_out=groups.rings.get(("act", rank, nxt)) if nxt is not None
+                              else None)
         self.sampler = StepSampler(device, config.engine.seed) if groups.is_sampler else None
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
+        self._busy_s = self._input_wait_s = 0.0
+        self._num_micro_batches = 0
+
+    def stats(self) -> StageStats:
+        """This rank's time so far."""
+        g = self.groups
+        return StageStats(g.rank, g.pp_rank, g.tp_rank, self._busy_s, self._input_wait_s,
+                          self._num_micro_batches)
 
     def local_num_blocks(self) -> int:
         """KV blocks this rank's memory budget holds for its layers."""
@@ -79,17 +119,32 @@ class StageWorker:
     def run(self, msg: StepMessage) -> StepResult | None:
         """Run this stage on a micro-batch: receive activations (later stages), run the
         layers, pass them on (earlier stages) or sample; the sampling rank returns tokens."""
+        t0 = time.perf_counter()
+        waited = 0.0
+        try:
+            result, waited = self._run(msg)
+        finally:
+            self._busy_s += time.perf_counter() - t0 - waited
+            self._input_wait_s += waited
+            self._num_micro_batches += 1
+        return result
+
+    def _run(self, msg: StepMessage) -> tuple[StepResult | None, float]:
+        """run() and the seconds it waited for activations."""
         runner = self.runner
         assert runner is not None, "allocate() first"
+        waited = 0.0
         if self.sampler is not None:
             self.sampler.track(msg.new_params, msg.finished)
         runner.copy_blocks(msg.block_copies)
         inputs = build_step_inputs(msg.scheduled, runner.block_size, self.device)
         hidden = residual = None
         if not self.groups.is_first_stage:
+            t0 = time.perf_counter()
             try:
                 hidden, residual = self.link.recv(msg.num_tokens, self.hidden_size, self.dtype,
                                                   self.device)
+                waited = time.perf_counter() - t0
             except RuntimeError as e:
                 prev = self.groups.describe(self.link.prev_rank)
                 raise RankFailure(f"no activations from {prev}: {failure_reason(e)}") from e
@@ -98,14 +153,14 @@ class StageWorker:
         if not self.groups.is_last_stage:
             assert residual is not None
             self.link.send(hidden, residual)
-            return None
+            return None, waited
         if not inputs.sample_seq_ids:
-            return StepResult() if self.sampler is not None else None
+            return (StepResult() if self.sampler is not None else None), waited
         logits = self.model.compute_logits(inputs.sampled_rows(hidden))
         if self.sampler is None:
-            return None
+            return None, waited
         assert logits is not None
-        return self.sampler.sample(logits, inputs.sample_seq_ids)
+        return self.sampler.sample(logits, inputs.sample_seq_ids), waited
 
     def drain(self) -> None:
         """Wait until the next stage took every activation this rank sent."""

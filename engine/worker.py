@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from meshserve.engine.executor import resolve_device, resolve_dtype
 from meshserve.engine.host_memory import tune_malloc
-from meshserve.engine.stage_worker import StageWorker
+from meshserve.engine.stage_worker import StageWorker, StatsRequest
 from meshserve.launch.discovery import LaunchEnv, discover
 from meshserve.launch.ranks import (
     SPAWNED_BY,
@@ -108,7 +108,9 @@ def start_rank(config: MeshConfig, model_dir: Path, env: LaunchEnv, store: dist.
     op_timeout = timedelta(seconds=config.parallel.timeout_s) if device.type == "cpu" else None
     groups = ProcessGroups.build(dims, rank=env.rank, node_ids=[str(n) for n in node_ids],
                                  device_type=device.type, op_timeout=op_timeout,
-                                 cpu_allreduce=config.parallel.cpu_allreduce)
+                                 cpu_allreduce=config.parallel.cpu_allreduce,
+                                 cpu_p2p=config.parallel.cpu_p2p,
+                                 p2p_slots=max_in_flight(config) + 1)
     layer_range = runtime_stage_ranges(config, arch, dims.tp, dims.pp)[groups.pp_rank]
     worker = StageWorker(config, model_dir, groups, layer_range, device, dtype,
                          max_in_flight(config), progress=progress)
@@ -119,14 +121,26 @@ def start_rank(config: MeshConfig, model_dir: Path, env: LaunchEnv, store: dist.
     return groups, worker
 
 
-def serve(groups: ProcessGroups, worker: StageWorker, num_in_flight: int) -> None:
+def stats_key(request_id: int, rank: int) -> str:
+    """Where `rank` puts its StageStats for the driver's StatsRequest `request_id`."""
+    return f"stats/{request_id}/{rank}"
+
+
+def serve(groups: ProcessGroups, worker: StageWorker, num_in_flight: int,
+          store: dist.Store | None = None) -> None:
     """Run every step the driver broadcasts until it broadcasts None; the sampling rank
-    sends each step's tokens to the driver."""
+    sends each step's tokens to the driver. A StatsRequest is answered through `store`."""
     inbox = BroadcastInbox(ObjectBroadcaster(groups.cpu_group, src=groups.driver_rank))
     results = None
     if groups.is_sampler and groups.result_group is not None:
-        results = ObjectChannel(groups.result_group, num_in_flight, groups.op_timeout)
+        results = ObjectChannel(groups.result_group, num_in_flight, groups.op_timeout,
+                                ring=groups.rings.get(("result", groups.rank,
+                                                       groups.driver_rank)))
     while (msg := inbox.get()) is not None:
+        if isinstance(msg, StatsRequest):
+            assert store is not None, "stats requested from a rank without the run's store"
+            store.set(stats_key(msg.request_id, groups.rank), pickle.dumps(worker.stats()))
+            continue
         result = worker.run(msg)  # type: ignore[arg-type]
         if results is not None:
             results.send(result, dst=groups.driver_rank)
@@ -163,7 +177,7 @@ def run_worker_rank(config: MeshConfig, model_dir: Path, env: LaunchEnv) -> int:
         store = launcher_store(env, timedelta(seconds=STARTUP_TIMEOUT_S))
         groups, worker = start_rank(config, model_dir, env, store)
         label = f"meshserve {groups.describe()}"
-        serve(groups, worker, max_in_flight(config))
+        serve(groups, worker, max_in_flight(config), store)
     except Exception as e:  # noqa: BLE001 - every failure ends the rank
         reason = failure_reason(e)
         if store is not None:

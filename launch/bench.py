@@ -50,8 +50,12 @@ def run(overrides: list[str]) -> int:
     roof = roofline.measure(b.roofline_read_bytes, b.roofline_matmul_size) if b.roofline else None
     ours = MeshserveRunner(cfg)
     itemsize = ours.dtype.itemsize
-    runners = [ours, *_peers(cfg, model_dir, ours.dtype)]
-    rounds = run_rounds(runners, reqs, repeats=b.repeats, warmup=b.warmup, progress=b.progress)
+    try:
+        runners = [ours, *_peers(cfg, model_dir, ours.dtype)]
+        rounds = run_rounds(runners, reqs, repeats=b.repeats, warmup=b.warmup,
+                            progress=b.progress)
+    finally:  # multi-rank runs: every rank exits cleanly, its ports freed
+        ours.llm.shutdown()
     meta = _meta(cfg, model_dir, arch, itemsize, reqs, load_start)
     result = build_result(rounds=rounds, checks=check_outputs(rounds, MESHSERVE), arch=arch,
                           itemsize=itemsize, roof=roof, threads=threads,

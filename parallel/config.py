@@ -42,6 +42,11 @@ class ParallelConfig:
     """CPU tensor parallelism: auto sums through shared memory when a TP group's ranks share
     a host (x86-64), gloo always uses gloo."""
 
+    cpu_p2p: str = "auto"
+    """CPU pipeline parallelism: auto passes activations between stages on one host (and
+    sampled tokens back to the driver) through shared-memory rings (x86-64), gloo always
+    uses gloo."""
+
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
             v = getattr(self, name)
@@ -51,6 +56,8 @@ class ParallelConfig:
                 "parallel.num_micro_batches", self.num_micro_batches, "null or an int >= 1")
         require(self.timeout_s > 0, "parallel.timeout_s", self.timeout_s, "a number of seconds > 0")
         require(self.cpu_allreduce in CPU_ALLREDUCE, "parallel.cpu_allreduce", self.cpu_allreduce,
+                f"one of {CPU_ALLREDUCE}")
+        require(self.cpu_p2p in CPU_ALLREDUCE, "parallel.cpu_p2p", self.cpu_p2p,
                 f"one of {CPU_ALLREDUCE}")
 
     @property

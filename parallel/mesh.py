@@ -8,7 +8,7 @@ tensor backend (gloo or NCCL), plus gloo CPU groups for step metadata and result
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -18,10 +18,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshserve.parallel.config import ParallelConfig
 from meshserve.parallel.shm_allreduce import ShmAllReduce
 from meshserve.parallel.shm_allreduce import supported as shm_supported
+from meshserve.parallel.shm_ring import RingKey, ShmRing, connect_rings
 from meshserve.parallel.tp_group import TensorParallelGroup
 from meshserve.validation import require
 
 MESH_AXES = ("dp", "pp", "tp")
+
+ACTIVATION_SLOT_BYTES = 2 << 20
+"""Largest activation message (hidden + residual of a micro-batch) sent through shared
+memory between CPU stages on one host; bigger ones (long prefill chunks, for which a few
+milliseconds do not matter) go through gloo."""
+
+RESULT_SLOT_BYTES = 1 << 20
+"""Largest pickled step result sent through shared memory to the driver."""
 
 IDLE_TIMEOUT = timedelta(days=365)
 """How long a worker waits for the driver's next step: idle is not failure (see ProcessGroups)."""
@@ -132,6 +141,9 @@ class ProcessGroups:
     """Global rank that samples (last stage, TP rank 0)."""
     op_timeout: timedelta | None
     """Longest wait on another rank once running (gloo); None: the group's own (NCCL)."""
+    rings: dict[RingKey, ShmRing] = field(default_factory=dict)
+    """Shared-memory rings this rank sends or receives on: ("act", stage, next stage) for
+    activations, ("result", sampler, driver) for sampled tokens (CPU, same host only)."""
 
     @property
     def is_driver(self) -> bool:
@@ -165,11 +177,14 @@ class ProcessGroups:
     @classmethod
     def build(cls, dims: ParallelDims, *, rank: int, node_ids: Sequence[str],
               device_type: str, op_timeout: timedelta | None,
-              cpu_allreduce: str = "auto") -> ProcessGroups:
+              cpu_allreduce: str = "auto", cpu_p2p: str = "auto",
+              p2p_slots: int = 2) -> ProcessGroups:
         """Create every group; all ranks call this together, after init_process_group.
 
         On CPU, a TP group whose ranks share one host sums through shared memory
-        (cpu_allreduce auto) or through gloo (cpu_allreduce gloo)."""
+        (cpu_allreduce auto) or through gloo (cpu_allreduce gloo). Likewise pipeline
+        neighbours on one host pass activations, and the sampling rank its results, through
+        shared-memory rings of `p2p_slots` messages (cpu_p2p auto) or through gloo."""
         order = place_ranks(node_ids, dims)
         mesh = DeviceMesh(device_type, torch.tensor(order).view(dims.mesh_shape),
                           mesh_dim_names=MESH_AXES)
@@ -200,10 +215,16 @@ class ProcessGroups:
                 if d == dp_rank:
                     result_group = g
         assert cpu_group is not None
+        rings: dict[RingKey, ShmRing] = {}
+        if dims.pp > 1 and device_type == "cpu" and cpu_p2p == "auto" and shm_supported():
+            wanted = [(key, p2p_slots, size) for key, size in _ring_keys(grid)
+                      if node_ids[key[1]] == node_ids[key[2]]]
+            rings = connect_rings(wanted, rank, timeout_s=(
+                op_timeout.total_seconds() if op_timeout is not None else None))
         return cls(dims=dims, rank=rank, mesh=mesh, dp_rank=dp_rank, pp_rank=pp_rank,
                    tp_rank=tp_rank, tp=tp, pp_group=pp_group, cpu_group=cpu_group,
                    result_group=result_group, driver_rank=int(grid[dp_rank, 0, 0]),
-                   sampler_rank=int(grid[dp_rank, -1, 0]), op_timeout=op_timeout)
+                   sampler_rank=int(grid[dp_rank, -1, 0]), op_timeout=op_timeout, rings=rings)
 
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of stage `pp_rank` at this rank's dp and tp coordinates."""
@@ -214,5 +235,21 @@ class ProcessGroups:
         interpreter exit otherwise)."""
         if self.tp.shm is not None:
             self.tp.shm.close()
+        for ring in self.rings.values():
+            ring.close()
+        self.rings.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _ring_keys(grid: torch.Tensor) -> list[tuple[RingKey, int]]:
+    """Every pipeline ring of a [dp, pp, tp] rank grid with its slot size: each stage to the
+    next at the same tp rank, and each replica's sampler to its driver."""
+    dp, pp, tp = grid.shape
+    keys: list[tuple[RingKey, int]] = []
+    for d in range(dp):
+        for s in range(pp - 1):
+            keys += [(("act", int(grid[d, s, t]), int(grid[d, s + 1, t])), ACTIVATION_SLOT_BYTES)
+                     for t in range(tp)]
+        keys.append((("result", int(grid[d, -1, 0]), int(grid[d, 0, 0])), RESULT_SLOT_BYTES))
+    return keys

@@ -3,16 +3,24 @@
 Sends never block the sender (isend, buffers kept until done), so a stage hands its
 micro-batch on and starts the next one; at most `max_pending` sends stay outstanding.
 Every wait is bounded by `timeout` (None: by the process group's own).
+
+Between CPU ranks on one host a shared-memory ring (parallel/shm_ring.py) carries the
+messages that fit its slots instead of gloo: both sides tell from the message's size (the
+receiver knows it from the step's metadata, or from the ring's length field) which way it
+comes, so the two ways keep one order.
 """
 
 from __future__ import annotations
 
 import pickle
 from collections import deque
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from meshserve.parallel.shm_ring import ShmRing
 
 
 def wait(work: dist.Work | None, timeout: timedelta | None) -> None:
@@ -59,56 +67,94 @@ class StageLink:
     """
 
     def __init__(self, group: dist.ProcessGroup | None, prev_rank: int | None,
-                 next_rank: int | None, max_pending: int, timeout: timedelta | None) -> None:
+                 next_rank: int | None, max_pending: int, timeout: timedelta | None, *,
+                 ring_in: ShmRing | None = None, ring_out: ShmRing | None = None) -> None:
         assert group is not None or (prev_rank is None and next_rank is None)
         self.group, self.prev_rank, self.next_rank = group, prev_rank, next_rank
         self.timeout = timeout
+        self.ring_in, self.ring_out = ring_in, ring_out
         self._pending = PendingSends(max_pending, timeout)
         self.num_bytes_sent = 0
 
     def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
         """Hand (hidden, residual) [T, hidden] each to the next stage."""
         assert self.next_rank is not None
+        nbytes = 2 * hidden.numel() * hidden.element_size()
+        self.num_bytes_sent += nbytes
+        if _fits(self.ring_out, nbytes, hidden):
+            assert self.ring_out is not None
+            self.ring_out.put([hidden.contiguous(), residual.contiguous()])
+            return
         buf = torch.stack((hidden, residual))
         self._pending.add(dist.isend(buf, dst=self.next_rank, group=self.group), buf)
-        self.num_bytes_sent += buf.numel() * buf.element_size()
 
     def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The previous stage's (hidden, residual) for a micro-batch of `num_tokens`."""
         assert self.prev_rank is not None
         buf = torch.empty(2, num_tokens, hidden_size, dtype=dtype, device=device)
-        recv(buf, self.prev_rank, self.group, self.timeout)
+        if _fits(self.ring_in, buf.numel() * buf.element_size(), buf):
+            assert self.ring_in is not None
+            self.ring_in.take_into(buf)
+        else:
+            recv(buf, self.prev_rank, self.group, self.timeout)
         return buf[0], buf[1]
 
     def drain(self) -> None:
         """Wait until the next stage has taken every activation sent."""
         self._pending.drain()
+        if self.ring_out is not None:
+            self.ring_out.drain()
+
+
+def _fits(ring: ShmRing | None, nbytes: int, like: torch.Tensor) -> bool:
+    """Whether a message of `nbytes` (tensors like `like`) goes through `ring`."""
+    return ring is not None and like.device.type == "cpu" and nbytes <= ring.slot_bytes
 
 
 class ObjectChannel:
-    """Pickled objects between two ranks of a CPU (gloo) group: a length, then the bytes."""
+    """Pickled objects between two ranks of a CPU (gloo) group: a length, then the bytes.
+
+    With a `ring` (this side's end of a shared-memory ring to or from the peer), an object
+    that fits a slot goes through it whole; a bigger one sends a marker through the ring
+    (its length, negated) and the bytes through gloo. `alive` is called while waiting on
+    the ring and raises to give up (the driver: a rank it spawned has died)."""
 
     def __init__(self, group: dist.ProcessGroup, max_pending: int,
-                 timeout: timedelta | None) -> None:
-        self.group, self.timeout = group, timeout
+                 timeout: timedelta | None, *, ring: ShmRing | None = None,
+                 alive: Callable[[], None] = lambda: None) -> None:
+        self.group, self.timeout, self.ring, self.alive = group, timeout, ring, alive
         self._pending = PendingSends(2 * max_pending, timeout)  # two sends per object
 
     def send(self, obj: object, dst: int) -> None:
         """Send `obj` to global rank `dst` without waiting for it to be received."""
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        header = torch.tensor([len(data)], dtype=torch.int64)
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self._pending.add(dist.isend(header, dst=dst, group=self.group), header)
+        if self.ring is not None:
+            if len(data) <= self.ring.slot_bytes:
+                self.ring.put_bytes(data, alive=self.alive)
+                return
+            self.ring.put([], length=-len(data), alive=self.alive)
+        else:
+            header = torch.tensor([len(data)], dtype=torch.int64)
+            self._pending.add(dist.isend(header, dst=dst, group=self.group), header)
         self._pending.add(dist.isend(payload, dst=dst, group=self.group), payload)
 
     def recv(self, src: int) -> object:
         """The next object from global rank `src`."""
-        header = recv(torch.empty(1, dtype=torch.int64), src, self.group, self.timeout)
-        payload = recv(torch.empty(int(header.item()), dtype=torch.uint8), src, self.group,
-                       self.timeout)
+        if self.ring is not None:
+            length, data = self.ring.take_bytes(alive=self.alive)
+            if length > 0:
+                return pickle.loads(data)
+            size = -length
+        else:
+            header = recv(torch.empty(1, dtype=torch.int64), src, self.group, self.timeout)
+            size = int(header.item())
+        payload = recv(torch.empty(size, dtype=torch.uint8), src, self.group, self.timeout)
         return pickle.loads(payload.numpy().tobytes())
 
     def drain(self) -> None:
         """Wait until every object sent has been received."""
         self._pending.drain()
+        if self.ring is not None:
+            self.ring.drain(alive=self.alive)

@@ -9,7 +9,7 @@ import pytest
 from meshserve.bench.checkpoints import SPECS
 from meshserve.bench.metrics import RequestRecord, RunResult, aggregate, percentile, summarize
 from meshserve.bench.protocol import compare_outputs, round_order
-from meshserve.bench.report import ratios
+from meshserve.bench.report import _rank_lines, ratios
 from meshserve.bench.roofline import (
     decode_bytes,
     kv_bytes_per_token,
@@ -46,6 +46,22 @@ def test_summarize_counts_only_generated_tokens_over_the_wall() -> None:
     assert s["ttft_s"]["p50"] == 0.75 and s["tpot_s"]["mean"] == 0.75
     assert s["goodput_req_s"] == 0.25  # only the first meets the TTFT objective
     assert "prefix_cache_hit_rate" not in s  # peers don't report a cache
+
+
+def test_rank_busy_shares_and_bubble_per_rank() -> None:
+    ranks = [dict(rank=0, pp_rank=0, tp_rank=0, busy_s=3.0, input_wait_s=0.0,
+                  num_micro_batches=9),
+             dict(rank=1, pp_rank=1, tp_rank=0, busy_s=2.0, input_wait_s=1.5,
+                  num_micro_batches=9)]
+    run = RunResult("meshserve", [rec(0.0, 0.5, 4.0, 4)], wall_s=4.0, extra={"ranks": ranks})
+    s = summarize(run, slo_ttft_s=1.0, slo_tpot_s=10.0)
+    assert s["ranks"]["r1"] == {"pp_rank": 1, "tp_rank": 0, "busy": 0.5, "input_wait": 0.375,
+                                "bubble": 0.5}
+    result = {"engines": {"meshserve": {"aggregate": aggregate([s])}}}
+    assert _rank_lines(result)[1:] == [
+        "  rank 0 (pp stage 0, tp rank 0): busy 75%, waiting for activations 0%, bubble 25%",
+        "  rank 1 (pp stage 1, tp rank 0): busy 50%, waiting for activations 38%, bubble 50%"]
+    assert "ranks" not in summarize(RunResult("x", run.records, 4.0), 1.0, 10.0)
 
 
 def test_aggregate_and_ratio_directions() -> None:

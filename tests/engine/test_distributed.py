@@ -102,6 +102,13 @@ def test_layout_matches_one_process(checkpoint: Path, prompts: list[list[int]],
         assert stats.prefix_cache.num_hits + stats.prefix_cache.num_recompute_hits > 0
         assert stats.num_free_blocks == llm.engine.num_blocks
         assert_close_to_transformers(hf_reference(checkpoint), prompts, outs)
+        ranks = llm.engine.executor.stage_stats()  # type: ignore[attr-defined]
+        assert [r.rank for r in ranks] == list(range(llm.config.parallel.world_size))
+        steps = ranks[0].num_micro_batches
+        assert steps > 0 and all(r.num_micro_batches == steps for r in ranks)
+        assert all(r.busy_s > 0 and r.input_wait_s >= 0 for r in ranks)
+        assert all((r.input_wait_s > 0) == (r.pp_rank > 0) for r in ranks)
+        assert llm.engine.executor.stage_stats()[-1].minus(ranks[-1]).num_micro_batches == 0  # type: ignore[attr-defined]
 
         tp, pp = llm.config.parallel.tp, llm.config.parallel.pp
         if tp > 1:  # the driver runs stage 0: two AllReduces per layer, one for the embedding

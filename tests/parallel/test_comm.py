@@ -10,7 +10,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 RANK_PROGRAM = r'''
-import sys, time
+import glob, sys, time
 from datetime import timedelta
 import torch
 import torch.distributed as dist
@@ -53,6 +53,51 @@ else:
     for obj in ("r0", {"r": 1}, [2] * 5000):
         results.send(obj, dst=0)
     results.drain()
+
+# pp = 2 on one host: shared-memory rings carry what fits a slot, gloo the rest, in order.
+one = ProcessGroups.build(ParallelDims(pp=2, world_size=2), rank=rank, node_ids=["a", "a"],
+                          device_type="cpu", op_timeout=T, p2p_slots=2)
+assert sorted(one.rings) == [("act", 0, 1), ("result", 1, 0)], one.rings
+dist.barrier()
+assert not glob.glob("/dev/shm/meshserve-p2p-*")  # unlinked once both sides mapped them
+act_ring = one.rings[("act", 0, 1)]
+big_n = act_ring.slot_bytes // (2 * 4 * 4) + 1  # 2 x big_n x 4 floats: one slot too many
+sizes = [3, big_n, 1, 2, big_n, 4]  # more small ones than slots: the sender waits for room
+link = StageLink(one.pp_group, None if rank == 0 else 0, 1 if rank == 0 else None,
+                 max_pending=3, timeout=T, ring_in=one.rings.get(("act", 0, 1)),
+                 ring_out=one.rings.get(("act", 0, 1)) if rank == 0 else None)
+results = ObjectChannel(one.result_group, max_pending=2, timeout=T,
+                        ring=one.rings[("result", 1, 0)])
+objs = ["small", list(range(300_000)), {"r": 2}]  # the second is bigger than a slot
+acts = [torch.arange(2 * n * 4, dtype=torch.float32).view(2, n, 4) + n for n in sizes]
+if rank == 0:
+    for a in acts:
+        link.send(a[0], a[1])
+    assert act_ring.num_messages == 4  # the small ones; the big ones went through gloo
+    assert [results.recv(src=1) for _ in objs] == objs
+    link.drain()
+else:
+    for a in acts:
+        time.sleep(0.05)
+        h, r = link.recv(a.shape[1], 4, torch.float32, torch.device("cpu"))
+        assert torch.equal(h, a[0]) and torch.equal(r, a[1])
+    for obj in objs:
+        results.send(obj, dst=0)
+    results.drain()
+dist.barrier()
+if rank == 1:  # the driver never sends: the wait ends at the timeout, naming the ring
+    t0 = time.monotonic()
+    try:
+        link.recv(2, 4, torch.float32, torch.device("cpu"))
+        raise AssertionError("no timeout")
+    except RuntimeError as e:
+        assert "from rank 0 to rank 1" in str(e) and "within 1 s" in str(e), e
+    assert time.monotonic() - t0 < 5
+else:
+    time.sleep(2)
+dist.barrier()
+for ring in one.rings.values():
+    ring.close()
 
 # tp = 2: collectives, their counters, and the wait bound when the peer stays silent.
 tp = ProcessGroups.build(ParallelDims(tp=2, world_size=2), rank=rank, node_ids=["a", "a"],
