@@ -42,6 +42,7 @@ from meshserve.parallel.diagnose import StepRecord, record_cost
 from meshserve.parallel.model_shape import ModelShape
 from meshserve.parallel.plan import layout_for
 from meshserve.parallel.planner import resolve_dtype, runtime_stage_ranges
+from meshserve.parallel.stages import head_first_fraction
 
 PHASES = ("prefill", "decode")
 
@@ -159,8 +160,9 @@ def cost_for(config: MeshConfig, arch: ModelArch) -> tuple[CostModel, list[tuple
     ranges = runtime_stage_ranges(config, arch, p.tp, p.pp)
     dtype = resolve_dtype(config.model.dtype, arch.dtype, config.cluster.device_type)
     m = (p.num_micro_batches or p.pp) if p.pp > 1 else 1
+    split = head_first_fraction(p.split_lm_head, p.tp, p.pp)
     return CostModel(ModelShape.from_arch(arch, dtype), config.cluster,
-                     layout_for(p.tp, ranges, m, config.cluster)), ranges
+                     layout_for(p.tp, ranges, m, config.cluster, split)), ranges
 
 
 def ranks(values: list[float]) -> list[int]:

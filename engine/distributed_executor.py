@@ -114,7 +114,7 @@ class DistributedExecutor:
         self._results = (ObjectChannel(g.result_group, self.max_in_flight, g.op_timeout,
                                        ring=g.rings.get(("result", g.sampler_rank, g.rank)),
                                        alive=spawned.check if spawned else lambda: None)
-                         if g.result_group is not None else None)
+                         if g.result_group is not None and not g.is_sampler else None)
         if progress:
             d = self.groups.dims
             print(f"meshserve: {d.world_size} ranks ready (tp={d.tp}, pp={d.pp}) in "
@@ -157,10 +157,13 @@ class DistributedExecutor:
         self._num_in_flight -= 1
         if self._local:
             return self._local.popleft()
-        assert self._results is not None
         self._check()
         try:
-            result = self._results.recv(src=self.groups.sampler_rank)
+            if self.worker.logits is not None:  # split LM head: this rank samples
+                result = self.worker.collect_sampled()
+            else:
+                assert self._results is not None
+                result = self._results.recv(src=self.groups.sampler_rank)
         except Exception as e:
             raise self._fail(e) from e
         assert isinstance(result, StepResult), result
@@ -249,6 +252,8 @@ class DistributedExecutor:
         self._num_in_flight -= 1
         if self._local:
             self._local.popleft()
+        elif self.worker.logits is not None:
+            self.worker.collect_sampled()
         elif self._results is not None:
             self._results.recv(src=self.groups.sampler_rank)
 

@@ -5,6 +5,7 @@ every micro-batch through `StageWorker.run`."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -18,9 +19,11 @@ from meshserve.engine.scheduler_output import ScheduledSeq
 from meshserve.engine.step_inputs import build_step_inputs
 from meshserve.launch.ranks import RankFailure, failure_reason
 from meshserve.launch.run_config import MeshConfig
+from meshserve.models.arch import ModelArch
 from meshserve.models.loader import load_model
 from meshserve.parallel.mesh import ProcessGroups
-from meshserve.parallel.p2p import StageLink
+from meshserve.parallel.p2p import StageLink, TensorChannel
+from meshserve.parallel.planner import lm_head_split
 
 
 @dataclass(slots=True)
@@ -72,10 +75,14 @@ class StageWorker:
                  layer_range: tuple[int, int], device: torch.device, dtype: torch.dtype,
                  max_in_flight: int, progress: bool = False) -> None:
         self.config, self.groups, self.device, self.dtype = config, groups, device, dtype
+        arch = ModelArch.from_dir(model_dir)
+        self.head_split = lm_head_split(config, arch.vocab_size)
         self.model = load_model(model_dir, dtype=dtype, tp=groups.tp, layer_range=layer_range,
                                 device=device, progress=progress,
-                                cpu_weight_layout=config.model.cpu_weight_layout)
-        self.hidden_size = self.model.arch.hidden_size
+                                cpu_weight_layout=config.model.cpu_weight_layout,
+                                head_split=self.head_split)
+        self.hidden_size = arch.hidden_size
+        self.vocab_size = arch.vocab_size
         pp, rank = groups.dims.pp, groups.rank
         prev = groups.stage_rank(groups.pp_rank - 1) if groups.pp_rank > 0 else None
         nxt = groups.stage_rank(groups.pp_rank + 1) if groups.pp_rank < pp - 1 else None
@@ -86,6 +93,15 @@ class StageWorker:
                               ring_out=groups.rings.get(("act", rank, nxt)) if nxt is not None
                               else None)
         self.sampler = StepSampler(device, config.engine.seed) if groups.is_sampler else None
+        # Split head: the last stage's rows and logits go to the driver, which samples.
+        self.logits: TensorChannel | None = None
+        self._awaiting: deque[list[int]] = deque()  # driver: seq ids of micro-batches in flight
+        if self.head_split is not None and groups.rank in (groups.driver_rank,
+                                                           groups.last_stage_rank):
+            src, dst = groups.last_stage_rank, groups.driver_rank
+            self.logits = TensorChannel(groups.result_group, dst if groups.rank == src else src,
+                                        max_in_flight + 1, groups.op_timeout,
+                                        ring=groups.rings.get(("result", src, dst)))
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
         self._busy_s = self._input_wait_s = 0.0
@@ -153,6 +169,15 @@ class StageWorker:
         if not self.groups.is_last_stage:
             assert residual is not None
             self.link.send(hidden, residual)
+            if self.logits is not None:  # the driver of a split head: collect_sampled() next
+                self._awaiting.append(inputs.sample_seq_ids)
+            return None, waited
+        if self.logits is not None:  # the last stage of a split head: rows + logits on
+            if inputs.sample_seq_ids:
+                rows = inputs.sampled_rows(hidden)
+                part = self.model.compute_logits(rows)
+                assert part is not None
+                self.logits.send([rows, part])
             return None, waited
         if not inputs.sample_seq_ids:
             return (StepResult() if self.sampler is not None else None), waited
@@ -162,6 +187,32 @@ class StageWorker:
         assert logits is not None
         return self.sampler.sample(logits, inputs.sample_seq_ids), waited
 
+    @torch.inference_mode()
+    def collect_sampled(self) -> StepResult:
+        """(Driver of a split LM head) Tokens of the oldest micro-batch in flight: the last
+        stage's normed rows and its part of the logits arrive, this stage adds its part
+        and samples. Waiting for them counts as input wait, the rest as busy."""
+        assert self.logits is not None and self.sampler is not None and self._awaiting
+        seq_ids = self._awaiting.popleft()
+        if not seq_ids:
+            return StepResult()
+        assert self.head_split is not None
+        t0 = time.perf_counter()
+        n, h = len(seq_ids), self.hidden_size
+        buf = self.logits.recv((n * (h + self.vocab_size - self.head_split),), self.dtype,
+                               self.device)
+        t1 = time.perf_counter()
+        rows, part = buf[: n * h].view(n, h), buf[n * h:].view(n, -1)
+        first = self.model.compute_logits(rows)
+        assert first is not None
+        result = self.sampler.sample(torch.cat([first, part], dim=-1), seq_ids)
+        self._input_wait_s += t1 - t0
+        self._busy_s += time.perf_counter() - t1
+        return result
+
     def drain(self) -> None:
-        """Wait until the next stage took every activation this rank sent."""
+        """Wait until the next stage took every activation this rank sent (and the driver
+        every logits message)."""
         self.link.drain()
+        if self.logits is not None and self.groups.rank == self.groups.last_stage_rank:
+            self.logits.drain()

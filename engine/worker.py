@@ -35,7 +35,7 @@ from meshserve.models.arch import ModelArch
 from meshserve.parallel.broadcast import BroadcastInbox, ObjectBroadcaster
 from meshserve.parallel.mesh import ParallelDims, ProcessGroups
 from meshserve.parallel.p2p import ObjectChannel
-from meshserve.parallel.planner import runtime_stage_ranges
+from meshserve.parallel.planner import lm_head_split, runtime_stage_ranges
 
 STARTUP_TIMEOUT_S = 600.0
 """Longest wait for every rank to start and load its weights (the run's timeout_s applies
@@ -110,7 +110,8 @@ def start_rank(config: MeshConfig, model_dir: Path, env: LaunchEnv, store: dist.
                                  device_type=device.type, op_timeout=op_timeout,
                                  cpu_allreduce=config.parallel.cpu_allreduce,
                                  cpu_p2p=config.parallel.cpu_p2p,
-                                 p2p_slots=max_in_flight(config) + 1)
+                                 p2p_slots=max_in_flight(config) + 1,
+                                 split_head=lm_head_split(config, arch.vocab_size) is not None)
     layer_range = runtime_stage_ranges(config, arch, dims.tp, dims.pp)[groups.pp_rank]
     worker = StageWorker(config, model_dir, groups, layer_range, device, dtype,
                          max_in_flight(config), progress=progress)

@@ -93,6 +93,10 @@ def library() -> ctypes.CDLL | None:
     lib.ms_attend_qkv_f32.restype = ctypes.c_int
     lib.ms_attend_qkv_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
                                       _i64, _ptr, _i64, _ptr, _i64, _ptr, _f32, _i64, _ptr]
+    lib.ms_linear_f32.restype = None
+    lib.ms_linear_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]
+    lib.ms_linear_t_f32.restype = None
+    lib.ms_linear_t_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]
     return lib
 
 
@@ -199,4 +203,21 @@ def attend_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.
     if rc != 0:
         raise MemoryError(f"paged decode attention: no memory for {num_heads} x "
                           f"{int(context_lens.max())} scores")
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight.T: [M, N], for a weight [N, K] stored row-major (stride (K, 1)) or
+    column-major (stride (1, N)), and x with unit column stride."""
+    lib = _loaded()
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype)
+    if m:
+        if weight.stride(1) == 1:
+            lib.ms_linear_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+                              out.data_ptr(), n, m, k, n)
+        else:
+            lib.ms_linear_t_f32(x.data_ptr(), x.stride(0), weight.data_ptr(),
+                                weight.stride(1), out.data_ptr(), n, m, k, n)
     return out

@@ -22,6 +22,7 @@ from meshserve.parallel.diagnose import StepRecord, diagnose
 from meshserve.parallel.model_shape import ModelShape
 from meshserve.parallel.plan import layout_for
 from meshserve.parallel.planner import plan_for, resolve_dtype
+from meshserve.parallel.stages import head_first_fraction
 
 RUN_OVERRIDES = {"model_path": "model.path", "model_name": "model.name", "dtype": "model.dtype",
                  "tp": "parallel.tp", "pp": "parallel.pp", "scenario": "scenario",
@@ -120,8 +121,9 @@ def run(overrides: list[str]) -> int:
     plan = plan_for(cfg, arch)
     shape = ModelShape.from_arch(arch, resolve_dtype(cfg.model.dtype, arch.dtype,
                                                      cfg.cluster.device_type))
+    split = head_first_fraction(cfg.parallel.split_lm_head, plan.tp, plan.pp)
     cost = CostModel(shape, cfg.cluster, layout_for(plan.tp, list(plan.stage_layers),
-                                                    plan.num_micro_batches, cfg.cluster))
+                                                    plan.num_micro_batches, cfg.cluster, split))
     d = diagnose(records.steps, cost, cfg.scenario.name)
     if cfg.diagnose.format == "json":
         print(json.dumps({"model": cfg.model.name, "cluster": cfg.cluster.name, "tp": plan.tp,

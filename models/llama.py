@@ -140,19 +140,28 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, arch: ModelArch, *, tp: TensorParallelGroup = SINGLE,
-                 dtype: torch.dtype = torch.float32, layer_range: tuple[int, int] | None = None
-                 ) -> None:
+                 dtype: torch.dtype = torch.float32, layer_range: tuple[int, int] | None = None,
+                 head_split: int | None = None) -> None:
+        """`head_split` (a pipeline of TP size 1): the first stage holds the LM head's
+        vocabulary rows [0, head_split), the last stage the rest."""
         super().__init__()
         self.arch = arch
         start, end = layer_range or (0, arch.num_hidden_layers)
         self.is_first, self.is_last = start == 0, end == arch.num_hidden_layers
         self.model = LlamaModel(arch, tp, dtype, start, end, self.is_first, self.is_last)
         self.lm_head: ParallelLMHead | None = None
-        if self.is_last:
-            self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp=tp, dtype=dtype)
-            if arch.tie_word_embeddings:
-                assert self.model.embed_tokens is not None
-                self.lm_head.tie_to(self.model.embed_tokens)
+        vocab = arch.vocab_size
+        if head_split is not None:
+            assert tp.size == 1 and 0 < head_split < vocab and not (self.is_first and self.is_last)
+            if self.is_first or self.is_last:
+                part = (0, head_split) if self.is_first else (head_split, vocab)
+                self.lm_head = ParallelLMHead(vocab, arch.hidden_size, tp=tp, dtype=dtype,
+                                              vocab_range=part)
+        elif self.is_last:
+            self.lm_head = ParallelLMHead(vocab, arch.hidden_size, tp=tp, dtype=dtype)
+        if self.lm_head is not None and arch.tie_word_embeddings:
+            assert self.model.embed_tokens is not None
+            self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 meta: AttentionMetadata, hidden: torch.Tensor | None = None,
@@ -161,7 +170,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta, hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits [N, vocab] for the rows that sample, on TP rank 0; None on other TP ranks."""
+        """Logits [N, vocab] for the rows that sample (with a split head: this stage's part of
+        the vocabulary), on TP rank 0; None on other TP ranks."""
         assert self.lm_head is not None, "only the last pipeline stage computes logits"
         return self.lm_head(hidden)
 

@@ -144,7 +144,8 @@ def _expected_shards(model: LlamaForCausalLM,
 def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
                tp: TensorParallelGroup = SINGLE, layer_range: tuple[int, int] | None = None,
                device: torch.device | str = "cpu", progress: bool = True,
-               cpu_weight_layout: str = "auto") -> LlamaForCausalLM:
+               cpu_weight_layout: str = "auto", head_split: int | None = None
+               ) -> LlamaForCausalLM:
     """Build the model for this rank (its TP shard, its PP layers) and load its weights
     (on CPU with cpu_weight_layout auto, wide weights then go column-major)."""
     path = Path(model_dir)
@@ -153,7 +154,8 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
     arch = ModelArch.from_dir(path)
     files = safetensors_files(path)
     with torch.device(device):
-        model = LlamaForCausalLM(arch, tp=tp, dtype=dtype, layer_range=layer_range)
+        model = LlamaForCausalLM(arch, tp=tp, dtype=dtype, layer_range=layer_range,
+                                 head_split=head_split)
     load_weights(model, files, progress=progress)
     if torch.device(device).type == "cpu" and cpu_weight_layout == "auto":
         column_major_wide_weights(model)

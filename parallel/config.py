@@ -42,6 +42,12 @@ class ParallelConfig:
     """CPU tensor parallelism: auto sums through shared memory when a TP group's ranks share
     a host (x86-64), gloo always uses gloo."""
 
+    split_lm_head: bool = True
+    """Pipelines of TP size 1: the first stage holds half the LM head's vocabulary and the
+    last stage the other half, so the head's cost (large next to a layer in small models,
+    paid for every decode token) does not all fall on the last stage. The last stage sends
+    its normed rows and logits to the first, which adds its logits and samples."""
+
     cpu_p2p: str = "auto"
     """CPU pipeline parallelism: auto passes activations between stages on one host (and
     sampled tokens back to the driver) through shared-memory rings (x86-64), gloo always

@@ -96,8 +96,15 @@ class Layout:
     """Link from stage s to stage s+1 (pp - 1 entries)."""
     active_devices_per_node: int = 1
     """Devices busy on the busiest node (they may share memory bandwidth)."""
+    head_first_fraction: float = 0.0
+    """Share of the LM head's vocabulary on stage 0 (a split head, pp > 1); the last stage
+    holds the rest and sends its normed rows and logits to stage 0."""
 
     def __post_init__(self) -> None:
+        require(0.0 <= self.head_first_fraction < 1.0 and
+                (self.head_first_fraction == 0.0 or len(self.stage_layers) > 1),
+                "layout.head_first_fraction", self.head_first_fraction,
+                "a fraction in [0, 1), 0 without a pipeline")
         require(self.tp >= 1, "layout.tp", self.tp, "an int >= 1")
         require(len(self.stage_layers) >= 1 and min(self.stage_layers) >= 1,
                 "layout.stage_layers", self.stage_layers, "one or more stages of >= 1 layer")
@@ -190,11 +197,14 @@ class CostModel:
         """Weight bytes one device of `stage` holds."""
         s, tp, pp = self.shape, self.layout.tp, self.layout.pp
         params = self.layout.stage_layers[stage] * s.layer_params(tp)
+        f = self.layout.head_first_fraction
         if stage == 0:
             params += s.embed_params(tp)
+            if not s.tie_word_embeddings:  # a tied part is a view of the embedding
+                params += round(f * s.head_params(tp))
         if stage == pp - 1:  # a tied head shares stage 0's matrix only when stage 0 is this one
             tied_here = s.tie_word_embeddings and pp == 1
-            params += s.hidden_size if tied_here else s.head_params(tp)
+            params += s.hidden_size if tied_here else round((1 - f) * s.head_params(tp))
         return params * s.dtype_bytes
 
     def stage_kv_bytes_per_token(self, stage: int) -> int:
@@ -245,11 +255,24 @@ class CostModel:
     def stage_time(self, stage: int, work: StepWork) -> StageTime:
         """One stage's time for `work` (one micro-batch)."""
         t = self.layer_time(work).times(self.layout.stage_layers[stage])
+        f = self.layout.head_first_fraction
         if stage == 0:
             t = t + self.embed_time(work)
+            if f:
+                t = t + self.head_time(work).times(f)
         if stage == self.layout.pp - 1:
-            t = t + self.head_time(work)
+            t = t + self.head_time(work).times(1 - f)
         return t
+
+    def _logits_send_s(self, work: StepWork) -> float:
+        """A split head's message from the last stage to stage 0: the normed rows and the
+        last stage's logits, one row per sequence."""
+        f, s = self.layout.head_first_fraction, self.shape
+        if not f:
+            return 0.0
+        nbytes = work.num_seqs * (s.hidden_size + (1 - f) * s.vocab_size) * s.dtype_bytes
+        link = "intra" if "inter" not in self.layout.stage_links else "inter"
+        return p2p_s(nbytes, *self._link(link))
 
     def step(self, work: StepWork, num_micro_batches: int | None = None) -> StepCost:
         """One round: `work` split into micro-batches that each pass every stage once."""
@@ -260,6 +283,7 @@ class CostModel:
         times = [self.stage_time(i, part) for i in range(lay.pp)]
         sends = [p2p_s(part.num_new_tokens * self.shape.hidden_size * self.shape.dtype_bytes,
                        *self._link(link)) for link in lay.stage_links]
+        sends.append(self._logits_send_s(part))
         chain = sum(t.total_s for t in times) + sum(sends)
         total = max(m * max(t.total_s for t in times), chain)
 

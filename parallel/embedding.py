@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshserve.kernels import dispatch
 from meshserve.parallel.tp_group import SINGLE, TensorParallelGroup
 from meshserve.parallel.weights import LazyTensor, check_shape, set_weight_loader
 
@@ -43,19 +44,44 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection split over the vocabulary; full logits are gathered on TP rank 0
-    only, the rank that samples."""
+    only, the rank that samples.
+
+    With `vocab_range` (TP size 1) it holds only those rows: a pipeline can split its head
+    between the first and the last stage (see ParallelConfig.split_lm_head)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, bias: bool = False,
-                 tp: TensorParallelGroup = SINGLE, dtype: torch.dtype | None = None) -> None:
+                 tp: TensorParallelGroup = SINGLE, dtype: torch.dtype | None = None,
+                 vocab_range: tuple[int, int] | None = None) -> None:
         super().__init__(vocab_size, hidden_size, tp=tp, dtype=dtype)
         assert not bias, "LM-head bias is not used by the supported families"
+        if vocab_range is not None:
+            start, end = vocab_range
+            assert tp.size == 1 and 0 <= start < end <= vocab_size, (tp.size, vocab_range)
+            self.vocab_start, self.vocab_end = start, end
+            self.vocab_local = end - start
+            self.weight = set_weight_loader(
+                nn.Parameter(torch.zeros(end - start, hidden_size, dtype=dtype),
+                             requires_grad=False),
+                self.weight_loader)
+
+    @property
+    def num_logits(self) -> int:
+        """Logits per row this head returns (on TP rank 0)."""
+        if self.tp.size == 1:
+            return self.vocab_end - self.vocab_start
+        return self.vocab_size
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
-        """Share the embedding's weight (tie_word_embeddings)."""
-        self.weight = embedding.weight
+        """Share the embedding's weight (tie_word_embeddings): all of it, or this head's rows."""
+        if self.vocab_local == embedding.vocab_local:
+            self.weight = embedding.weight
+        else:
+            self.weight = nn.Parameter(embedding.weight.data[self.vocab_start:self.vocab_end],
+                                       requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Full-vocabulary logits [N, vocab_size] for the rows in `hidden` [N, hidden] on TP
-        rank 0; None on the other TP ranks (they only contribute their vocabulary shard)."""
-        logits = self.tp.gather(F.linear(hidden, self.weight), dim=-1, dst=0)
-        return None if logits is None else logits[..., : self.vocab_size]
+        """Logits [N, num_logits] for the rows in `hidden` [N, hidden] on TP rank 0 (the full
+        vocabulary, or this head's range); None on the other TP ranks (they only contribute
+        their vocabulary shard)."""
+        logits = self.tp.gather(dispatch.linear(hidden, self.weight), dim=-1, dst=0)
+        return None if logits is None else logits[..., : self.num_logits]

@@ -29,8 +29,10 @@ ACTIVATION_SLOT_BYTES = 2 << 20
 memory between CPU stages on one host; bigger ones (long prefill chunks, for which a few
 milliseconds do not matter) go through gloo."""
 
-RESULT_SLOT_BYTES = 1 << 20
-"""Largest pickled step result sent through shared memory to the driver."""
+RESULT_SLOT_BYTES = 4 << 20
+"""Largest result message sent through shared memory to the driver: a pickled step result,
+or with a split LM head the last stage's normed rows and logits (rows x (hidden + its part
+of the vocabulary))."""
 
 IDLE_TIMEOUT = timedelta(days=365)
 """How long a worker waits for the driver's next step: idle is not failure (see ProcessGroups)."""
@@ -138,7 +140,10 @@ class ProcessGroups:
     driver_rank: int
     """Global rank of this replica's driver (stage 0, TP rank 0)."""
     sampler_rank: int
-    """Global rank that samples (last stage, TP rank 0)."""
+    """Global rank that samples: the last stage's TP rank 0, or the driver when the LM
+    head is split between the first and the last stage."""
+    last_stage_rank: int
+    """Global rank of this replica's last stage at TP rank 0 (its logits leave from there)."""
     op_timeout: timedelta | None
     """Longest wait on another rank once running (gloo); None: the group's own (NCCL)."""
     rings: dict[RingKey, ShmRing] = field(default_factory=dict)
@@ -178,13 +183,14 @@ class ProcessGroups:
     def build(cls, dims: ParallelDims, *, rank: int, node_ids: Sequence[str],
               device_type: str, op_timeout: timedelta | None,
               cpu_allreduce: str = "auto", cpu_p2p: str = "auto",
-              p2p_slots: int = 2) -> ProcessGroups:
+              p2p_slots: int = 2, split_head: bool = False) -> ProcessGroups:
         """Create every group; all ranks call this together, after init_process_group.
 
         On CPU, a TP group whose ranks share one host sums through shared memory
         (cpu_allreduce auto) or through gloo (cpu_allreduce gloo). Likewise pipeline
         neighbours on one host pass activations, and the sampling rank its results, through
-        shared-memory rings of `p2p_slots` messages (cpu_p2p auto) or through gloo."""
+        shared-memory rings of `p2p_slots` messages (cpu_p2p auto) or through gloo.
+        `split_head`: the driver samples (the LM head is split between first and last stage)."""
         order = place_ranks(node_ids, dims)
         mesh = DeviceMesh(device_type, torch.tensor(order).view(dims.mesh_shape),
                           mesh_dim_names=MESH_AXES)
@@ -224,7 +230,9 @@ class ProcessGroups:
         return cls(dims=dims, rank=rank, mesh=mesh, dp_rank=dp_rank, pp_rank=pp_rank,
                    tp_rank=tp_rank, tp=tp, pp_group=pp_group, cpu_group=cpu_group,
                    result_group=result_group, driver_rank=int(grid[dp_rank, 0, 0]),
-                   sampler_rank=int(grid[dp_rank, -1, 0]), op_timeout=op_timeout, rings=rings)
+                   sampler_rank=int(grid[dp_rank, 0 if split_head else -1, 0]),
+                   last_stage_rank=int(grid[dp_rank, -1, 0]), op_timeout=op_timeout,
+                   rings=rings)
 
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of stage `pp_rank` at this rank's dp and tp coordinates."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pickle
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -59,57 +59,94 @@ class PendingSends:
             wait(self._works.popleft()[0], self.timeout)
 
 
+class TensorChannel:
+    """Tensors whose shape both sides know (from the step's metadata), one way between this
+    rank and `peer`: through a shared-memory `ring` when there is one and the message fits
+    a slot, else by isend/irecv on `group`. A message is one or more tensors of one dtype,
+    back to back; the receiver gets them as one tensor of the shape it asks for."""
+
+    def __init__(self, group: dist.ProcessGroup | None, peer: int, max_pending: int,
+                 timeout: timedelta | None, ring: ShmRing | None = None,
+                 alive: Callable[[], None] = lambda: None) -> None:
+        self.group, self.peer, self.timeout = group, peer, timeout
+        self.ring, self.alive = ring, alive
+        self._pending = PendingSends(max_pending, timeout)
+        self.num_bytes_sent = 0
+
+    def send(self, parts: Sequence[torch.Tensor]) -> None:
+        """Send `parts` (same dtype and device) as one message, without waiting for it to
+        be received (a full ring waits for a free slot)."""
+        nbytes = sum(p.numel() * p.element_size() for p in parts)
+        self.num_bytes_sent += nbytes
+        if _fits(self.ring, nbytes, parts[0]):
+            assert self.ring is not None
+            self.ring.put([p.contiguous() for p in parts], alive=self.alive)
+            return
+        buf = torch.cat([p.reshape(-1) for p in parts]) if len(parts) > 1 else parts[0]
+        buf = buf.contiguous()
+        self._pending.add(dist.isend(buf, dst=self.peer, group=self.group), buf)
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+        """The next message, as a new tensor of `shape`."""
+        buf = torch.empty(tuple(shape), dtype=dtype, device=device)
+        if _fits(self.ring, buf.numel() * buf.element_size(), buf):
+            assert self.ring is not None
+            self.ring.take_into(buf, alive=self.alive)
+        else:
+            recv(buf, self.peer, self.group, self.timeout)
+        return buf
+
+    def drain(self) -> None:
+        """Wait until the peer has taken every message sent."""
+        self._pending.drain()
+        if self.ring is not None:
+            self.ring.drain(alive=self.alive)
+
+
+def _fits(ring: ShmRing | None, nbytes: int, like: torch.Tensor) -> bool:
+    """Whether a message of `nbytes` (tensors like `like`) goes through `ring`."""
+    return ring is not None and like.device.type == "cpu" and nbytes <= ring.slot_bytes
+
+
 class StageLink:
     """Hidden states and residuals between neighbouring stages at the same TP rank.
 
-    Both travel as one [2, T, hidden] tensor (one message instead of two); the receiver
-    knows T from the step's metadata, so no shape goes over the wire.
+    Both travel as one [2, T, hidden] message (one instead of two); the receiver knows T
+    from the step's metadata, so no shape goes over the wire.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, prev_rank: int | None,
                  next_rank: int | None, max_pending: int, timeout: timedelta | None, *,
                  ring_in: ShmRing | None = None, ring_out: ShmRing | None = None) -> None:
         assert group is not None or (prev_rank is None and next_rank is None)
-        self.group, self.prev_rank, self.next_rank = group, prev_rank, next_rank
-        self.timeout = timeout
-        self.ring_in, self.ring_out = ring_in, ring_out
-        self._pending = PendingSends(max_pending, timeout)
-        self.num_bytes_sent = 0
+        self.prev_rank, self.next_rank = prev_rank, next_rank
+        self._in = (TensorChannel(group, prev_rank, max_pending, timeout, ring_in)
+                    if prev_rank is not None else None)
+        self._out = (TensorChannel(group, next_rank, max_pending, timeout, ring_out)
+                     if next_rank is not None else None)
+
+    @property
+    def num_bytes_sent(self) -> int:
+        """Activation bytes handed to the next stage so far."""
+        return self._out.num_bytes_sent if self._out is not None else 0
 
     def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
         """Hand (hidden, residual) [T, hidden] each to the next stage."""
-        assert self.next_rank is not None
-        nbytes = 2 * hidden.numel() * hidden.element_size()
-        self.num_bytes_sent += nbytes
-        if _fits(self.ring_out, nbytes, hidden):
-            assert self.ring_out is not None
-            self.ring_out.put([hidden.contiguous(), residual.contiguous()])
-            return
-        buf = torch.stack((hidden, residual))
-        self._pending.add(dist.isend(buf, dst=self.next_rank, group=self.group), buf)
+        assert self._out is not None
+        self._out.send([hidden, residual])
 
     def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The previous stage's (hidden, residual) for a micro-batch of `num_tokens`."""
-        assert self.prev_rank is not None
-        buf = torch.empty(2, num_tokens, hidden_size, dtype=dtype, device=device)
-        if _fits(self.ring_in, buf.numel() * buf.element_size(), buf):
-            assert self.ring_in is not None
-            self.ring_in.take_into(buf)
-        else:
-            recv(buf, self.prev_rank, self.group, self.timeout)
+        assert self._in is not None
+        buf = self._in.recv((2, num_tokens, hidden_size), dtype, device)
         return buf[0], buf[1]
 
     def drain(self) -> None:
         """Wait until the next stage has taken every activation sent."""
-        self._pending.drain()
-        if self.ring_out is not None:
-            self.ring_out.drain()
-
-
-def _fits(ring: ShmRing | None, nbytes: int, like: torch.Tensor) -> bool:
-    """Whether a message of `nbytes` (tensors like `like`) goes through `ring`."""
-    return ring is not None and like.device.type == "cpu" and nbytes <= ring.slot_bytes
+        if self._out is not None:
+            self._out.drain()
 
 
 class ObjectChannel:

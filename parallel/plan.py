@@ -97,8 +97,9 @@ def tp_within_domain(tp: int, cluster: ClusterConfig) -> bool:
 
 
 def layout_for(tp: int, stage_layers: list[tuple[int, int]], num_micro_batches: int,
-               cluster: ClusterConfig) -> Layout:
-    """The cost model's view of replica 0 placed on `cluster`."""
+               cluster: ClusterConfig, head_first_fraction: float = 0.0) -> Layout:
+    """The cost model's view of replica 0 placed on `cluster` (`head_first_fraction`: the
+    share of a split LM head on stage 0)."""
     pp = len(stage_layers)
     places = place_ranks(tp, pp, 1, cluster)
     nodes = [places[s * tp].node for s in range(pp)]
@@ -107,5 +108,6 @@ def layout_for(tp: int, stage_layers: list[tuple[int, int]], num_micro_batches: 
                   tp_link="intra" if tp_within_domain(tp, cluster) else "inter",
                   stage_links=tuple("intra" if a == b else "inter"
                                     for a, b in zip(nodes, nodes[1:])),
-                  active_devices_per_node=min(cluster.devices_per_node, tp * pp))
+                  active_devices_per_node=min(cluster.devices_per_node, tp * pp),
+                  head_first_fraction=head_first_fraction)
 

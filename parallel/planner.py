@@ -20,7 +20,7 @@ from meshserve.parallel.model_shape import ArchLike, ModelShape
 from meshserve.parallel.plan import Plan, layout_for, place_ranks, tp_within_domain
 from meshserve.parallel.prediction import Prediction, predict
 from meshserve.parallel.scenario import ScenarioConfig
-from meshserve.parallel.stages import StageCosts, stage_layer_ranges
+from meshserve.parallel.stages import StageCosts, head_first_fraction, stage_layer_ranges
 from meshserve.validation import require
 
 if TYPE_CHECKING:
@@ -49,6 +49,9 @@ class PlannerOptions:
     fill_cluster: bool = True
     """Use every device of the cluster (a launcher started that many ranks); false: any
     device count up to it, so a small model may stay on one device."""
+    split_lm_head: bool = True
+    """Pipelines of TP size 1 split the LM head between first and last stage
+    (parallel.split_lm_head)."""
 
     def __post_init__(self) -> None:
         require(0 < self.memory_utilization <= 1, "plan.memory_utilization",
@@ -116,7 +119,7 @@ def enumerate_degrees(num_devices: int) -> list[tuple[int, int, int]]:
 
 
 def stage_ranges(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
-                 tp: int, pp: int) -> list[tuple[int, int]]:
+                 tp: int, pp: int, split_lm_head: bool = False) -> list[tuple[int, int]]:
     """Layers per stage balanced by what a typical request of the scenario costs each part:
     its prompt's prefill plus its share of output_len decode steps at the scenario's batch.
 
@@ -132,8 +135,9 @@ def stage_ranges(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioCo
     def per_request(time_of: Callable[[StepWork], StageTime]) -> float:
         return time_of(prefill).total_s + steps * time_of(decode).total_s
 
+    head, f = per_request(probe.head_time), head_first_fraction(split_lm_head, tp, pp)
     costs = StageCosts(layer=per_request(probe.layer_time), embed=per_request(probe.embed_time),
-                       head=per_request(probe.head_time))
+                       head=(1 - f) * head, head_first=f * head)
     return stage_layer_ranges(shape.num_layers, pp, costs)
 
 
@@ -146,9 +150,10 @@ def evaluate(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig
         return replace(base, rejected=err)
     if pp > shape.num_layers:
         return replace(base, rejected=f"pp={pp} > {shape.num_layers} layers")
-    ranges = stage_ranges(shape, cluster, scenario, tp, pp)
+    ranges = stage_ranges(shape, cluster, scenario, tp, pp, options.split_lm_head)
     m = options.num_micro_batches or pp
-    cost = CostModel(shape, cluster, layout_for(tp, ranges, m, cluster))
+    cost = CostModel(shape, cluster, layout_for(
+        tp, ranges, m, cluster, head_first_fraction(options.split_lm_head, tp, pp)))
     usable = cluster.device_memory_gb * GB * options.memory_utilization
     weights = max(cost.stage_weight_bytes(s) for s in range(pp))
     act = cost.activation_bytes(options.max_num_batched_tokens, scenario.max_batch)
@@ -294,7 +299,8 @@ def options_for(config: MeshConfig) -> PlannerOptions:
     """Planner options from a run's engine and parallel settings."""
     return PlannerOptions(memory_utilization=config.engine.gpu_memory_utilization,
                           max_num_batched_tokens=config.engine.max_num_batched_tokens,
-                          num_micro_batches=config.parallel.num_micro_batches)
+                          num_micro_batches=config.parallel.num_micro_batches,
+                          split_lm_head=config.parallel.split_lm_head)
 
 
 def is_auto(config: MeshConfig) -> bool:
@@ -317,6 +323,14 @@ def plan_for(config: MeshConfig, arch: ArchLike, *, max_dp: int | None = None,
     return plan(shape, config.cluster, config.scenario, options, degrees)
 
 
+def lm_head_split(config: MeshConfig, vocab_size: int) -> int | None:
+    """With parallel.split_lm_head, a pipeline (pp > 1) of TP size 1 gives its first stage
+    the LM head's vocabulary rows [0, this) and the last stage the rest; else None."""
+    p = config.parallel
+    f = head_first_fraction(p.split_lm_head, p.tp, p.pp)
+    return int(vocab_size * f) if f else None
+
+
 def runtime_stage_ranges(config: MeshConfig, arch: ArchLike, tp: int,
                          pp: int) -> list[tuple[int, int]]:
     """The layer ranges a running tp x pp layout uses: the ones the planner predicts it with
@@ -327,4 +341,5 @@ def runtime_stage_ranges(config: MeshConfig, arch: ArchLike, tp: int,
     cluster = config.cluster
     if cluster.num_devices < tp:
         cluster = replace(cluster, num_nodes=-(-tp // cluster.devices_per_node))
-    return stage_ranges(ModelShape.from_arch(arch, dtype), cluster, config.scenario, tp, pp)
+    return stage_ranges(ModelShape.from_arch(arch, dtype), cluster, config.scenario, tp, pp,
+                        config.parallel.split_lm_head)

@@ -23,12 +23,15 @@ class StageCosts:
     embed: float = 0.0
     """Stage 0's token embedding (and the runtime's fixed work per forward)."""
     head: float = 0.0
-    """The last stage's final norm and LM head."""
+    """The last stage's final norm and LM head (its part of a split head)."""
+    head_first: float = 0.0
+    """Stage 0's part of a split LM head."""
 
     def __post_init__(self) -> None:
         require(self.layer > 0, "costs.layer", self.layer, "a cost > 0")
-        require(self.embed >= 0 and self.head >= 0, "costs.embed/head",
-                (self.embed, self.head), "costs >= 0")
+        require(self.embed >= 0 and self.head >= 0 and self.head_first >= 0,
+                "costs.embed/head/head_first", (self.embed, self.head, self.head_first),
+                "costs >= 0")
 
 
 def stage_layer_ranges(num_layers: int, num_stages: int,
@@ -41,7 +44,7 @@ def stage_layer_ranges(num_layers: int, num_stages: int,
     costs = costs or StageCosts(layer=1.0)
 
     def cost(stage: int, n: int) -> float:
-        extra = (costs.embed if stage == 0 else 0.0) + \
+        extra = (costs.embed + costs.head_first if stage == 0 else 0.0) + \
             (costs.head if stage == num_stages - 1 else 0.0)
         return extra + n * costs.layer
 
@@ -64,3 +67,9 @@ def stage_layer_ranges(num_layers: int, num_stages: int,
         end = start
     assert end == 0, ranges
     return ranges[::-1]
+
+
+def head_first_fraction(split_lm_head: bool, tp: int, pp: int) -> float:
+    """Share of the LM head's vocabulary stage 0 holds: half when the head is split
+    (parallel.split_lm_head, a pipeline of TP size 1), else none."""
+    return 0.5 if split_lm_head and pp > 1 and tp == 1 else 0.0

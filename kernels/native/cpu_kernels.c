@@ -284,3 +284,142 @@ int ms_attend_qkv_f32(float *qkv, int64_t tokens, int64_t heads, int64_t kv_head
     return ms_paged_decode_f32(qkv, t_stride, k_cache, v_cache, tables, table_stride, lens, out,
                                num_decode, heads, kv_heads, head_dim, block_size, scale, window);
 }
+
+/* ---- Linear layers at small batch: out[M, N] = x[M, K] @ w[N, K]^T ----
+ *
+ * w row-major, as nn.Linear stores it. A block of 4 weight rows and up to 3 input rows
+ * keeps 12 eight-lane accumulators in registers while the 4 weight rows stream through
+ * contiguously (the hardware prefetcher follows each); the block (4 x K floats) stays in
+ * L1 for the next input rows. Each output is a fixed sum: 8 lanes, each an FMA chain over
+ * its k in order, added in a fixed order at the end, then the K % 8 tail in order. So a
+ * row's result does not depend on M or on the other rows.
+ */
+#if defined(__AVX2__) && defined(__FMA__)
+#define LIN_BLOCK(MB)                                                                      \
+    static void lin4_##MB(const float *x, int64_t xs, const float *w, int64_t ws,         \
+                          float *out, int64_t os, int64_t K) {                             \
+        __m256 acc[MB][4];                                                                 \
+        for (int m = 0; m < MB; m++)                                                       \
+            for (int j = 0; j < 4; j++) acc[m][j] = _mm256_setzero_ps();                   \
+        int64_t k = 0;                                                                     \
+        for (; k + 8 <= K; k += 8) {                                                       \
+            __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + ws + k);          \
+            __m256 w2 = _mm256_loadu_ps(w + 2 * ws + k), w3 = _mm256_loadu_ps(w + 3 * ws + k); \
+            for (int m = 0; m < MB; m++) {                                                 \
+                __m256 a = _mm256_loadu_ps(x + m * xs + k);                                \
+                acc[m][0] = _mm256_fmadd_ps(a, w0, acc[m][0]);                             \
+                acc[m][1] = _mm256_fmadd_ps(a, w1, acc[m][1]);                             \
+                acc[m][2] = _mm256_fmadd_ps(a, w2, acc[m][2]);                             \
+                acc[m][3] = _mm256_fmadd_ps(a, w3, acc[m][3]);                             \
+            }                                                                              \
+        }                                                                                  \
+        for (int m = 0; m < MB; m++)                                                       \
+            for (int j = 0; j < 4; j++) {                                                  \
+                float r = hsum8(acc[m][j]);                                                \
+                for (int64_t t = k; t < K; t++)                                            \
+                    r = fmaf(x[m * xs + t], w[j * ws + t], r);                             \
+                out[m * os + j] = r;                                                       \
+            }                                                                              \
+    }
+LIN_BLOCK(1) LIN_BLOCK(2) LIN_BLOCK(3)
+
+static void lin4(const float *x, int64_t xs, const float *w, int64_t ws, float *out,
+                 int64_t os, int64_t K, int64_t mb) {
+    switch (mb) {
+    case 1: lin4_1(x, xs, w, ws, out, os, K); break;
+    case 2: lin4_2(x, xs, w, ws, out, os, K); break;
+    default: lin4_3(x, xs, w, ws, out, os, K); break;
+    }
+}
+#define LIN_ROWS 3
+#define LIN_COLS 4
+#endif
+
+static float lin_one(const float *x, const float *w, int64_t K) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), acc);
+    float r = hsum8(acc);
+#else
+    int64_t k = 0;
+    float r = 0.0f;
+#endif
+    for (; k < K; k++)
+        r = fmaf(x[k], w[k], r);
+    return r;
+}
+
+void ms_linear_f32(const float *x, int64_t xs, const float *w, int64_t ws, float *out,
+                   int64_t os, int64_t M, int64_t K, int64_t N) {
+    int64_t n0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; n0 + LIN_COLS <= N; n0 += LIN_COLS)
+        for (int64_t m0 = 0; m0 < M; m0 += LIN_ROWS) {
+            int64_t mb = M - m0 < LIN_ROWS ? M - m0 : LIN_ROWS;
+            lin4(x + m0 * xs, xs, w + n0 * ws, ws, out + m0 * os + n0, os, K, mb);
+        }
+#endif
+    for (; n0 < N; n0++) /* weight rows left over, one at a time */
+        for (int64_t m = 0; m < M; m++)
+            out[m * os + n0] = lin_one(x + m * xs, w + n0 * ws, K);
+}
+
+/* ---- The same with the weight stored column-major: out[M, N] = x[M, K] @ wt[K, N] ----
+ *
+ * wt is the weight's transpose, row-major (the runtime keeps wide weights so: the PyTorch
+ * GEMV of a single row runs faster on it). The weight is read in memory order: for a chunk
+ * of LINT_CHUNK columns, each wt row's segment (contiguous) in turn, four rows at a time,
+ * accumulated into the M output rows' chunk (L1/L2). Walking down a column panel instead
+ * (one cache line per row) is faster when the weight is in cache and several times slower
+ * when it streams from memory, as a model's weights do. Each output is one FMA chain over
+ * k in order, independent of M and of the other rows.
+ */
+#define LINT_CHUNK 2048
+
+void ms_linear_t_f32(const float *x, int64_t xs, const float *wt, int64_t ws, float *out,
+                     int64_t os, int64_t M, int64_t K, int64_t N) {
+    for (int64_t n0 = 0; n0 < N; n0 += LINT_CHUNK) {
+        int64_t nc = N - n0 < LINT_CHUNK ? N - n0 : LINT_CHUNK;
+        for (int64_t m = 0; m < M; m++)
+            memset(out + m * os + n0, 0, (size_t)nc * sizeof(float));
+        int64_t k = 0;
+        for (; k + 4 <= K; k += 4) {
+            const float *w0 = wt + k * ws + n0, *w1 = w0 + ws, *w2 = w1 + ws, *w3 = w2 + ws;
+            for (int64_t m = 0; m < M; m++) {
+                const float *xm = x + m * xs + k;
+                float *o = out + m * os + n0;
+                int64_t n = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+                __m256 b0 = _mm256_broadcast_ss(xm), b1 = _mm256_broadcast_ss(xm + 1);
+                __m256 b2 = _mm256_broadcast_ss(xm + 2), b3 = _mm256_broadcast_ss(xm + 3);
+                for (; n + 8 <= nc; n += 8) {
+                    __m256 acc = _mm256_loadu_ps(o + n);
+                    acc = _mm256_fmadd_ps(b0, _mm256_loadu_ps(w0 + n), acc);
+                    acc = _mm256_fmadd_ps(b1, _mm256_loadu_ps(w1 + n), acc);
+                    acc = _mm256_fmadd_ps(b2, _mm256_loadu_ps(w2 + n), acc);
+                    acc = _mm256_fmadd_ps(b3, _mm256_loadu_ps(w3 + n), acc);
+                    _mm256_storeu_ps(o + n, acc);
+                }
+#endif
+                for (; n < nc; n++) {
+                    float acc = o[n];
+                    acc = fmaf(xm[0], w0[n], acc);
+                    acc = fmaf(xm[1], w1[n], acc);
+                    acc = fmaf(xm[2], w2[n], acc);
+                    acc = fmaf(xm[3], w3[n], acc);
+                    o[n] = acc;
+                }
+            }
+        }
+        for (; k < K; k++) {
+            const float *w0 = wt + k * ws + n0;
+            for (int64_t m = 0; m < M; m++) {
+                float b = x[m * xs + k], *o = out + m * os + n0;
+                for (int64_t n = 0; n < nc; n++)
+                    o[n] = fmaf(b, w0[n], o[n]);
+            }
+        }
+    }
+}

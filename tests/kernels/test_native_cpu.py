@@ -112,3 +112,41 @@ def test_write_kv_stores_strided_rows_at_their_slots() -> None:
     ref_attention.write_kv(k, v, caches[0], caches[1], slots)
     native_cpu.write_kv(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+
+@settings(max_examples=80, deadline=None)
+@given(m=st.integers(1, 13), k=st.integers(1, 70), n=st.integers(1, 40),
+       column_major=st.booleans(), x_pad=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_linear_matches_torch_and_a_row_never_depends_on_the_batch(
+        m: int, k: int, n: int, column_major: bool, x_pad: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen)
+    if column_major:  # the runtime's layout of wide weights: stride (1, n)
+        weight = weight.t().contiguous().t()
+    x = torch.randn(m, k + x_pad, generator=gen)[:, :k]  # rows with a larger stride
+    out = native_cpu.linear(x, weight)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), rtol=1e-5,
+                               atol=1e-5 * k)
+    for i in range(m):  # the same bits whatever else is in the batch
+        assert torch.equal(native_cpu.linear(x[i:i + 1], weight)[0], out[i])
+
+
+def test_dispatch_takes_the_c_linear_in_its_measured_ranges() -> None:
+    row_major, column_major = torch.randn(64, 32), torch.randn(32, 64).t()
+    assert column_major.stride() == (1, 64)
+    lo, hi = dispatch.NATIVE_LINEAR_ROWS
+    t_lo, t_hi = dispatch.NATIVE_LINEAR_T_ROWS
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for rows, weight, taken in [(lo, row_major, True), (hi, row_major, True),
+                                    (lo - 1, row_major, False), (hi + 1, row_major, False),
+                                    (t_lo, column_major, True), (t_hi + 1, column_major, False)]:
+            assert dispatch.native_linear_applies(torch.randn(rows, 32), weight) == taken, rows
+        assert not dispatch.native_linear_applies(torch.randn(32, 4).t(), row_major[:, :4])
+        x = torch.randn(4, 32)
+        torch.testing.assert_close(dispatch.linear(x, row_major), x @ row_major.t())
+        torch.set_num_threads(2)  # the C kernel is single-threaded: MKL gets the threads
+        assert not dispatch.native_linear_applies(torch.randn(lo, 32), row_major)
+    finally:
+        torch.set_num_threads(threads)

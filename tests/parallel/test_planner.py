@@ -121,10 +121,16 @@ def test_tp_across_domains_only_when_forced_with_a_warning() -> None:
 
 def test_plan_stage_ranges_follow_the_lm_head_at_small_batch() -> None:
     shape, h100, chat = setup("llama-3-8b", "dgx-h100", "chatbot")
-    p = plan(shape, h100, chat, degrees=(1, 4, 1))
+    p = plan(shape, h100, chat, PlannerOptions(split_lm_head=False), degrees=(1, 4, 1))
     # At batch 32 and 640 tokens of context the 8B LM head costs ~2.0 layers: its stage
     # runs 6; the embedding's sliver of cost leaves stage 0 one layer short of the others.
     assert p.stage_layers == ((0, 8), (8, 17), (17, 26), (26, 32))
+    # Split between first and last stage (the default at TP 1), ~1.0 layer each: even.
+    assert plan(shape, h100, chat, degrees=(1, 4, 1)).stage_layers == (
+        (0, 8), (8, 16), (16, 24), (24, 32))
+    # At TP 2 the head is not split.
+    assert plan(shape, h100, chat, degrees=(2, 4, 1)).stage_layers == (
+        (0, 8), (8, 17), (17, 26), (26, 32))
 
 
 def test_stage_ranges_weigh_prefill_and_decode_as_the_scenario_does() -> None:
@@ -162,7 +168,8 @@ def test_plan_for_takes_configured_degrees_or_plans_under_auto() -> None:
     arch = ModelArch.from_hf_dict(cfg.model.arch)
     fixed = plan_for(cfg, arch)
     assert (fixed.tp, fixed.pp, fixed.dp, len(fixed.placements)) == (2, 1, 1, 2)
-    auto = dataclasses.replace(cfg, parallel=SimpleNamespace(auto=True, num_micro_batches=None))
+    auto = dataclasses.replace(cfg, parallel=SimpleNamespace(auto=True, num_micro_batches=None,
+                                                                split_lm_head=True))
     chosen = plan_for(auto, arch)
     assert (chosen.tp, chosen.pp, chosen.dp) == (4, 1, 2)  # 8B chatbot: TP=8 pays more in latency
     with pytest.raises(ValueError, match=r"parallel.tp\*pp\*dp=\(16, 1, 1\) is invalid"):
