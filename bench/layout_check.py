@@ -9,7 +9,8 @@ up and once measured with the engine's step records (engine.step_log). The same 
 are predicted by the cost model for that layout, its stage layer ranges (the ones the
 runtime loads) and the cluster preset, exactly as `meshserve diagnose` predicts them:
 
-- prefill: the wall time of the steps that only prefill (the whole batch's prompts);
+- prefill: the wall time of the steps that only prefill (the whole batch's prompts; at
+  pp > 1 predicted as one burst into an empty pipeline, its fill and drain included);
 - decode: wall time per token of every sequence (TPOT at `batch`) over the steps that
   only decode: the step time at pp = 1, a pipeline round of micro-batches at pp > 1.
 
@@ -37,7 +38,7 @@ from meshserve.launch.config import CONF_DIR, load_config
 from meshserve.launch.run_config import MeshConfig
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.cluster import ClusterConfig
-from meshserve.parallel.cost_model import CostModel
+from meshserve.parallel.cost_model import CostModel, StepWork
 from meshserve.parallel.diagnose import StepRecord, record_cost
 from meshserve.parallel.model_shape import ModelShape
 from meshserve.parallel.plan import layout_for
@@ -147,7 +148,13 @@ def phase_times(records: list[StepRecord], cost: CostModel,
         else:
             rows = [r for r in records if r.num_decode_seqs and not r.num_prefill_seqs]
         measured = sum(r.wall_s for r in rows)
-        predicted = sum(record_cost(cost, r.work(), r.num_in_flight).total_s for r in rows)
+        if phase == "prefill" and cost.layout.pp > 1 and rows:
+            # The prompts arrive together into an empty pipeline: one burst of micro-batches,
+            # whose fill and drain no other work hides.
+            burst = sum((r.work() for r in rows), StepWork())
+            predicted = cost.step(burst, len(rows), isolated=True).total_s
+        else:
+            predicted = sum(record_cost(cost, r.work(), r.num_in_flight).total_s for r in rows)
         rounds = sum(r.num_decode_seqs for r in rows) / batch if phase == "decode" else 1.0
         out[phase] = {"measured_s": measured / (rounds or 1.0),
                       "predicted_s": predicted / (rounds or 1.0), "num_steps": len(rows)}

@@ -21,8 +21,10 @@ from typing import Any
 import torch
 
 from meshserve.parallel.cluster import ClusterConfig
+from meshserve.parallel.mesh import ACTIVATION_SLOT_BYTES
 from meshserve.parallel.shm_allreduce import ShmAllReduce
 from meshserve.parallel.shm_allreduce import supported as shm_supported
+from meshserve.parallel.shm_ring import RingKey, ShmRing, connect_rings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -96,18 +98,38 @@ def cold_matmul_tflops(shapes: Sequence[tuple[int, int]], dtype: str, device: to
                        repeats: int, rows: Sequence[int],
                        weights_bytes: int = WEIGHTS_BYTES) -> list[float]:
     """TFLOP/s of x [M, k] @ w [k, n] over the (k, n) weight `shapes` in turn, cycled
-    through `weights_bytes` of weights (so none is in cache), for each M in `rows`."""
+    through `weights_bytes` of weights (so none is in cache), for each M in `rows`. The
+    weights are laid out and multiplied as the runtime does (models.loader, dispatch.linear:
+    on the CPU wide ones column-major, small batches through the C kernels)."""
+    from meshserve.kernels import dispatch
+    from meshserve.models.loader import column_major_wide_weights
+
     torch_dtype = getattr(torch, dtype)
     per_round = sum(k * n for k, n in shapes) * torch_dtype.itemsize
-    ws = [torch.randn(k, n, device=device, dtype=torch_dtype)
-          for _ in range(max(1, -(-weights_bytes // per_round))) for k, n in shapes]
+    ws = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.randn(n, k, device=device, dtype=torch_dtype),
+                           requires_grad=False)
+        for _ in range(max(1, -(-weights_bytes // per_round))) for k, n in shapes)
+    if device.type == "cpu":
+        holder = torch.nn.ModuleList(_Weight(w) for w in ws)
+        column_major_wide_weights(holder)
+        ws = torch.nn.ParameterList(m.weight for m in holder)
     flops_per_row = 2 * sum(w.shape[0] * w.shape[1] for w in ws)
     rates = []
     for m in rows:
         xs = {k: torch.randn(m, k, device=device, dtype=torch_dtype) for k, _ in shapes}
-        t = best_time(lambda xs=xs: [xs[w.shape[0]] @ w for w in ws], repeats, device)
+        t = best_time(lambda xs=xs: [dispatch.linear(xs[w.shape[1]], w) for w in ws],
+                      repeats, device)
         rates.append(m * flops_per_row / t / 1e12)
     return rates
+
+
+class _Weight(torch.nn.Module):
+    """A bare module holding one weight (for the loader's layout pass)."""
+
+    def __init__(self, weight: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
 
 
 def matmul_half_rows(width: int, dtype: str, device: torch.device, repeats: int,
@@ -232,6 +254,10 @@ def _rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int,
     # The runtime's path: shared memory for CPU ranks on one host (what TP uses), else gloo.
     shm = (ShmAllReduce(dist.group.WORLD, rank, world, timeout=timedelta(seconds=120))
            if not use_cuda and shm_supported() else None)
+    # Likewise pipeline hand-offs: shared-memory rings where they fit (ProcessGroups.build).
+    rings = (connect_rings([(key, 2, ACTIVATION_SLOT_BYTES)
+                            for key in (("act", 0, 1), ("act", 1, 0))], rank, timeout_s=120.0)
+             if world == 2 and not use_cuda and shm_supported() else {})
     try:
         dist.barrier()
         gemv = gemv_gbs(read_bytes, device, repeats)  # every rank at once: shared bandwidth
@@ -251,29 +277,52 @@ def _rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int,
             t = torch.tensor([statistics.median(times[1:])], dtype=torch.float64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time counts
             allreduce.append(float(t.cpu()))
-            p2p.append(_ping_pong(rank, x, repeats, device) if world == 2 else 0.0)
+            p2p.append(_ping_pong(rank, x, repeats, device, rings) if world == 2 else 0.0)
         if rank == 0:
             out.put(CollectiveTimes(world=world, sizes=sizes, allreduce_s=allreduce,
                                     p2p_s=p2p if world == 2 else [], concurrent_gemv_gbs=gemv))
     finally:
         if shm is not None:
             shm.close()
+        for ring in rings.values():
+            ring.close()
         dist.destroy_process_group()
 
 
-def _ping_pong(rank: int, x: torch.Tensor, repeats: int, device: torch.device) -> float:
+def _ping_pong(rank: int, x: torch.Tensor, repeats: int, device: torch.device,
+               rings: dict[RingKey, ShmRing]) -> float:
+    """One-way time of `x` between ranks 0 and 1, over the rings when it fits them."""
     import torch.distributed as dist
+
+    peer = 1 - rank
+    out, back = rings.get(("act", rank, peer)), rings.get(("act", peer, rank))
+    ring = out is not None and back is not None and x.numel() * x.element_size() <= \
+        out.slot_bytes
+
+    def send() -> None:
+        if ring:
+            assert out is not None
+            out.put([x])
+        else:
+            dist.send(x, peer)
+
+    def recv() -> None:
+        if ring:
+            assert back is not None
+            back.take_into(x)
+        else:
+            dist.recv(x, peer)
 
     times = []
     for _ in range(repeats + 1):
         dist.barrier()
         t0 = time.perf_counter()
         if rank == 0:
-            dist.send(x, 1)
-            dist.recv(x, 1)
+            send()
+            recv()
         else:
-            dist.recv(x, 0)
-            dist.send(x, 0)
+            recv()
+            send()
         _sync(device)
         times.append((time.perf_counter() - t0) / 2)
     return statistics.median(times[1:])

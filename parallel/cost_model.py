@@ -274,8 +274,15 @@ class CostModel:
         link = "intra" if "inter" not in self.layout.stage_links else "inter"
         return p2p_s(nbytes, *self._link(link))
 
-    def step(self, work: StepWork, num_micro_batches: int | None = None) -> StepCost:
-        """One round: `work` split into micro-batches that each pass every stage once."""
+    def step(self, work: StepWork, num_micro_batches: int | None = None, *,
+             isolated: bool = False) -> StepCost:
+        """One round: `work` split into micro-batches that each pass every stage once.
+
+        In steady state the round takes its busiest stage's share (other rounds fill and
+        drain the pipeline around it), at least one micro-batch's trip through every stage.
+        `isolated`: the pipeline is empty before and after (a burst, such as a batch's
+        prompts arriving together): the first micro-batch's trip, then one busiest-stage
+        time per further micro-batch."""
         lay = self.layout
         m = lay.num_micro_batches if num_micro_batches is None else num_micro_batches
         m = max(1, min(m, int(work.num_seqs) or 1)) if lay.pp > 1 else 1
@@ -285,7 +292,8 @@ class CostModel:
                        *self._link(link)) for link in lay.stage_links]
         sends.append(self._logits_send_s(part))
         chain = sum(t.total_s for t in times) + sum(sends)
-        total = max(m * max(t.total_s for t in times), chain)
+        slowest = max(t.total_s for t in times)
+        total = chain + (m - 1) * slowest if isolated else max(m * slowest, chain)
 
         def mean(parts: list[float]) -> float:
             return m * sum(parts) / lay.pp

@@ -113,6 +113,30 @@ def test_pipeline_bubbles_shrink_with_micro_batches() -> None:
     parts = c2.compute_s + c2.memory_s + c2.comm_s + c2.overhead_s + c2.bubble_s
     assert parts == pytest.approx(c2.total_s)
     assert one.step(StepWork.decode(1, 1000)).total_s == two.step(StepWork.decode(1, 1000)).total_s
+    # A burst into an empty pipeline: one micro-batch's trip, then one busiest-stage time
+    # for each further micro-batch (the fill and drain that steady state hides).
+    half = [two.stage_time(i, work.scaled(0.5)).total_s for i in range(2)]
+    trip = sum(half) + p2p_s(32 * 4096 * 2, 50e9, 5e-6)
+    assert two.step(work, isolated=True).total_s == pytest.approx(trip + max(half))
+    assert two.step(work, isolated=True).total_s > c2.total_s
+
+
+def test_a_split_lm_head_moves_half_its_time_and_weights_to_stage_0() -> None:
+    s = shape("llama-3-8b")
+    lay = Layout(tp=1, stage_layers=(16, 16), stage_links=("intra",), num_micro_batches=2)
+    whole = CostModel(s, H100, lay)
+    split = CostModel(s, H100, dataclasses.replace(lay, head_first_fraction=0.5))
+    work = StepWork.decode(32, 1000)
+    head = whole.head_time(work).total_s
+    assert split.stage_time(0, work).total_s == pytest.approx(
+        whole.stage_time(0, work).total_s + head / 2)
+    assert split.stage_time(1, work).total_s == pytest.approx(
+        whole.stage_time(1, work).total_s - head / 2)
+    moved = s.head_params(1) // 2 * s.dtype_bytes
+    assert split.stage_weight_bytes(0) == pytest.approx(whole.stage_weight_bytes(0) + moved,
+                                                        rel=1e-6)
+    with pytest.raises(ValueError, match="layout.head_first_fraction"):
+        Layout(stage_layers=(32,), head_first_fraction=0.5)
 
 
 def test_memory_weights_activations_and_kv_capacity() -> None:
