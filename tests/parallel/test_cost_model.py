@@ -97,11 +97,17 @@ def test_tp_step_pays_two_allreduces_per_layer_plus_embedding_and_logits() -> No
     assert across.step(StepWork.decode(4, 100)).comm_s > 3 * cm.step(StepWork.decode(4, 100)).comm_s
 
 
-def test_pipeline_bubbles_shrink_with_micro_batches() -> None:
+def two_stages(link: str, micro_batches: int, **changes: object
+               ) -> tuple[CostModel, CostModel]:
+    """Llama-3-8B on H100s as 16 + 16 layers: the layout as given, and with `changes`."""
+    lay = Layout(tp=1, stage_layers=(16, 16), stage_links=(link,),
+                 num_micro_batches=micro_batches)
     s = shape("llama-3-8b")
-    lay = Layout(tp=1, stage_layers=(16, 16), stage_links=("inter",), num_micro_batches=1)
-    one = CostModel(s, H100, lay)
-    two = CostModel(s, H100, dataclasses.replace(lay, num_micro_batches=2))
+    return CostModel(s, H100, lay), CostModel(s, H100, dataclasses.replace(lay, **changes))
+
+
+def test_pipeline_bubbles_shrink_with_micro_batches() -> None:
+    one, two = two_stages("inter", 1, num_micro_batches=2)
     work = StepWork.decode(64, 1000)
     c1, c2 = one.step(work), two.step(work)
     stages = [one.stage_time(i, work).total_s for i in range(2)]
@@ -122,10 +128,8 @@ def test_pipeline_bubbles_shrink_with_micro_batches() -> None:
 
 
 def test_a_split_lm_head_moves_half_its_time_and_weights_to_stage_0() -> None:
-    s = shape("llama-3-8b")
-    lay = Layout(tp=1, stage_layers=(16, 16), stage_links=("intra",), num_micro_batches=2)
-    whole = CostModel(s, H100, lay)
-    split = CostModel(s, H100, dataclasses.replace(lay, head_first_fraction=0.5))
+    whole, split = two_stages("intra", 2, head_first_fraction=0.5)
+    s = whole.shape
     work = StepWork.decode(32, 1000)
     head = whole.head_time(work).total_s
     assert split.stage_time(0, work).total_s == pytest.approx(
