@@ -167,7 +167,7 @@ def cost_for(config: MeshConfig, arch: ModelArch) -> tuple[CostModel, list[tuple
     ranges = runtime_stage_ranges(config, arch, p.tp, p.pp)
     dtype = resolve_dtype(config.model.dtype, arch.dtype, config.cluster.device_type)
     m = (p.num_micro_batches or p.pp) if p.pp > 1 else 1
-    split = head_first_fraction(p.split_lm_head, p.tp, p.pp)
+    split = head_first_fraction(p.split_lm_head, p.tp, p.pp, "cpu")
     return CostModel(ModelShape.from_arch(arch, dtype), config.cluster,
                      layout_for(p.tp, ranges, m, config.cluster, split)), ranges
 

@@ -76,7 +76,7 @@ class StageWorker:
                  max_in_flight: int, progress: bool = False) -> None:
         self.config, self.groups, self.device, self.dtype = config, groups, device, dtype
         arch = ModelArch.from_dir(model_dir)
-        self.head_split = lm_head_split(config, arch.vocab_size)
+        self.head_split = lm_head_split(config, arch.vocab_size, device.type)
         self.model = load_model(model_dir, dtype=dtype, tp=groups.tp, layer_range=layer_range,
                                 device=device, progress=progress,
                                 cpu_weight_layout=config.model.cpu_weight_layout,

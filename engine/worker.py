@@ -111,8 +111,10 @@ def start_rank(config: MeshConfig, model_dir: Path, env: LaunchEnv, store: dist.
                                  cpu_allreduce=config.parallel.cpu_allreduce,
                                  cpu_p2p=config.parallel.cpu_p2p,
                                  p2p_slots=max_in_flight(config) + 1,
-                                 split_head=lm_head_split(config, arch.vocab_size) is not None)
-    layer_range = runtime_stage_ranges(config, arch, dims.tp, dims.pp)[groups.pp_rank]
+                                 split_head=lm_head_split(config, arch.vocab_size,
+                                                          device.type) is not None)
+    layer_range = runtime_stage_ranges(config, arch, dims.tp, dims.pp,
+                                       device.type)[groups.pp_rank]
     worker = StageWorker(config, model_dir, groups, layer_range, device, dtype,
                          max_in_flight(config), progress=progress)
     store_barrier(store, "loaded", env.world_size, startup_s, check)

@@ -121,7 +121,8 @@ def run(overrides: list[str]) -> int:
     plan = plan_for(cfg, arch)
     shape = ModelShape.from_arch(arch, resolve_dtype(cfg.model.dtype, arch.dtype,
                                                      cfg.cluster.device_type))
-    split = head_first_fraction(cfg.parallel.split_lm_head, plan.tp, plan.pp)
+    split = head_first_fraction(cfg.parallel.split_lm_head, plan.tp, plan.pp,
+                                cfg.cluster.device_type)
     cost = CostModel(shape, cfg.cluster, layout_for(plan.tp, list(plan.stage_layers),
                                                     plan.num_micro_batches, cfg.cluster, split))
     d = diagnose(records.steps, cost, cfg.scenario.name)

@@ -119,13 +119,16 @@ def enumerate_degrees(num_devices: int) -> list[tuple[int, int, int]]:
 
 
 def stage_ranges(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
-                 tp: int, pp: int, split_lm_head: bool = False) -> list[tuple[int, int]]:
+                 tp: int, pp: int, split_lm_head: bool = False,
+                 device_type: str | None = None) -> list[tuple[int, int]]:
     """Layers per stage balanced by what a typical request of the scenario costs each part:
     its prompt's prefill plus its share of output_len decode steps at the scenario's batch.
 
     Balancing by decode alone gives the last stage few layers when the LM head is large
     (the head runs for every decode token but for one row per prefill); a workload whose
     time goes mostly to prefill then leaves the first stage doing most of the work.
+    `split_lm_head`: the head's cost is shared with stage 0 where head_first_fraction says
+    so on `device_type` (default: the cluster's).
     """
     probe = CostModel(shape, cluster, layout_for(tp, [(0, shape.num_layers)], 1, cluster))
     prefill = StepWork.prefill(scenario.prompt_len)
@@ -135,7 +138,8 @@ def stage_ranges(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioCo
     def per_request(time_of: Callable[[StepWork], StageTime]) -> float:
         return time_of(prefill).total_s + steps * time_of(decode).total_s
 
-    head, f = per_request(probe.head_time), head_first_fraction(split_lm_head, tp, pp)
+    head, f = per_request(probe.head_time), head_first_fraction(
+        split_lm_head, tp, pp, device_type or cluster.device_type)
     costs = StageCosts(layer=per_request(probe.layer_time), embed=per_request(probe.embed_time),
                        head=(1 - f) * head, head_first=f * head)
     return stage_layer_ranges(shape.num_layers, pp, costs)
@@ -153,7 +157,8 @@ def evaluate(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig
     ranges = stage_ranges(shape, cluster, scenario, tp, pp, options.split_lm_head)
     m = options.num_micro_batches or pp
     cost = CostModel(shape, cluster, layout_for(
-        tp, ranges, m, cluster, head_first_fraction(options.split_lm_head, tp, pp)))
+        tp, ranges, m, cluster, head_first_fraction(options.split_lm_head, tp, pp,
+                                                cluster.device_type)))
     usable = cluster.device_memory_gb * GB * options.memory_utilization
     weights = max(cost.stage_weight_bytes(s) for s in range(pp))
     act = cost.activation_bytes(options.max_num_batched_tokens, scenario.max_batch)
@@ -323,16 +328,16 @@ def plan_for(config: MeshConfig, arch: ArchLike, *, max_dp: int | None = None,
     return plan(shape, config.cluster, config.scenario, options, degrees)
 
 
-def lm_head_split(config: MeshConfig, vocab_size: int) -> int | None:
-    """With parallel.split_lm_head, a pipeline (pp > 1) of TP size 1 gives its first stage
-    the LM head's vocabulary rows [0, this) and the last stage the rest; else None."""
+def lm_head_split(config: MeshConfig, vocab_size: int, device_type: str) -> int | None:
+    """With parallel.split_lm_head, a CPU pipeline (pp > 1) of TP size 1 gives its first
+    stage the LM head's vocabulary rows [0, this) and the last stage the rest; else None."""
     p = config.parallel
-    f = head_first_fraction(p.split_lm_head, p.tp, p.pp)
+    f = head_first_fraction(p.split_lm_head, p.tp, p.pp, device_type)
     return int(vocab_size * f) if f else None
 
 
-def runtime_stage_ranges(config: MeshConfig, arch: ArchLike, tp: int,
-                         pp: int) -> list[tuple[int, int]]:
+def runtime_stage_ranges(config: MeshConfig, arch: ArchLike, tp: int, pp: int,
+                         device_type: str | None = None) -> list[tuple[int, int]]:
     """The layer ranges a running tp x pp layout uses: the ones the planner predicts it with
     (stage_ranges) for the run's cluster and scenario. A cluster preset with fewer devices
     than the tp ranks is taken as having enough nodes of its kind. `arch`: a ModelArch."""
@@ -342,4 +347,4 @@ def runtime_stage_ranges(config: MeshConfig, arch: ArchLike, tp: int,
     if cluster.num_devices < tp:
         cluster = replace(cluster, num_nodes=-(-tp // cluster.devices_per_node))
     return stage_ranges(ModelShape.from_arch(arch, dtype), cluster, config.scenario, tp, pp,
-                        config.parallel.split_lm_head)
+                        config.parallel.split_lm_head, device_type)

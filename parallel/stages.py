@@ -69,7 +69,10 @@ def stage_layer_ranges(num_layers: int, num_stages: int,
     return ranges[::-1]
 
 
-def head_first_fraction(split_lm_head: bool, tp: int, pp: int) -> float:
+def head_first_fraction(split_lm_head: bool, tp: int, pp: int, device_type: str) -> float:
     """Share of the LM head's vocabulary stage 0 holds: half when the head is split
-    (parallel.split_lm_head, a pipeline of TP size 1), else none."""
-    return 0.5 if split_lm_head and pp > 1 and tp == 1 else 0.0
+    (parallel.split_lm_head, a CPU pipeline of TP size 1), else none. On GPUs the head stays
+    on the last stage: its logits would travel back to stage 0 against the direction of the
+    pipeline's NCCL communicator, which orders one pair's sends and receives on one stream
+    (that needs a communicator of its own, not built yet)."""
+    return 0.5 if split_lm_head and pp > 1 and tp == 1 and device_type == "cpu" else 0.0

@@ -125,12 +125,13 @@ def test_plan_stage_ranges_follow_the_lm_head_at_small_batch() -> None:
     # At batch 32 and 640 tokens of context the 8B LM head costs ~2.0 layers: its stage
     # runs 6; the embedding's sliver of cost leaves stage 0 one layer short of the others.
     assert p.stage_layers == ((0, 8), (8, 17), (17, 26), (26, 32))
-    # Split between first and last stage (the default at TP 1), ~1.0 layer each: even.
-    assert plan(shape, h100, chat, degrees=(1, 4, 1)).stage_layers == (
-        (0, 8), (8, 16), (16, 24), (24, 32))
-    # At TP 2 the head is not split.
-    assert plan(shape, h100, chat, degrees=(2, 4, 1)).stage_layers == (
-        (0, 8), (8, 17), (17, 26), (26, 32))
+    # On GPUs the head is not split (default options included); at TP 2 nowhere.
+    assert plan(shape, h100, chat, degrees=(1, 4, 1)).stage_layers == p.stage_layers
+    assert stage_ranges(shape, h100, chat, 2, 4, True, "cpu") == [
+        (0, 8), (8, 17), (17, 26), (26, 32)]
+    # Split between first and last stage (CPU pipelines at TP 1), ~1.0 layer each: even.
+    assert stage_ranges(shape, h100, chat, 1, 4, True, "cpu") == [
+        (0, 8), (8, 16), (16, 24), (24, 32)]
 
 
 def test_stage_ranges_weigh_prefill_and_decode_as_the_scenario_does() -> None:
