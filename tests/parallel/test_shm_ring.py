@@ -113,3 +113,16 @@ def test_alive_is_asked_while_waiting_and_can_give_up() -> None:
         producer.close()
         consumer.close()
     assert not os.path.exists(producer.path)
+
+
+def test_a_full_shm_raises_at_creation_and_leaves_no_file(monkeypatch) -> None:
+    """posix_fallocate reserves the pages up front: no room fails here, not with SIGBUS at
+    the first write (connect_rings then leaves that ring to gloo)."""
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    path = ShmRing.new_path()
+    with pytest.raises(OSError, match="No space"):
+        ShmRing(path, create=True, num_slots=2, slot_bytes=64)
+    assert not os.path.exists(path)
