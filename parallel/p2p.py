@@ -166,7 +166,6 @@ class ObjectChannel:
     def send(self, obj: object, dst: int) -> None:
         """Send `obj` to global rank `dst` without waiting for it to be received."""
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         if self.ring is not None:
             if len(data) <= self.ring.slot_bytes:
                 self.ring.put_bytes(data, alive=self.alive)
@@ -175,6 +174,7 @@ class ObjectChannel:
         else:
             header = torch.tensor([len(data)], dtype=torch.int64)
             self._pending.add(dist.isend(header, dst=dst, group=self.group), header)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self._pending.add(dist.isend(payload, dst=dst, group=self.group), payload)
 
     def recv(self, src: int) -> object:

@@ -22,13 +22,14 @@ from __future__ import annotations
 import mmap
 import os
 import platform
-import time
 import uuid
 from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from meshserve.parallel.spin_wait import spin_until
 
 SLOT_BYTES = 4 << 20
 """Bytes per rank and bank: an AllReduce of a bigger tensor takes several rounds, a gather
@@ -39,14 +40,6 @@ MAX_CACHED_VIEWS = 512
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-SPINS_BEFORE_YIELD = 64
-"""Polls of the flags before each yield of the core while waiting for other ranks."""
-
-SPINS_BEFORE_SLEEP = 1024
-"""Polls after which a waiting rank sleeps between polls (BACKOFF_S): with more ranks than
-cores, a spinning rank would take the core from the rank it waits for."""
-
-BACKOFF_S = 50e-6
 
 
 SHM_DIR = "/dev/shm"
@@ -151,20 +144,11 @@ class ShmAllReduce:
 
     def _wait(self, seq: int) -> None:
         flags = self.flags
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
-        spins = 0
-        while (flags < seq).any():
-            spins += 1
-            if spins > SPINS_BEFORE_SLEEP:
-                time.sleep(BACKOFF_S)
-            elif spins % SPINS_BEFORE_YIELD == 0:
-                time.sleep(0)
-            if (spins % SPINS_BEFORE_YIELD == 0 and deadline is not None
-                    and time.monotonic() > deadline):
-                late = [r for r in range(self.size) if flags[r] < seq]
-                raise RuntimeError(
-                    f"shared-memory all_reduce #{seq} timed out after {self.timeout_s} s: "
-                    f"TP ranks {late} did not arrive (dead or hung)")
+        if not spin_until(lambda: not (flags < seq).any(), self.timeout_s):
+            late = [r for r in range(self.size) if flags[r] < seq]
+            raise RuntimeError(
+                f"shared-memory all_reduce #{seq} timed out after {self.timeout_s} s: "
+                f"TP ranks {late} did not arrive (dead or hung)")
 
     def close(self) -> None:
         """Drop this process's mapping."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import time
 import uuid
 from collections.abc import Callable, Sequence
 
@@ -28,19 +27,12 @@ import numpy as np
 import torch
 
 from meshserve.parallel.shm_allreduce import SHM_DIR
+from meshserve.parallel.spin_wait import spin_until
 
 _LINE = 64
 _HEADER = 2 * _LINE
 _LENGTH = 8
 
-SPINS_BEFORE_YIELD = 64
-"""Polls of a count before each yield of the core while waiting."""
-
-SPINS_BEFORE_SLEEP = 1024
-"""Polls after which a waiting side sleeps BACKOFF_S between polls (more ranks than cores:
-a spinning rank would take the core from the one it waits for)."""
-
-BACKOFF_S = 50e-6
 
 
 class RingTimeout(RuntimeError):
@@ -159,21 +151,9 @@ class ShmRing:
 
     def _wait(self, ready: Callable[[], bool], action: str, n: int,
               alive: Callable[[], None]) -> None:
-        if ready():
-            return
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
-        spins = 0
-        while not ready():
-            spins += 1
-            if spins > SPINS_BEFORE_SLEEP:
-                time.sleep(BACKOFF_S)
-            elif spins % SPINS_BEFORE_YIELD == 0:
-                time.sleep(0)
-            if spins % SPINS_BEFORE_YIELD == 0:
-                alive()
-                if deadline is not None and time.monotonic() > deadline:
-                    raise RingTimeout(f"{self.what}: the other side did not {action} message "
-                                      f"#{n} within {self.timeout_s:g} s (dead or hung)")
+        if not spin_until(ready, self.timeout_s, alive):
+            raise RingTimeout(f"{self.what}: the other side did not {action} message "
+                              f"#{n} within {self.timeout_s:g} s (dead or hung)")
 
     def close(self) -> None:
         """Drop this process's mapping."""
