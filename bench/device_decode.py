@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,41 +36,66 @@ def _random_model(arch: ModelArch, s: Sizes) -> torch.nn.Module:
     return model.eval()
 
 
-def _meshserve_decode(arch: ModelArch, s: Sizes, batch: int, graphs: bool) -> dict[str, Any]:
-    from meshserve.engine.kv_cache import allocate_kv_cache
-    from meshserve.engine.model_runner import ModelRunner
+def _meshserve_decode(arch: ModelArch, s: Sizes, batch: int) -> dict[str, Any]:
+    """Decode tok/s of the engine itself (scheduler, async scheduling and CUDA graphs as a
+    one-GPU run has them) over a random model: `batch` requests of `decode_prompt` random
+    tokens, timed from when every request has its first token to when all have
+    `decode_steps` more."""
+    from meshserve.engine.engine import Engine
+    from meshserve.engine.executor import LocalExecutor
+    from meshserve.engine.sampling_params import SamplingParams
+    from meshserve.launch.config import load_config
 
     bs = 16
-    total = s.decode_prompt + s.decode_steps + 1
-    per_seq = -(-total // bs)
-    model = _random_model(arch, s)
-    cache = allocate_kv_cache(arch.num_hidden_layers, batch * per_seq, bs,
-                              arch.num_key_value_heads, arch.head_dim, s.dtype, s.device)
-    runner = ModelRunner(model, cache, bs, s.device)
-    if graphs:
-        from meshserve.engine.cuda_graphs import DecodeGraphs
+    max_len = -(-(s.decode_prompt + s.decode_steps + 2) // 256) * 256
+    dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(s.dtype, "float32")
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(s.model))
+        overrides = [f"model.path='{tmp}'", f"device={s.device.type}", f"model.dtype={dtype}",
+                     "parallel=single", f"engine.max_num_seqs={batch}",
+                     f"engine.max_model_len={max_len}", f"engine.block_size={bs}",
+                     f"engine.num_gpu_blocks={batch * (max_len // bs) + 8}"]
+        if s.device.type == "cpu":
+            overrides.append("threads=1")
+        config = load_config(overrides)
+        executor = LocalExecutor(config, Path(tmp), arch, progress=False,
+                                 model=_random_model(arch, s))
+        engine = Engine(config, progress=False, executor=executor)
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(0, arch.vocab_size, (batch, s.decode_prompt), generator=gen)
 
-        runner.graphs = DecodeGraphs(runner._eager, [batch], per_seq, s.device)
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, arch.vocab_size, (batch, s.decode_prompt), generator=gen)
-    logits, _ = runner.execute([_Seq(i, prompts[i].tolist(), 0, tables[i])
-                                for i in range(batch)])
-    tokens = logits.argmax(-1).tolist()
-    sync(s.device)
-    t0 = time.perf_counter()
-    for step in range(s.decode_steps):
-        pos = s.decode_prompt + step
-        logits, _ = runner.execute([_Seq(i, [tokens[i]], pos, tables[i]) for i in range(batch)])
-        tokens = logits.argmax(-1).tolist()  # the engine's sampler syncs here too
-    sync(s.device)
-    step_s = (time.perf_counter() - t0) / s.decode_steps
-    seqs = [_Seq(i, [tokens[i]], s.decode_prompt + s.decode_steps, tables[i])
-            for i in range(batch)]
-    parts = _step_parts(runner, seqs, s)
-    del runner, model, cache
-    return {"step_s": step_s, "tok_s": batch / step_s,
-            "mean_context": s.decode_prompt + s.decode_steps / 2, **parts}
+        def run(max_tokens: int) -> tuple[float, int]:
+            """Seconds and tokens from every request's first token to the end."""
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            for p in prompts.tolist():
+                engine.add_request(p, params)
+            started: set[str] = set()
+            t0, tokens = 0.0, 0
+            while engine.has_unfinished():
+                for o in engine.step():
+                    if o.request_id in started:
+                        tokens += len(o.new_token_ids)
+                    else:
+                        started.add(o.request_id)
+                        if len(started) == batch:
+                            sync(s.device)
+                            t0 = time.perf_counter()
+            sync(s.device)
+            return time.perf_counter() - t0, tokens
+
+        run(3)  # warm: the prefill kernels at this length, cuBLAS's choices
+        seconds, tokens = run(s.decode_steps + 1)
+        runner = executor.runner
+        per_seq = max_len // bs
+        seqs = [_Seq(i, [1], s.decode_prompt + s.decode_steps,
+                     list(range(i * per_seq, (i + 1) * per_seq))) for i in range(batch)]
+        parts = _step_parts(runner, seqs, s)
+        res = {"step_s": seconds * batch / tokens, "tok_s": tokens / seconds,
+               "mean_context": s.decode_prompt + s.decode_steps / 2,
+               "async_scheduling": engine.async_scheduling,
+               "graphs": runner.graphs is not None, "max_model_len": max_len, **parts}
+        engine.shutdown()
+    return res
 
 
 def _step_parts(runner: Any, seqs: list[_Seq], s: Sizes) -> dict[str, Any]:
@@ -162,7 +189,7 @@ def decode_throughput(s: Sizes, copy_gbs: float) -> dict[str, Any]:
                            "dtype": str(s.dtype), "prompt": s.decode_prompt,
                            "steps": s.decode_steps, "mbu_target_batch1": 0.75}
     for batch in s.decode_batches:
-        ours = _meshserve_decode(arch, s, batch, graphs=s.device.type == "cuda")
+        ours = _meshserve_decode(arch, s, batch)
         _free(s.device)
         step_bytes = roofline.decode_bytes(arch, itemsize, batch * ours["mean_context"])
         roof_step = step_bytes / (copy_gbs * 1e9)
@@ -173,7 +200,9 @@ def decode_throughput(s: Sizes, copy_gbs: float) -> dict[str, Any]:
             "mbu": roof_step / ours["step_s"], "roofline_tok_s": batch / roof_step,
             "transformers_tok_s": hf["tok_s"], "speedup_vs_transformers": ours["tok_s"]
             / hf["tok_s"], "roofline_step_ms": roof_step * 1e3,
-            **{k: v for k, v in ours.items() if k.endswith("_ms") or k == "kernels"}}
+            **{k: v for k, v in ours.items()
+               if k.endswith("_ms") or k in ("kernels", "async_scheduling", "graphs",
+                                             "max_model_len")}}
     return res
 
 

@@ -52,6 +52,11 @@ class EngineConfig:
     cuda_graphs: bool = True
     """Run decode-only steps as CUDA graphs captured at bucketed batch sizes (CUDA only)."""
 
+    async_scheduling: bool | None = None
+    """Schedule and launch step n+1 while step n runs on the device, feeding the tokens it
+    samples from the device (the host reads them one step later); null: on for one-rank
+    CUDA runs, off elsewhere (on a CPU there is nothing to overlap)."""
+
     step_log: str | None = None
     """JSON-lines file the engine appends one step record to per step (parallel/diagnose.py's
     StepRecord, read by `meshserve diagnose diagnose.records=...`); null writes none."""

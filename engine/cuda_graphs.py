@@ -202,13 +202,18 @@ class DecodeGraphs:
                 and all(len(s.token_ids) == 1 for s in seqs)
                 and max(len(s.block_table) for s in seqs) <= self.buffers.block_tables.shape[1])
 
-    def run_scheduled(self, seqs: Sequence[ScheduledLike], block_size: int) -> torch.Tensor:
+    def run_scheduled(self, seqs: Sequence[ScheduledLike], block_size: int,
+                      patch_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode-only step given as scheduled sequences
-        (`fits`): its inputs go packed in one host->device copy, then the graph replays."""
+        (`fits`): its inputs go packed in one host->device copy, `patch_ids` may then change
+        the static input ids on the device (tokens the host does not know yet), then the
+        graph replays."""
         n = len(seqs)
         bucket = bucket_for(n, self.sizes)
         assert bucket is not None
         self.packed.send(seqs, block_size, bucket)
+        if patch_ids is not None:
+            patch_ids(self.buffers.input_ids)
         graph, out = self.graphs[bucket]
         graph.replay()
         return out[:n]

@@ -10,9 +10,16 @@ from pathlib import Path
 from typing import cast
 
 from meshserve.engine.auto_layout import resolve_layout
-from meshserve.engine.executor import Executor, LocalExecutor, Logprob, PipelinedExecutor
+from meshserve.engine.executor import (
+    AsyncExecutor,
+    Executor,
+    LocalExecutor,
+    Logprob,
+    PipelinedExecutor,
+)
 from meshserve.engine.micro_batch import micro_batch_budget
 from meshserve.engine.outputs import RequestMetrics, RequestOutput
+from meshserve.engine.sampled_tokens import SampledTokens
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler import Scheduler
 from meshserve.engine.scheduler_output import SchedulerOutput, SchedulerStats
@@ -73,6 +80,10 @@ class Engine:
         self.tokenizer = (Tokenizer(self.model_dir)
                           if (self.model_dir / "tokenizer.json").is_file() else None)
         self.max_model_len = self._max_model_len()
+        if config.engine.async_scheduling and config.parallel.world_size > 1:
+            raise ValueError(f"engine.async_scheduling=true with {config.parallel.world_size} "
+                             "ranks: async scheduling runs one-rank layouts; allowed are "
+                             "null, false")
         # Opened before any rank starts, so a bad path fails at once.
         self.step_log = StepLog(config.engine.step_log) if config.engine.step_log else None
         self.executor: Executor = executor or make_executor(config, self.model_dir, self.arch,
@@ -82,6 +93,11 @@ class Engine:
         # executor seconds so far.
         self._in_flight: deque[tuple[SchedulerOutput, float, float]] = deque()
         self.device = self.executor.device
+        self.async_scheduling = self._async_scheduling()
+        # Async scheduling: the step launched last, not yet resolved, with its scheduler
+        # seconds so far.
+        self._launched: tuple[SchedulerOutput, SampledTokens, float] | None = None
+        self._launch_s = 0.0
         self.num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(config.engine, self.num_blocks, self.max_model_len)
         self._new_params: dict[int, SamplingParams] = {}
@@ -96,6 +112,17 @@ class Engine:
         if self.step_log is not None:
             self.step_log.comm = self._measured_comm()
             self.step_log.write_run(self._run_header())
+
+    def _async_scheduling(self) -> bool:
+        """engine.async_scheduling, resolved: it needs an executor that can launch a step
+        without waiting, and one step in flight (a pipeline keeps its own)."""
+        asked = self.config.engine.async_scheduling
+        able = hasattr(self.executor, "launch") and self._max_in_flight == 1
+        if asked and not able:
+            raise ValueError("engine.async_scheduling=true needs a one-rank layout (this "
+                             f"executor is {type(self.executor).__name__}, "
+                             f"{self._max_in_flight} steps in flight): allowed are null, false")
+        return able if asked is None and self.device.type == "cuda" else bool(asked)
 
     def _run_header(self) -> dict[str, object]:
         """What `meshserve diagnose` needs to price this run's step records."""
@@ -194,7 +221,8 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running, or a micro-batch is in the pipeline."""
-        return self.scheduler.has_unfinished() or bool(self._in_flight)
+        return (self.scheduler.has_unfinished() or bool(self._in_flight)
+                or self._launched is not None)
 
     def shutdown(self) -> None:
         """Release the executor's ranks, process groups and ports; close the step log."""
@@ -206,6 +234,8 @@ class Engine:
         """Run one scheduled forward pass; outputs of the requests it advanced."""
         if self._max_in_flight > 1:
             return self._step_pipelined()
+        if self.async_scheduling:
+            return self._step_async()
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.scheduled:
@@ -227,6 +257,45 @@ class Engine:
         now = time.monotonic()
         return [self._advance(self._requests[i], t, result.logprobs.get(i), now)
                 for i, t in result.tokens.items()]
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule and launch the next step, then resolve the one launched before it:
+        the host's scheduling, input building and launching overlap the device's work.
+        Returns the outputs of the resolved step."""
+        executor = cast(AsyncExecutor, self.executor)
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        launched = None
+        if out.scheduled:
+            new = self._admit_to_executor(out)
+            launched = executor.launch(out, new, self._finished)
+            self._finished = []
+        t2 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        if self._launched is not None:
+            done, sampled, scheduler_s = self._launched
+            result = executor.resolve(sampled)
+            t3 = time.perf_counter()
+            self.scheduler.resolve(done, result.tokens)
+            now = time.monotonic()
+            requests = self._requests  # a request that ended meanwhile is gone
+            outputs = [self._advance(requests[i], t, result.logprobs.get(i), now)
+                       for i, t in result.tokens.items() if i in requests]
+            t4 = time.perf_counter()
+            # The resolved step's execute time: from its launch to its tokens on the host.
+            self.timing.add(scheduler_s + t4 - t3, t3 - t2 + self._launch_s,
+                            done.num_batched_tokens)
+            if self.step_log is not None:
+                self.step_log.write(done.scheduled, wall_s=t4 - t0,
+                                    scheduler_s=scheduler_s + t4 - t3, comm_mark=None,
+                                    num_in_flight=None)
+        self._launched = None
+        if launched is not None:
+            self.scheduler.advance(out)
+            self._launched = (out, launched, t1 - t0)
+            self._launch_s = t2 - t1
+        return outputs
 
     def _admit_to_executor(self, out: SchedulerOutput) -> dict[int, SamplingParams]:
         """Stamp first-scheduled times; the sampling params of sequences the executor

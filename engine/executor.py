@@ -17,6 +17,7 @@ import torch
 from meshserve.engine.host_memory import tune_malloc
 from meshserve.engine.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from meshserve.engine.model_runner import ModelRunner
+from meshserve.engine.sampled_tokens import Logprob, SampledTokens
 from meshserve.engine.sampler import Sampler
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler_output import SchedulerOutput
@@ -24,11 +25,10 @@ from meshserve.engine.warmup import warm_up
 from meshserve.kernels import dispatch
 from meshserve.launch.run_config import MeshConfig
 from meshserve.models.arch import ModelArch
+from meshserve.models.llama import LlamaForCausalLM
 from meshserve.models.loader import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-Logprob = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass
@@ -57,6 +57,19 @@ class Executor(Protocol):
 
     def check_health(self) -> None:
         """Raise RankFailure if a rank is gone (cheap: an idle driver polls it)."""
+        ...
+
+
+class AsyncExecutor(Executor, Protocol):
+    """An executor that queues a step and returns before the device has run it."""
+
+    def launch(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
+               finished: Sequence[int]) -> SampledTokens:
+        """Queue a step; PLACEHOLDER_TOKEN decodes take the previous launch's tokens."""
+        ...
+
+    def resolve(self, sampled: SampledTokens) -> StepResult:
+        """Wait for a launched step's tokens."""
         ...
 
 
@@ -117,27 +130,45 @@ class StepSampler:
 
     def sample(self, logits: torch.Tensor, seq_ids: list[int]) -> StepResult:
         """One token per row of `logits` [N, V], row i belonging to seq_ids[i]."""
+        return step_result(self.launch(logits, seq_ids))
+
+    def launch(self, logits: torch.Tensor, seq_ids: list[int]) -> SampledTokens:
+        """Sample on the device; the host reads the tokens when it waits for them."""
         if not seq_ids:
-            return StepResult()
+            return SampledTokens([], torch.empty(0, dtype=torch.long))
         params = [self.params[i] for i in seq_ids]
-        res = self.sampler(logits, params, [self.generators[i] for i in seq_ids])
-        return StepResult(dict(zip(seq_ids, res.token_ids)),
-                          {i: lp for i, lp in zip(seq_ids, res.logprobs) if lp is not None})
+        tokens = self.sampler.sample_tokens(logits, params, [self.generators[i] for i in seq_ids])
+        logprobs = None
+        if any(p.logprobs is not None for p in params):
+            def logprobs(token_ids: list[int]) -> list[Logprob | None]:
+                return self.sampler.logprobs(logits.float(), params, token_ids)
+        return SampledTokens(seq_ids, tokens, logprobs)
+
+
+def step_result(sampled: SampledTokens) -> StepResult:
+    """Wait for `sampled` and key its tokens and logprobs by sequence."""
+    tokens, logprobs = sampled.wait()
+    ids = sampled.seq_ids
+    return StepResult(dict(zip(ids, tokens)),
+                      {i: lp for i, lp in zip(ids, logprobs) if lp is not None})
 
 
 class LocalExecutor:
     """The whole model in this process (one rank, no communication)."""
 
     def __init__(self, config: MeshConfig, model_dir: Path, arch: ModelArch, *,
-                 progress: bool = True) -> None:
+                 progress: bool = True, model: LlamaForCausalLM | None = None) -> None:
+        """`model`: weights already on the device in the run's dtype (a benchmark's random
+        model, say) instead of loading `model_dir`'s."""
         if config.threads:
             torch.set_num_threads(config.threads)
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             tune_malloc()
         self.dtype = resolve_dtype(config.model.dtype, arch, self.device)
-        model = load_model(model_dir, dtype=self.dtype, device=self.device, progress=progress,
-                           cpu_weight_layout=config.model.cpu_weight_layout)
+        if model is None:
+            model = load_model(model_dir, dtype=self.dtype, device=self.device,
+                               progress=progress, cpu_weight_layout=config.model.cpu_weight_layout)
         ec = config.engine
         layers = model.attention_layers()
         attn = layers[0]
@@ -154,13 +185,25 @@ class LocalExecutor:
         if self.device.type == "cuda":  # compile the kernels now, not in the first request
             warm_up(self.runner, self.num_blocks)
         self.sampler = StepSampler(self.device, ec.seed)
+        self._previous: SampledTokens | None = None
 
     def execute(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
                 finished: Sequence[int]) -> StepResult:
+        return self.resolve(self.launch(out, new_params, finished))
+
+    def launch(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
+               finished: Sequence[int]) -> SampledTokens:
+        """Queue one step on the device and return without waiting for it (async
+        scheduling). Placeholder tokens in `out` are fed from the previous launch."""
         self.sampler.track(new_params, finished)
         self.runner.copy_blocks(out.block_copies)
-        logits, seq_ids = self.runner.execute(out.scheduled)
-        return self.sampler.sample(logits, seq_ids)
+        logits, seq_ids = self.runner.execute(out.scheduled, self._previous)
+        self._previous = self.sampler.launch(logits, seq_ids)
+        return self._previous
+
+    def resolve(self, sampled: SampledTokens) -> StepResult:
+        """The tokens of a launched step (waits for the device)."""
+        return step_result(sampled)
 
     def check_health(self) -> None:
         """One process: nothing can be lost."""

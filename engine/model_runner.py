@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from meshserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from meshserve.engine.sampled_tokens import SampledTokens, feed_placeholders
+from meshserve.engine.scheduler_output import PLACEHOLDER_TOKEN
 from meshserve.engine.step_inputs import ScheduledLike, StepInputs, build_step_inputs
 from meshserve.models.attention import AttentionMetadata
 from meshserve.models.llama import LlamaForCausalLM
@@ -38,21 +40,32 @@ class ModelRunner:
             v[dst] = v[src]
 
     @torch.inference_mode()
-    def execute(self, seqs: Sequence[ScheduledLike]) -> tuple[torch.Tensor, list[int]]:
-        """Logits [N, vocab] for the N sequences that sample, and their seq ids."""
+    def execute(self, seqs: Sequence[ScheduledLike], previous: SampledTokens | None = None
+                ) -> tuple[torch.Tensor, list[int]]:
+        """Logits [N, vocab] for the N sequences that sample, and their seq ids.
+
+        A decode token that is PLACEHOLDER_TOKEN (async scheduling) is fed from `previous`,
+        the step before, whose tokens may still be on the device only."""
         if self.graphs is not None and self.graphs.fits(seqs):
-            return self._execute_graph(seqs)
+            return self._execute_graph(seqs, previous)
         inputs = build_step_inputs(seqs, self.block_size, self.device)
+        decodes = [seqs[i] for i in inputs.order[:inputs.meta.num_decode_tokens]]
+        held = [j for j, s in enumerate(decodes) if s.token_ids[0] == PLACEHOLDER_TOKEN]
+        feed_placeholders(inputs.input_ids, held, [decodes[j].seq_id for j in held], previous)
         hidden = self.forward(inputs)
         if not inputs.sample_seq_ids:
             return hidden.new_empty(0, 0), []
         logits = self.model.compute_logits(inputs.sampled_rows(hidden))
         return logits, inputs.sample_seq_ids
 
-    def _execute_graph(self, seqs: Sequence[ScheduledLike]) -> tuple[torch.Tensor, list[int]]:
+    def _execute_graph(self, seqs: Sequence[ScheduledLike], previous: SampledTokens | None
+                       ) -> tuple[torch.Tensor, list[int]]:
         """A decode-only step under a captured graph, its inputs packed in one copy."""
         assert self.graphs is not None
-        hidden = self.graphs.run_scheduled(seqs, self.block_size)
+        held = [r for r, s in enumerate(seqs) if s.token_ids[0] == PLACEHOLDER_TOKEN]
+        hidden = self.graphs.run_scheduled(
+            seqs, self.block_size,
+            lambda ids: feed_placeholders(ids, held, [seqs[r].seq_id for r in held], previous))
         rows = [i for i, s in enumerate(seqs) if s.sample]
         if not rows:
             return hidden.new_empty(0, 0), []

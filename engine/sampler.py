@@ -31,19 +31,23 @@ class Sampler:
                  generators: Sequence[torch.Generator | None]) -> SampleResult:
         """logits [N, V] -> N tokens."""
         logits = logits.float()
+        token_list = self.sample_tokens(logits, params, generators).tolist()
+        return SampleResult(token_list, self.logprobs(logits, params, token_list))
+
+    def sample_tokens(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                      generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+        """logits [N, V] -> N tokens [N] (long) on the logits' device, without waiting for
+        the device: the host learns them only when it reads the tensor."""
         greedy = [p.greedy for p in params]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, params, generators, greedy)
-        token_list = tokens.tolist()
-        return SampleResult(token_list, self._logprobs(logits, params, token_list))
+            return logits.argmax(dim=-1)
+        return self._sample(logits.float(), params, generators, greedy)
 
     def _sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None], greedy: list[bool]) -> torch.Tensor:
         dev = logits.device
-        temp = torch.tensor([p.temperature if not g else 1.0 for p, g in zip(params, greedy)],
-                            device=dev).unsqueeze(1)
+        temp = _to(dev, [p.temperature if not g else 1.0 for p, g in zip(params, greedy)],
+                   torch.float32).unsqueeze(1)
         scaled = logits / temp
         scaled = _top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
         probs = scaled.softmax(dim=-1)
@@ -59,11 +63,11 @@ class Sampler:
         sampled = sampled.clamp_(max=logits.shape[-1] - 1)
         if not any(greedy):
             return sampled
-        is_greedy = torch.tensor(greedy, device=dev)
+        is_greedy = _to(dev, greedy, torch.bool)
         return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
+    def logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
                   tokens: list[int]) -> list[tuple[float, list[tuple[int, float]]] | None]:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(params)
@@ -83,12 +87,22 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
         return logits
     vocab = logits.shape[-1]
     sorted_logits, idx = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_k], device=logits.device)
+    k = _to(logits.device, [vocab if k == -1 else min(k, vocab) for k in top_k], torch.long)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     remove = ranks >= k.unsqueeze(1)
-    p = torch.tensor(top_p, device=logits.device).unsqueeze(1)
+    p = _to(logits.device, top_p, torch.float32).unsqueeze(1)
     probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
     # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token).
     remove |= (probs.cumsum(dim=-1) - probs) >= p
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
+
+
+def _to(device: torch.device, values: list[float] | list[int] | list[bool],
+        dtype: torch.dtype) -> torch.Tensor:
+    """A small host list on `device`; on CUDA through pinned memory, so the host does not
+    wait for the work already queued (async scheduling launches the next step meanwhile)."""
+    cpu = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return cpu.to(device)
+    return cpu.pin_memory().to(device, non_blocking=True)

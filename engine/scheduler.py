@@ -10,7 +10,12 @@ from itertools import islice
 
 from meshserve.engine.block_manager import BlockManager, cdiv
 from meshserve.engine.config import EngineConfig
-from meshserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput, SchedulerStats
+from meshserve.engine.scheduler_output import (
+    PLACEHOLDER_TOKEN,
+    ScheduledSeq,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from meshserve.engine.sequence import Sequence, SequenceStatus
 from meshserve.validation import require
 
@@ -24,6 +29,13 @@ class Scheduler:
 
     Invariants: `running` is in arrival order; a sequence in flight (scheduled, not yet
     updated) is neither scheduled again nor preempted; several outputs may be in flight.
+
+    Async scheduling (one step in flight, overlapped with the host's work on the next):
+    `advance` right after a step is launched counts its tokens as computed and gives each
+    sampling sequence a PLACEHOLDER_TOKEN, so the next step can feed it before its value
+    is known; `resolve` puts the sampled tokens in and applies the stop rules. A sequence
+    holding a placeholder may be scheduled, never preempted or forked. One whose length
+    limit the placeholder reaches stays in flight until resolved.
     """
 
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
@@ -40,6 +52,8 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}
         """Unfinished sequences by id."""
         self._in_flight: set[int] = set()
+        self._unresolved: set[int] = set()
+        """Sequences whose newest token is a placeholder (async scheduling)."""
         self._block_copies: list[tuple[int, int]] = []
         self._static_batch: set[int] = set()
         """'static' policy: ids of the batch now being served; new admissions wait for it."""
@@ -111,8 +125,8 @@ class Scheduler:
         """Start `child_seq_id` as a copy of running `parent_id`, sharing its KV blocks."""
         parent = self._seqs.get(parent_id)
         require(parent is not None and parent.status is SequenceStatus.RUNNING
-                and parent_id not in self._in_flight, "parent_id", parent_id,
-                "a running sequence that is not in flight")
+                and parent_id not in self._in_flight and parent_id not in self._unresolved,
+                "parent_id", parent_id, "a running sequence that is not in flight")
         require(child_seq_id not in self._seqs, "child_seq_id", child_seq_id, "an unused id")
         assert parent is not None
         child = parent.fork(child_seq_id)
@@ -173,6 +187,64 @@ class Scheduler:
             self.running = [s for s in self.running if not s.is_finished]
         return finished
 
+    def advance(self, output: SchedulerOutput) -> None:
+        """Async scheduling, first half of `update`, right after `output` was launched: its
+        tokens count as computed and each sequence that samples gets a placeholder token.
+        Call `resolve(output, ...)` with the sampled tokens before the next `advance`."""
+        seqs, in_flight, unresolved, bm = self._seqs, self._in_flight, self._unresolved, \
+            self.block_manager
+        caching, bs = bm.prefix_cache is not None, bm.block_size
+        for sched in output.scheduled:
+            seq_id = sched.seq_id
+            seq = seqs.get(seq_id)
+            if seq is None:
+                in_flight.discard(seq_id)
+                continue  # aborted or finished while in flight
+            start = sched.start_pos
+            assert seq.num_computed_tokens == start, (seq, start)
+            end = seq.num_computed_tokens = start + len(sched.token_ids)
+            # Every token fed so far is known: the previous step was resolved before this.
+            if caching and end // bs != start // bs:
+                bm.cache_computed_blocks(seq)
+            if sched.sample:
+                seq.append_token(PLACEHOLDER_TOKEN)
+                unresolved.add(seq_id)
+                if (len(seq.output_token_ids) >= seq.max_tokens
+                        or end + 1 >= self.max_model_len):
+                    continue  # finishes when resolved, whatever the token: not schedulable
+            in_flight.discard(seq_id)
+
+    def resolve(self, output: SchedulerOutput, sampled: Mapping[int, int]) -> list[Sequence]:
+        """Async scheduling, second half of `update`: put the tokens `output` sampled in
+        place of their placeholders and apply the stop rules; return the finished sequences.
+
+        A finished sequence may already be in the step launched after `output`: that step's
+        token for it is dropped (its `advance` and `resolve` skip sequences that are gone)."""
+        finished: list[Sequence] = []
+        seqs, in_flight, unresolved = self._seqs, self._in_flight, self._unresolved
+        for sched in output.scheduled:
+            if not sched.sample:
+                continue
+            seq_id = sched.seq_id
+            seq = seqs.get(seq_id)
+            if seq is None or seq_id not in unresolved:
+                if seq is None:
+                    in_flight.discard(seq_id)
+                continue  # aborted or finished meanwhile
+            unresolved.discard(seq_id)
+            assert seq.last_token_id == PLACEHOLDER_TOKEN, seq
+            seq.set_last_token(sampled[seq_id])
+            status = self._stop_status(seq)
+            if status is not None:
+                seq.set_finished(status)
+                finished.append(seq)
+                in_flight.discard(seq_id)
+        if finished:
+            for seq in finished:
+                self._retire(seq)
+            self.running = [s for s in self.running if not s.is_finished]
+        return finished
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
         """Decodes and unfinished prefills of running sequences, oldest first.
 
@@ -221,7 +293,7 @@ class Scheduler:
         """
         bm, running, in_flight = self.block_manager, self.running, self._in_flight
         while not bm.allocate_slots(seq, num_new):
-            if running[-1].seq_id in in_flight:
+            if running[-1].seq_id in in_flight or running[-1].seq_id in self._unresolved:
                 return False
             victim = self._preempt(len(running) - 1, out)
             if victim is seq:
@@ -333,6 +405,9 @@ class Scheduler:
     def _retire(self, seq: Sequence) -> None:
         """Forget a finished sequence and free its blocks (running list is the caller's)."""
         del self._seqs[seq.seq_id]
+        if seq.seq_id in self._unresolved:  # ended before its last token came back
+            self._unresolved.discard(seq.seq_id)
+            seq.drop_last_token()
         self.block_manager.free(seq)
         self._static_batch.discard(seq.seq_id)
         self._deferred.pop(seq.seq_id, None)

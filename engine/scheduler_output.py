@@ -6,6 +6,11 @@ from dataclasses import dataclass, field, fields
 
 from meshserve.engine.prefix_cache import PrefixCacheStats
 
+PLACEHOLDER_TOKEN = -1
+"""Under async scheduling, a sampled token the host does not know yet: the step that feeds it
+was scheduled while the step that samples it still ran. The executor feeds the token that
+step sampled on the device in its place (`Scheduler.advance`, `Scheduler.resolve`)."""
+
 
 @dataclass(slots=True)
 class ScheduledSeq:
@@ -18,7 +23,8 @@ class ScheduledSeq:
 
     seq_id: int
     token_ids: list[int]
-    """A prefill chunk, or the one decode token."""
+    """A prefill chunk, or the one decode token (PLACEHOLDER_TOKEN under async scheduling
+    when the previous step sampled it and has not been resolved)."""
 
     start_pos: int
     """Position of token_ids[0]; the sequence's num_computed_tokens before the step."""

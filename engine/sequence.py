@@ -111,6 +111,18 @@ class Sequence:
         self._token_ids.append(token_id)
         self.output_token_ids.append(token_id)
 
+    def drop_last_token(self) -> None:
+        """Remove the newest generated token (a placeholder that will never be known)."""
+        assert self.output_token_ids, self
+        self._token_ids.pop()
+        self.output_token_ids.pop()
+
+    def set_last_token(self, token_id: int) -> None:
+        """Replace the newest generated token (async scheduling's placeholder, once known)."""
+        assert self.output_token_ids, self
+        self._token_ids[-1] = token_id
+        self.output_token_ids[-1] = token_id
+
     def set_finished(self, status: SequenceStatus) -> None:
         """Mark the sequence finished with `status` and its finish reason."""
         assert status.is_finished, status

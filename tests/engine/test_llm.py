@@ -21,7 +21,15 @@ MODES = {
     "chunk-32": ["engine.max_num_batched_tokens=32", "engine.max_num_seqs=4"],
     "preempt": ["engine.block_size=4", "engine.num_gpu_blocks=24"],
     "no-chunking": ["engine.enable_chunked_prefill=false", "engine.max_num_batched_tokens=64"],
+    "async": ["engine.async_scheduling=true"],
+    "async-chunk-7": ["engine.async_scheduling=true", "engine.max_num_batched_tokens=7"],
+    "async-preempt": ["engine.async_scheduling=true", "engine.block_size=4",
+                      "engine.num_gpu_blocks=24"],
+    "async-static": ["engine.async_scheduling=true", "engine=static",
+                     "engine.static_batch_size=3"],
 }
+ASYNC = {"sync": [], "async": ["engine.async_scheduling=true"]}
+"""Scheduling each step after the previous one is resolved, or before (overlapped)."""
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -31,7 +39,7 @@ def test_greedy_identical_to_transformers(make_checkpoint, prompts, expected, mo
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == expected
     stats = llm.engine.stats
-    if mode == "preempt":
+    if mode.endswith("preempt"):
         assert stats.num_preemptions > 0
     assert stats.num_free_blocks == llm.engine.num_blocks  # nothing leaked
 
@@ -46,8 +54,9 @@ def test_prefix_cache_hits_and_same_output(make_checkpoint, prompts, expected) -
     assert cached == [((len(p) - 1) // 4) * 4 for p in prompts]
 
 
-def test_seeded_sampling_is_reproducible(make_checkpoint, prompts) -> None:
-    llm = LLM(str(make_checkpoint("llama")), overrides=ONE_RANK, progress=False)
+@pytest.mark.parametrize("sched", ASYNC)
+def test_seeded_sampling_is_reproducible(make_checkpoint, prompts, sched) -> None:
+    llm = LLM(str(make_checkpoint("llama")), overrides=[*ONE_RANK, *ASYNC[sched]], progress=False)
     sp = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=123, ignore_eos=True)
     a = llm.generate(prompts[:4], sp)
     b = llm.generate(prompts[2:3], sp)  # alone, with a different batch around it
@@ -57,8 +66,9 @@ def test_seeded_sampling_is_reproducible(make_checkpoint, prompts) -> None:
     assert other[0].token_ids != a[2].token_ids
 
 
-def test_stop_token_and_min_tokens(make_checkpoint, prompts, expected) -> None:
-    llm = LLM(str(make_checkpoint("llama")), overrides=ONE_RANK, progress=False)
+@pytest.mark.parametrize("sched", ASYNC)
+def test_stop_token_and_min_tokens(make_checkpoint, prompts, expected, sched) -> None:
+    llm = LLM(str(make_checkpoint("llama")), overrides=[*ONE_RANK, *ASYNC[sched]], progress=False)
     stop_at = expected[5][4]
     first_hit = expected[5].index(stop_at)
     out = llm.generate([prompts[5]], SamplingParams(max_tokens=12, temperature=0.0,
@@ -71,8 +81,9 @@ def test_stop_token_and_min_tokens(make_checkpoint, prompts, expected) -> None:
     assert len(out.token_ids) > first_hit + 1
 
 
-def test_text_prompts_stop_strings_and_logprobs(text_checkpoint: Path) -> None:
-    llm = LLM(str(text_checkpoint), overrides=ONE_RANK, progress=False)
+@pytest.mark.parametrize("sched", ASYNC)
+def test_text_prompts_stop_strings_and_logprobs(text_checkpoint: Path, sched: str) -> None:
+    llm = LLM(str(text_checkpoint), overrides=[*ONE_RANK, *ASYNC[sched]], progress=False)
     full = llm.generate("def add(a, b):", SamplingParams(max_tokens=24, temperature=0.0,
                                                          ignore_eos=True))[0]
     assert full.text == llm.tokenizer.decode(full.token_ids)
@@ -108,8 +119,9 @@ def test_bad_prompts_raise_and_the_rest_still_run(make_checkpoint, prompts, expe
     assert engine.stats.num_free_blocks == engine.num_blocks
 
 
-def test_abort_frees_blocks(make_checkpoint, prompts) -> None:
-    llm = LLM(str(make_checkpoint("llama")), overrides=ONE_RANK, progress=False)
+@pytest.mark.parametrize("sched", ASYNC)
+def test_abort_frees_blocks(make_checkpoint, prompts, sched) -> None:
+    llm = LLM(str(make_checkpoint("llama")), overrides=[*ONE_RANK, *ASYNC[sched]], progress=False)
     engine = llm.engine
     rid = engine.add_request(prompts[-1], GREEDY)
     keep = engine.add_request(prompts[-2], GREEDY)
@@ -119,3 +131,15 @@ def test_abort_frees_blocks(make_checkpoint, prompts) -> None:
         engine.step()
     assert engine.stats.num_free_blocks == engine.num_blocks
     assert keep not in engine._by_request_id
+
+
+def test_async_scheduling_needs_one_rank(make_checkpoint) -> None:
+    with pytest.raises(ValueError, match=r"^engine.async_scheduling=true with 2 ranks"):
+        LLM(str(make_checkpoint("llama")), overrides=["parallel.tp=2",
+                                                      "engine.async_scheduling=true"],
+            progress=False)
+
+
+def test_async_scheduling_is_off_on_cpu_by_default(make_checkpoint) -> None:
+    llm = LLM(str(make_checkpoint("llama")), overrides=ONE_RANK, progress=False)
+    assert not llm.engine.async_scheduling
