@@ -181,10 +181,7 @@ class Scheduler:
                         finished.append(seq)
             if caching and end // bs != start // bs:  # a block was completed
                 bm.cache_computed_blocks(seq)
-        if finished:
-            for seq in finished:
-                self._retire(seq)
-            self.running = [s for s in self.running if not s.is_finished]
+        self._retire_all(finished)
         return finished
 
     def advance(self, output: SchedulerOutput) -> None:
@@ -239,10 +236,7 @@ class Scheduler:
                 seq.set_finished(status)
                 finished.append(seq)
                 in_flight.discard(seq_id)
-        if finished:
-            for seq in finished:
-                self._retire(seq)
-            self.running = [s for s in self.running if not s.is_finished]
+        self._retire_all(finished)
         return finished
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
@@ -401,6 +395,13 @@ class Scheduler:
         if num_outputs >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
+
+    def _retire_all(self, finished: list[Sequence]) -> None:
+        """Retire sequences that finished in an update and drop them from `running`."""
+        if finished:
+            for seq in finished:
+                self._retire(seq)
+            self.running = [s for s in self.running if not s.is_finished]
 
     def _retire(self, seq: Sequence) -> None:
         """Forget a finished sequence and free its blocks (running list is the caller's)."""

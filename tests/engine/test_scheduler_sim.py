@@ -166,12 +166,7 @@ class Driver:
         arrivals = sorted(enumerate(w.requests), key=lambda r: r[1].arrival_step)
         step = 0
         while arrivals or s.has_unfinished() or self.pending:
-            assert step < MAX_STEPS, "no progress"
-            while arrivals and arrivals[0][1].arrival_step <= step:
-                self._add(*arrivals.pop(0))
-            for when, kind, which in w.events:
-                if when == step:
-                    self._event(kind, which)
+            self._begin_step(step, arrivals)
             if s.has_unfinished():
                 out = s.schedule(w.micro_budget)
                 self._check_step(out)
@@ -188,16 +183,11 @@ class Driver:
     def _run_async(self) -> None:
         """The engine's async loop: schedule and launch step n+1, resolve step n, advance
         n+1; step n's sequences may be in step n+1 with placeholder tokens."""
-        w, s = self.w, self.s
-        arrivals = sorted(enumerate(w.requests), key=lambda r: r[1].arrival_step)
+        s = self.s
+        arrivals = sorted(enumerate(self.w.requests), key=lambda r: r[1].arrival_step)
         step = 0
         while arrivals or s.has_unfinished() or self.pending:
-            assert step < MAX_STEPS, "no progress"
-            while arrivals and arrivals[0][1].arrival_step <= step:
-                self._add(*arrivals.pop(0))
-            for when, kind, which in w.events:
-                if when == step:
-                    self._event(kind, which)
+            self._begin_step(step, arrivals)
             launched = None
             if s.has_unfinished():
                 out = s.schedule()
@@ -212,6 +202,15 @@ class Driver:
                 s.advance(launched[0])
                 self.pending.append(launched)
             step += 1
+
+    def _begin_step(self, step: int, arrivals: list[tuple[int, Request]]) -> None:
+        """Add the requests arriving by `step` and run its abort and fork events."""
+        assert step < MAX_STEPS, "no progress"
+        while arrivals and arrivals[0][1].arrival_step <= step:
+            self._add(*arrivals.pop(0))
+        for when, kind, which in self.w.events:
+            if when == step:
+                self._event(kind, which)
 
     def _add(self, index: int, r: Request) -> None:
         seq = Sequence(len(self.seqs), r.prompt, max_tokens=r.max_tokens,
