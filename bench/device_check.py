@@ -124,7 +124,10 @@ def table(results: dict[str, Any]) -> str:
                      "", ""))
     for key, d in results.get("decode", {}).items():
         if key.startswith("batch") and isinstance(d, dict):
-            add(f"decode {key} tok/s", d["meshserve_tok_s"], "", None)
+            mode = "async" if d.get("async_scheduling") else "sync"
+            add(f"decode {key} tok/s (engine, {mode})", d["meshserve_tok_s"], "", None)
+            if "sync_tok_s" in d:
+                add(f"  {key} tok/s, async scheduling off", d["sync_tok_s"], "", None)
             add(f"  {key} MBU", d["mbu"], ">= 0.75" if key == "batch1" else "",
                 d["mbu"] >= 0.75 if key == "batch1" else None)
             add(f"  {key} roofline tok/s", d["roofline_tok_s"], "", None)

@@ -36,7 +36,8 @@ def _random_model(arch: ModelArch, s: Sizes) -> torch.nn.Module:
     return model.eval()
 
 
-def _meshserve_decode(arch: ModelArch, s: Sizes, batch: int) -> dict[str, Any]:
+def _meshserve_decode(arch: ModelArch, s: Sizes, batch: int,
+                      async_scheduling: bool | None = None) -> dict[str, Any]:
     """Decode tok/s of the engine itself (scheduler, async scheduling and CUDA graphs as a
     one-GPU run has them) over a random model: `batch` requests of `decode_prompt` random
     tokens, timed from when every request has its first token to when all have
@@ -54,7 +55,9 @@ def _meshserve_decode(arch: ModelArch, s: Sizes, batch: int) -> dict[str, Any]:
         overrides = [f"model.path='{tmp}'", f"device={s.device.type}", f"model.dtype={dtype}",
                      "parallel=single", f"engine.max_num_seqs={batch}",
                      f"engine.max_model_len={max_len}", f"engine.block_size={bs}",
-                     f"engine.num_gpu_blocks={batch * (max_len // bs) + 8}"]
+                     f"engine.num_gpu_blocks={batch * (max_len // bs) + 8}",
+                     "engine.async_scheduling="
+                     + {None: "null", True: "true", False: "false"}[async_scheduling]]
         if s.device.type == "cpu":
             overrides.append("threads=1")
         config = load_config(overrides)
@@ -191,6 +194,9 @@ def decode_throughput(s: Sizes, copy_gbs: float) -> dict[str, Any]:
     for batch in s.decode_batches:
         ours = _meshserve_decode(arch, s, batch)
         _free(s.device)
+        if batch == 1 and ours["async_scheduling"]:  # what overlapping the host buys
+            ours["sync_tok_s"] = _meshserve_decode(arch, s, batch, False)["tok_s"]
+            _free(s.device)
         step_bytes = roofline.decode_bytes(arch, itemsize, batch * ours["mean_context"])
         roof_step = step_bytes / (copy_gbs * 1e9)
         hf = _hf_decode(s, batch)
@@ -202,7 +208,7 @@ def decode_throughput(s: Sizes, copy_gbs: float) -> dict[str, Any]:
             / hf["tok_s"], "roofline_step_ms": roof_step * 1e3,
             **{k: v for k, v in ours.items()
                if k.endswith("_ms") or k in ("kernels", "async_scheduling", "graphs",
-                                             "max_model_len")}}
+                                             "max_model_len", "sync_tok_s")}}
     return res
 
 
