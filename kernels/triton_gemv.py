@@ -47,7 +47,13 @@ class GemvRule:
     max_rows: int
     max_weight_bytes: int
     config: GemvConfig
+    dtypes: tuple[torch.dtype, ...] | None = None
+    """Weight dtypes the rule was measured for (None: any). A launch tuned for 16-bit
+    weights can need more shared memory than the chip has for float32 ones (an H200
+    refused 288 KiB for the float32 o_proj rule)."""
 
+
+_HALF = (torch.bfloat16, torch.float16)
 
 MEASURED_RULES: dict[tuple[int, int], list[GemvRule]] = {
     # H200 (Hopper, 9.0), bf16 Llama-3-8B layers timed in CUDA graphs by the device check
@@ -55,9 +61,11 @@ MEASURED_RULES: dict[tuple[int, int], list[GemvRule]] = {
     # 17.8 -> 15.1 us at 1 row (at 8 rows within 3% of cuBLAS); gate_up and down stay on
     # cuBLAS, which streams them at 95% of copy bandwidth in the model.
     (9, 0): [GemvRule(max_rows=8, max_weight_bytes=32 << 20,
-                      config=GemvConfig(block_n=32, block_k=512, num_warps=4, num_stages=4)),
+                      config=GemvConfig(block_n=32, block_k=512, num_warps=4, num_stages=4),
+                      dtypes=_HALF),
              GemvRule(max_rows=1, max_weight_bytes=64 << 20,
-                      config=GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=4))],
+                      config=GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=4),
+                      dtypes=_HALF)],
 }
 """Rules measured per GPU architecture (compute capability); others use cuBLAS only."""
 
@@ -78,7 +86,8 @@ def rule_for(rows: int, weight: torch.Tensor) -> GemvConfig | None:
     if rules is None:
         rules = _arch_rules(weight.device.index or 0) if weight.device.type == "cuda" else []
     for rule in rules:
-        if rows <= rule.max_rows and size <= rule.max_weight_bytes:
+        if (rows <= rule.max_rows and size <= rule.max_weight_bytes
+                and (rule.dtypes is None or weight.dtype in rule.dtypes)):
             return rule.config
     return None
 

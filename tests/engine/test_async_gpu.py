@@ -11,7 +11,7 @@ from meshserve import LLM, SamplingParams
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-CUDA_FP32 = ["parallel=single", "device=cuda", "model.dtype=float32"]
+CUDA_FP32 = ["parallel=single", "device=cuda", "model.dtype=float32", "engine.num_gpu_blocks=256"]
 
 
 @pytest.mark.parametrize("extra", [[], ["engine.block_size=4", "engine.num_gpu_blocks=24"]])
@@ -30,6 +30,6 @@ def test_async_matches_sync_on_cuda(make_checkpoint, prompts, extra) -> None:
 
 
 def test_async_is_the_cuda_default(make_checkpoint) -> None:
-    llm = LLM(str(make_checkpoint("llama")), overrides=["parallel=single", "device=cuda"],
+    llm = LLM(str(make_checkpoint("llama")), overrides=["parallel=single", "device=cuda", "engine.num_gpu_blocks=64"],
               progress=False)
     assert llm.engine.async_scheduling

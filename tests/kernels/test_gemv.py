@@ -74,3 +74,5 @@ def test_measured_hopper_rules_and_the_cpu_default(monkeypatch: pytest.MonkeyPat
     assert tg.rule_for(1, qkv) == tg.GemvConfig(block_n=64, block_k=256)
     assert tg.rule_for(2, qkv) is None and tg.rule_for(9, o) is None
     assert tg.rule_for(1, gate_up) is None
+    f32 = torch.empty(4096, 4096, device="meta")  # measured on bf16: float32 stays on cuBLAS
+    assert tg.rule_for(1, f32) is None
