@@ -60,6 +60,7 @@ def run_sections(s: Any, out_dir: Path, only: tuple[str, ...], cache_dir: Path,
     from meshserve.bench import device_sections as ds
 
     results: dict[str, Any] = {}
+    ds.warm_clocks(s.device)
 
     def copy_gbs() -> float:
         return float(results.get("copy", {}).get("gbs") or ds.copy_bandwidth(s)["gbs"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,21 @@ def sync(device: torch.device) -> None:
 def best_time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Best wall time of `fn` over `repeats` runs after one warm-up (calibrate's timer)."""
     return calibrate_best_time(fn, repeats, device)
+
+
+def warm_clocks(device: torch.device, seconds: float = 2.0) -> float:
+    """Keep the GPU busy for `seconds` so its clocks are up before anything is timed (an
+    idle H200 sits at 345 MHz; the first section's short kernels were timed 10% slow on
+    the ramp). Returns the seconds spent; nothing to do on a CPU."""
+    if device.type != "cuda":
+        return 0.0
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            a @ a
+        sync(device)
+    return time.perf_counter() - t0
 
 
 def copy_bandwidth(s: Sizes) -> dict[str, Any]:
