@@ -346,17 +346,29 @@ class Engine:
                 for i, t in result.tokens.items() if i in requests]
 
     def _micro_batch_budget(self) -> int:
-        """Tokens that could run now (running sequences not in flight, waiting ones as far
-        as free KV blocks go) shared evenly by the free pipeline slots."""
-        in_flight = {s.seq_id for out, _, _ in self._in_flight for s in out.scheduled}
+        """An even share, over the pipeline's slots, of the tokens the next micro-batches
+        will run: those that could run now (running sequences not in flight, waiting ones
+        as far as free KV blocks go) and those the micro-batches in flight will bring
+        back (a decode each, or the rest of a prompt). Counting the latter keeps the
+        sequence groups that alternate through the pipeline the same size as sequences
+        finish: a group grown larger leaves its youngest to the next micro-batch."""
         sched = self.scheduler
+        in_flight: set[int] = set()
+        returning = 0
+        for out, _, _ in self._in_flight:
+            for x in out.scheduled:
+                in_flight.add(x.seq_id)
+                seq = sched.get(x.seq_id)
+                if seq is not None:  # not finished or aborted meanwhile
+                    returning += (1 if x.sample
+                                  else seq.num_tokens - x.start_pos - len(x.token_ids))
         pending = sum(s.num_tokens - s.num_computed_tokens for s in sched.running
                       if s.seq_id not in in_flight)
         if sched.waiting:
             bm = sched.block_manager
             pending += min(sum(s.num_tokens for s in sched.waiting),
                            bm.num_free_blocks * bm.block_size)
-        return micro_batch_budget(pending, self._max_in_flight - len(self._in_flight),
+        return micro_batch_budget(pending, returning, self._max_in_flight,
                                   self.config.engine.max_num_batched_tokens)
 
     def _advance(self, req: _Request, token: int,
