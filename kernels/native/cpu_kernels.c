@@ -297,12 +297,19 @@ int ms_attend_qkv_f32(float *qkv, int64_t tokens, int64_t heads, int64_t kv_head
 #if defined(__AVX2__) && defined(__FMA__)
 #define LIN_BLOCK(MB)                                                                      \
     static void lin4_##MB(const float *x, int64_t xs, const float *w, int64_t ws,         \
-                          float *out, int64_t os, int64_t K) {                             \
+                          float *out, int64_t os, int64_t K, int prefetch) {               \
         __m256 acc[MB][4];                                                                 \
         for (int m = 0; m < MB; m++)                                                       \
             for (int j = 0; j < 4; j++) acc[m][j] = _mm256_setzero_ps();                   \
         int64_t k = 0;                                                                     \
+        const float *pf = w + 4 * ws; /* the next block's rows: streamed from memory */     \
         for (; k + 8 <= K; k += 8) {                                                       \
+            if (prefetch && (k & 15) == 0) {                                               \
+                _mm_prefetch((const char *)(pf + k), _MM_HINT_T0);                         \
+                _mm_prefetch((const char *)(pf + ws + k), _MM_HINT_T0);                    \
+                _mm_prefetch((const char *)(pf + 2 * ws + k), _MM_HINT_T0);                \
+                _mm_prefetch((const char *)(pf + 3 * ws + k), _MM_HINT_T0);                \
+            }                                                                              \
             __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + ws + k);          \
             __m256 w2 = _mm256_loadu_ps(w + 2 * ws + k), w3 = _mm256_loadu_ps(w + 3 * ws + k); \
             for (int m = 0; m < MB; m++) {                                                 \
@@ -324,11 +331,11 @@ int ms_attend_qkv_f32(float *qkv, int64_t tokens, int64_t heads, int64_t kv_head
 LIN_BLOCK(1) LIN_BLOCK(2) LIN_BLOCK(3)
 
 static void lin4(const float *x, int64_t xs, const float *w, int64_t ws, float *out,
-                 int64_t os, int64_t K, int64_t mb) {
+                 int64_t os, int64_t K, int64_t mb, int prefetch) {
     switch (mb) {
-    case 1: lin4_1(x, xs, w, ws, out, os, K); break;
-    case 2: lin4_2(x, xs, w, ws, out, os, K); break;
-    default: lin4_3(x, xs, w, ws, out, os, K); break;
+    case 1: lin4_1(x, xs, w, ws, out, os, K, prefetch); break;
+    case 2: lin4_2(x, xs, w, ws, out, os, K, prefetch); break;
+    default: lin4_3(x, xs, w, ws, out, os, K, prefetch); break;
     }
 }
 #define LIN_ROWS 3
@@ -358,7 +365,10 @@ void ms_linear_f32(const float *x, int64_t xs, const float *w, int64_t ws, float
     for (; n0 + LIN_COLS <= N; n0 += LIN_COLS)
         for (int64_t m0 = 0; m0 < M; m0 += LIN_ROWS) {
             int64_t mb = M - m0 < LIN_ROWS ? M - m0 : LIN_ROWS;
-            lin4(x + m0 * xs, xs, w + n0 * ws, ws, out + m0 * os + n0, os, K, mb);
+            /* The first pass over a block of weight rows asks for the next block (the
+             * other passes find this one in L1); none past the weight's end. */
+            int prefetch = m0 == 0 && n0 + 2 * LIN_COLS <= N;
+            lin4(x + m0 * xs, xs, w + n0 * ws, ws, out + m0 * os + n0, os, K, mb, prefetch);
         }
 #endif
     for (; n0 < N; n0++) /* weight rows left over, one at a time */
@@ -378,32 +388,77 @@ void ms_linear_f32(const float *x, int64_t xs, const float *w, int64_t ws, float
  */
 #define LINT_CHUNK 2048
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* One k group (four wt rows from w0) into the chunk's first n8 columns (a multiple of 8)
+ * of output row o, or of rows o and o + os (TWO): the weight vectors loaded once serve
+ * both rows. `pf`, if given, is the next k group's chunk, asked for a cache line at a time. */
+#define LINT_ROWS(NAME, TWO)                                                                \
+    static void NAME(const float *xm, int64_t xs, float *o, int64_t os, const float *w0,  \
+                     int64_t ws, int64_t n8, const float *pf) {                            \
+        const float *w1 = w0 + ws, *w2 = w1 + ws, *w3 = w2 + ws;                            \
+        __m256 a0 = _mm256_broadcast_ss(xm), a1 = _mm256_broadcast_ss(xm + 1);              \
+        __m256 a2 = _mm256_broadcast_ss(xm + 2), a3 = _mm256_broadcast_ss(xm + 3);          \
+        __m256 c0 = a0, c1 = a1, c2 = a2, c3 = a3;                                          \
+        if (TWO) {                                                                          \
+            c0 = _mm256_broadcast_ss(xm + xs), c1 = _mm256_broadcast_ss(xm + xs + 1);       \
+            c2 = _mm256_broadcast_ss(xm + xs + 2), c3 = _mm256_broadcast_ss(xm + xs + 3);   \
+        }                                                                                   \
+        for (int64_t n = 0; n < n8; n += 8) {                                               \
+            if (pf != NULL && (n & 15) == 0) {                                              \
+                _mm_prefetch((const char *)(pf + n), _MM_HINT_T0);                          \
+                _mm_prefetch((const char *)(pf + ws + n), _MM_HINT_T0);                     \
+                _mm_prefetch((const char *)(pf + 2 * ws + n), _MM_HINT_T0);                 \
+                _mm_prefetch((const char *)(pf + 3 * ws + n), _MM_HINT_T0);                 \
+            }                                                                               \
+            __m256 v0 = _mm256_loadu_ps(w0 + n), v1 = _mm256_loadu_ps(w1 + n);              \
+            __m256 v2 = _mm256_loadu_ps(w2 + n), v3 = _mm256_loadu_ps(w3 + n);              \
+            __m256 acc = _mm256_loadu_ps(o + n);                                            \
+            acc = _mm256_fmadd_ps(a0, v0, acc);                                             \
+            acc = _mm256_fmadd_ps(a1, v1, acc);                                             \
+            acc = _mm256_fmadd_ps(a2, v2, acc);                                             \
+            acc = _mm256_fmadd_ps(a3, v3, acc);                                             \
+            _mm256_storeu_ps(o + n, acc);                                                   \
+            if (TWO) {                                                                      \
+                __m256 acc2 = _mm256_loadu_ps(o + os + n);                                  \
+                acc2 = _mm256_fmadd_ps(c0, v0, acc2);                                       \
+                acc2 = _mm256_fmadd_ps(c1, v1, acc2);                                       \
+                acc2 = _mm256_fmadd_ps(c2, v2, acc2);                                       \
+                acc2 = _mm256_fmadd_ps(c3, v3, acc2);                                       \
+                _mm256_storeu_ps(o + os + n, acc2);                                         \
+            }                                                                               \
+        }                                                                                   \
+    }
+LINT_ROWS(lint_one_row, 0)
+LINT_ROWS(lint_two_rows, 1)
+#endif
+
 void ms_linear_t_f32(const float *x, int64_t xs, const float *wt, int64_t ws, float *out,
                      int64_t os, int64_t M, int64_t K, int64_t N) {
     for (int64_t n0 = 0; n0 < N; n0 += LINT_CHUNK) {
         int64_t nc = N - n0 < LINT_CHUNK ? N - n0 : LINT_CHUNK;
         for (int64_t m = 0; m < M; m++)
             memset(out + m * os + n0, 0, (size_t)nc * sizeof(float));
+        int64_t n8 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        n8 = nc & ~(int64_t)7;
+#endif
         int64_t k = 0;
         for (; k + 4 <= K; k += 4) {
             const float *w0 = wt + k * ws + n0, *w1 = w0 + ws, *w2 = w1 + ws, *w3 = w2 + ws;
-            for (int64_t m = 0; m < M; m++) {
+#if defined(__AVX2__) && defined(__FMA__)
+            /* The first pass asks for the next k group's chunk (the other passes find this
+             * one in L1/L2); none past the weight's end. */
+            const float *pf = k + 8 <= K ? w0 + 4 * ws : NULL;
+            int64_t m = 0;
+            for (; m + 2 <= M; m += 2, pf = NULL)
+                lint_two_rows(x + m * xs + k, xs, out + m * os + n0, os, w0, ws, n8, pf);
+            if (m < M)
+                lint_one_row(x + m * xs + k, xs, out + m * os + n0, os, w0, ws, n8, pf);
+#endif
+            for (int64_t m = 0; m < M; m++) { /* the columns past n8, in order */
                 const float *xm = x + m * xs + k;
                 float *o = out + m * os + n0;
-                int64_t n = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-                __m256 b0 = _mm256_broadcast_ss(xm), b1 = _mm256_broadcast_ss(xm + 1);
-                __m256 b2 = _mm256_broadcast_ss(xm + 2), b3 = _mm256_broadcast_ss(xm + 3);
-                for (; n + 8 <= nc; n += 8) {
-                    __m256 acc = _mm256_loadu_ps(o + n);
-                    acc = _mm256_fmadd_ps(b0, _mm256_loadu_ps(w0 + n), acc);
-                    acc = _mm256_fmadd_ps(b1, _mm256_loadu_ps(w1 + n), acc);
-                    acc = _mm256_fmadd_ps(b2, _mm256_loadu_ps(w2 + n), acc);
-                    acc = _mm256_fmadd_ps(b3, _mm256_loadu_ps(w3 + n), acc);
-                    _mm256_storeu_ps(o + n, acc);
-                }
-#endif
-                for (; n < nc; n++) {
+                for (int64_t n = n8; n < nc; n++) {
                     float acc = o[n];
                     acc = fmaf(xm[0], w0[n], acc);
                     acc = fmaf(xm[1], w1[n], acc);
