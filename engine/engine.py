@@ -94,10 +94,9 @@ class Engine:
         self._in_flight: deque[tuple[SchedulerOutput, float, float]] = deque()
         self.device = self.executor.device
         self.async_scheduling = self._async_scheduling()
-        # Async scheduling: the step launched last, not yet resolved, with its scheduler
-        # seconds so far.
-        self._launched: tuple[SchedulerOutput, SampledTokens, float] | None = None
-        self._launch_s = 0.0
+        # Async scheduling: the step launched last, not yet resolved, with the seconds its
+        # scheduling and its launch took.
+        self._launched: tuple[SchedulerOutput, SampledTokens, float, float] | None = None
         self.num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(config.engine, self.num_blocks, self.max_model_len)
         self._new_params: dict[int, SamplingParams] = {}
@@ -274,7 +273,7 @@ class Engine:
         t2 = time.perf_counter()
         outputs: list[RequestOutput] = []
         if self._launched is not None:
-            done, sampled, scheduler_s = self._launched
+            done, sampled, scheduler_s, launch_s = self._launched
             result = executor.resolve(sampled)
             t3 = time.perf_counter()
             self.scheduler.resolve(done, result.tokens)
@@ -284,7 +283,7 @@ class Engine:
                        for i, t in result.tokens.items() if i in requests]
             t4 = time.perf_counter()
             # The resolved step's execute time: from its launch to its tokens on the host.
-            self.timing.add(scheduler_s + t4 - t3, t3 - t2 + self._launch_s,
+            self.timing.add(scheduler_s + t4 - t3, t3 - t2 + launch_s,
                             done.num_batched_tokens)
             if self.step_log is not None:
                 self.step_log.write(done.scheduled, wall_s=t4 - t0,
@@ -293,8 +292,7 @@ class Engine:
         self._launched = None
         if launched is not None:
             self.scheduler.advance(out)
-            self._launched = (out, launched, t1 - t0)
-            self._launch_s = t2 - t1
+            self._launched = (out, launched, t1 - t0, t2 - t1)
         return outputs
 
     def _admit_to_executor(self, out: SchedulerOutput) -> dict[int, SamplingParams]:
