@@ -8,7 +8,6 @@ import torch
 
 from meshserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from meshserve.engine.sampled_tokens import SampledTokens, feed_placeholders
-from meshserve.engine.scheduler_output import PLACEHOLDER_TOKEN
 from meshserve.engine.step_inputs import ScheduledLike, StepInputs, build_step_inputs
 from meshserve.models.attention import AttentionMetadata
 from meshserve.models.llama import LlamaForCausalLM
@@ -49,9 +48,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(seqs):
             return self._execute_graph(seqs, previous)
         inputs = build_step_inputs(seqs, self.block_size, self.device)
-        decodes = [seqs[i] for i in inputs.order[:inputs.meta.num_decode_tokens]]
-        held = [j for j, s in enumerate(decodes) if s.token_ids[0] == PLACEHOLDER_TOKEN]
-        feed_placeholders(inputs.input_ids, held, [decodes[j].seq_id for j in held], previous)
+        decodes = [seqs[i] for i in inputs.order[:inputs.meta.num_decode_tokens]]  # rows 0..
+        feed_placeholders(inputs.input_ids, decodes, previous)
         hidden = self.forward(inputs)
         if not inputs.sample_seq_ids:
             return hidden.new_empty(0, 0), []
@@ -62,10 +60,8 @@ class ModelRunner:
                        ) -> tuple[torch.Tensor, list[int]]:
         """A decode-only step under a captured graph, its inputs packed in one copy."""
         assert self.graphs is not None
-        held = [r for r, s in enumerate(seqs) if s.token_ids[0] == PLACEHOLDER_TOKEN]
         hidden = self.graphs.run_scheduled(
-            seqs, self.block_size,
-            lambda ids: feed_placeholders(ids, held, [seqs[r].seq_id for r in held], previous))
+            seqs, self.block_size, lambda ids: feed_placeholders(ids, seqs, previous))
         rows = [i for i, s in enumerate(seqs) if s.sample]
         if not rows:
             return hidden.new_empty(0, 0), []

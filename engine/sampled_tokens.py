@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from meshserve.engine.step_inputs import to_device
+from meshserve.engine.scheduler_output import PLACEHOLDER_TOKEN
+from meshserve.engine.step_inputs import ScheduledLike, to_device
 
 Logprob = tuple[float, list[tuple[int, float]]]
 
@@ -54,25 +55,28 @@ class SampledTokens:
         return tokens, logprobs
 
 
-def feed_placeholders(input_ids: torch.Tensor, rows: Sequence[int], seq_ids: Sequence[int],
+def feed_placeholders(input_ids: torch.Tensor, rows: Sequence[ScheduledLike],
                       previous: SampledTokens | None) -> None:
-    """input_ids[rows[j]] = the token `previous` sampled for seq_ids[j], on the device.
+    """For each rows[i] whose token is PLACEHOLDER_TOKEN (a one-token decode; row i of
+    `input_ids`), input_ids[i] = the token `previous` sampled for it, on the device.
 
     The steady decode state (the same sequences in the same order, every row a
     placeholder) is one device-to-device copy; anything else one indexed copy."""
-    if not rows:
+    held = [i for i, s in enumerate(rows) if s.token_ids[0] == PLACEHOLDER_TOKEN]
+    if not held:
         return
+    seq_ids = [rows[i].seq_id for i in held]
     if previous is None:
-        raise ValueError(f"placeholder tokens for sequences {list(seq_ids)[:4]} but no "
+        raise ValueError(f"placeholder tokens for sequences {seq_ids[:4]} but no "
                          "previous step sampled them")
     src = [previous.row(s) for s in seq_ids]
-    n = len(rows)
-    if _is_range(rows) and _is_range(src):
-        input_ids[rows[0]:rows[0] + n].copy_(previous.tokens[src[0]:src[0] + n],
+    n = len(held)
+    if _is_range(held) and _is_range(src):
+        input_ids[held[0]:held[0] + n].copy_(previous.tokens[src[0]:src[0] + n],
                                              non_blocking=True)
         return
     dev = input_ids.device
-    input_ids.index_copy_(0, to_device(list(rows), dev),
+    input_ids.index_copy_(0, to_device(held, dev),
                           previous.tokens.index_select(0, to_device(src, dev)))
 
 

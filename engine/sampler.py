@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from meshserve.engine.sampling_params import SamplingParams
+from meshserve.engine.step_inputs import to_device
 
 
 @dataclass
@@ -46,8 +47,8 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None], greedy: list[bool]) -> torch.Tensor:
         dev = logits.device
-        temp = _to(dev, [p.temperature if not g else 1.0 for p, g in zip(params, greedy)],
-                   torch.float32).unsqueeze(1)
+        temp = to_device([p.temperature if not g else 1.0 for p, g in zip(params, greedy)],
+                         dev, torch.float32).unsqueeze(1)
         scaled = logits / temp
         scaled = _top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
         probs = scaled.softmax(dim=-1)
@@ -63,7 +64,7 @@ class Sampler:
         sampled = sampled.clamp_(max=logits.shape[-1] - 1)
         if not any(greedy):
             return sampled
-        is_greedy = _to(dev, greedy, torch.bool)
+        is_greedy = to_device(greedy, dev, torch.bool)
         return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
 
     @staticmethod
@@ -87,22 +88,13 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
         return logits
     vocab = logits.shape[-1]
     sorted_logits, idx = logits.sort(dim=-1, descending=True)
-    k = _to(logits.device, [vocab if k == -1 else min(k, vocab) for k in top_k], torch.long)
+    k = to_device([vocab if k == -1 else min(k, vocab) for k in top_k], logits.device)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     remove = ranks >= k.unsqueeze(1)
-    p = _to(logits.device, top_p, torch.float32).unsqueeze(1)
+    p = to_device(top_p, logits.device, torch.float32).unsqueeze(1)
     probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
     # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token).
     remove |= (probs.cumsum(dim=-1) - probs) >= p
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
 
-
-def _to(device: torch.device, values: list[float] | list[int] | list[bool],
-        dtype: torch.dtype) -> torch.Tensor:
-    """A small host list on `device`; on CUDA through pinned memory, so the host does not
-    wait for the work already queued (async scheduling launches the next step meanwhile)."""
-    cpu = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return cpu.to(device)
-    return cpu.pin_memory().to(device, non_blocking=True)

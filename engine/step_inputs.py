@@ -46,9 +46,11 @@ class StepInputs:
         return hidden[self.sample_indices]
 
 
-def to_device(x: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
-    """A long tensor on `device`; on CUDA staged in pinned memory and copied without a sync."""
-    cpu = torch.tensor(x, dtype=torch.long)
+def to_device(x: list[int] | list[list[int]] | list[float] | list[bool], device: torch.device,
+              dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A tensor on `device`; on CUDA staged in pinned memory and copied without a sync (the
+    host does not wait for the work already queued)."""
+    cpu = torch.tensor(x, dtype=dtype)
     if device.type != "cuda":
         return cpu if device.type == "cpu" else cpu.to(device)
     return cpu.pin_memory().to(device, non_blocking=True)
