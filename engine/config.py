@@ -57,6 +57,11 @@ class EngineConfig:
     samples from the device (the host reads them one step later); null: on for one-rank
     CUDA runs, off elsewhere (on a CPU there is nothing to overlap)."""
 
+    cpu_huge_pages: bool = True
+    """Put a CPU run's weights and KV cache on transparent huge pages (madvise; where the
+    kernel allows none, on small pages as before): decode streams both from memory every
+    step, and 2 MiB pages spare it a TLB miss every 4 KiB."""
+
     step_log: str | None = None
     """JSON-lines file the engine appends one step record to per step (parallel/diagnose.py's
     StepRecord, read by `meshserve diagnose diagnose.records=...`); null writes none."""

@@ -17,7 +17,7 @@ from meshserve.engine.executor import (
     Logprob,
     PipelinedExecutor,
 )
-from meshserve.engine.micro_batch import micro_batch_budget
+from meshserve.engine.micro_batch import micro_batch_budget, micro_batch_cap
 from meshserve.engine.outputs import RequestMetrics, RequestOutput
 from meshserve.engine.sampled_tokens import SampledTokens
 from meshserve.engine.sampling_params import SamplingParams
@@ -93,6 +93,9 @@ class Engine:
         # executor seconds so far.
         self._in_flight: deque[tuple[SchedulerOutput, float, float]] = deque()
         self.device = self.executor.device
+        self._micro_batch_cap = micro_batch_cap(config.engine.max_num_batched_tokens,
+                                                self._max_in_flight, self.device.type,
+                                                config.parallel.micro_batch_tokens)
         self.async_scheduling = self._async_scheduling()
         # Async scheduling: the step launched last, not yet resolved, with the seconds its
         # scheduling and its launch took.
@@ -367,7 +370,7 @@ class Engine:
             pending += min(sum(s.num_tokens for s in sched.waiting),
                            bm.num_free_blocks * bm.block_size)
         return micro_batch_budget(pending, returning, self._max_in_flight,
-                                  self.config.engine.max_num_batched_tokens)
+                                  self._micro_batch_cap)
 
     def _advance(self, req: _Request, token: int,
                  logprob: Logprob | None, now: float) -> RequestOutput:

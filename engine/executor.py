@@ -168,7 +168,8 @@ class LocalExecutor:
         self.dtype = resolve_dtype(config.model.dtype, arch, self.device)
         if model is None:
             model = load_model(model_dir, dtype=self.dtype, device=self.device,
-                               progress=progress, cpu_weight_layout=config.model.cpu_weight_layout)
+                               progress=progress, cpu_weight_layout=config.model.cpu_weight_layout,
+                               huge_pages=config.engine.cpu_huge_pages)
         ec = config.engine
         layers = model.attention_layers()
         attn = layers[0]
@@ -177,7 +178,8 @@ class LocalExecutor:
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.num_blocks = num_kv_blocks(ec, block_bytes, self.device, weight_bytes)
         cache = allocate_kv_cache(len(layers), self.num_blocks, ec.block_size,
-                                  attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
+                                  attn.num_kv_heads, attn.head_dim, self.dtype, self.device,
+                                  ec.cpu_huge_pages)
         self.runner = ModelRunner(model, cache, ec.block_size, self.device)
         if ec.cuda_graphs and self.device.type == "cuda" and dispatch.use_triton(self.device):
             self.runner.enable_cuda_graphs(ec.max_num_seqs,

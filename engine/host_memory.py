@@ -1,17 +1,27 @@
-"""glibc malloc tuned for CPU inference: large step temporaries stay in the heap.
+"""Host memory tuned for CPU inference: glibc malloc keeps large step temporaries in the heap,
+and weights and KV caches live on 2 MiB pages.
 
 glibc serves allocations above M_MMAP_THRESHOLD (at most 32 MiB by default) with a fresh
 mmap and unmaps them on free, so every step's large temporaries (gathered KV, prefill
 activations) fault their pages in again. Raising the threshold (and the trim threshold,
 so freed memory is kept) lets those buffers be reused: measured here, gathering 51 MB of
 KV blocks took 33.6 ms per call before and 16.0 ms after.
+
+Decode streams every weight and the sequences' KV blocks from memory each step. On 4 KiB
+pages that walk misses the TLB every 4 KiB; on transparent huge pages (asked for with
+madvise, which is what most distributions allow by default) it misses once per 2 MiB. Measured
+here: the small-batch linear over a 32 MB weight 3-10% faster, paged decode attention 10%.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
+import mmap
 import sys
+
+import torch
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -36,3 +46,43 @@ def tune_malloc() -> bool:
         return False
     _done = ok
     return ok
+
+
+HUGE_PAGE_BYTES = 2 << 20
+"""A transparent huge page on x86-64 and most arm64 kernels; smaller tensors stay put."""
+
+
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized contiguous CPU tensor on memory of its own, 2 MiB-aligned and
+    madvise(MADV_HUGEPAGE)d before first touch, so the kernel backs it with huge pages where
+    it can (else with small ones: same tensor, no error). Its memory is unmapped when the
+    last tensor on it is gone."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES,  # zero-filled
+                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes,
+                            offset=-addr % HUGE_PAGE_BYTES)  # holds `buf`
+    return flat.view(dtype).view(shape)
+
+
+def to_huge_pages(module: torch.nn.Module) -> int:
+    """Move each CPU parameter and buffer whose storage is at least a huge page onto
+    huge_page_empty memory (same values, shape, strides; tensors sharing a storage, tied
+    weights, keep sharing it); returns how many storages moved."""
+    moved: dict[int, torch.UntypedStorage] = {}
+    tensors = [*module.parameters(), *module.buffers()]
+    for t in tensors:
+        old = t.untyped_storage()
+        if t.device.type != "cpu" or old.nbytes() < HUGE_PAGE_BYTES:
+            continue
+        key = old.data_ptr()
+        if key not in moved:
+            new = huge_page_empty((old.nbytes(),), torch.uint8)
+            new.copy_(torch.empty(0, dtype=torch.uint8).set_(old, 0, (old.nbytes(),), (1,)))
+            moved[key] = new.untyped_storage()
+        t.data = torch.empty(0, dtype=t.dtype).set_(moved[key], t.storage_offset(), t.shape,
+                                                    t.stride())
+    return len(moved)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from meshserve.engine.config import EngineConfig
+from meshserve.engine.host_memory import huge_page_empty
 
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -36,9 +37,16 @@ def num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device,
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                      head_dim: int, dtype: torch.dtype, device: torch.device
-                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim], zeroed."""
+                      head_dim: int, dtype: torch.dtype, device: torch.device,
+                      huge_pages: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim], zeroed (on
+    the CPU with `huge_pages` on huge pages: decode attention walks the blocks in table
+    order, anywhere in the cache)."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+
+    def zeros() -> torch.Tensor:
+        if huge_pages and torch.device(device).type == "cpu":
+            return huge_page_empty(shape, dtype).zero_()
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    return [(zeros(), zeros()) for _ in range(num_layers)]

@@ -3,6 +3,30 @@
 from __future__ import annotations
 
 
+MIN_CPU_MICRO_BATCH_TOKENS = 256
+"""The smallest automatic CPU micro-batch: below it prefill GEMMs lose efficiency."""
+
+
+def micro_batch_cap(max_num_batched_tokens: int, num_slots: int, device_type: str,
+                    configured: int | None = None) -> int:
+    """Most tokens one micro-batch of a pipeline carries: `configured`
+    (parallel.micro_batch_tokens) if set, else the step budget on GPUs and on CPUs the step
+    budget over twice the slots, at least MIN_CPU_MICRO_BATCH_TOKENS.
+
+    A pipeline idles for about one micro-batch's stage time where it fills (the first
+    prefill), where prefill gives way to decode (the decodes wait for the last prompt
+    chunks) and where it drains. On a CPU a 2,048-token prefill micro-batch takes seconds a
+    stage while 512 tokens still keep its GEMMs efficient: measured on the tiny model's
+    longtail at pp=2, 129.4 tok/s with 512-token micro-batches against 123.5 with 2,048
+    (one sweep; one rank: 80.2 and 80.4)."""
+    if configured is not None:
+        return max(1, min(configured, max_num_batched_tokens))
+    if device_type != "cpu" or num_slots <= 1:
+        return max_num_batched_tokens
+    share = max_num_batched_tokens // (2 * num_slots)
+    return min(max_num_batched_tokens, max(MIN_CPU_MICRO_BATCH_TOKENS, share))
+
+
 def micro_batch_budget(num_pending_tokens: int, num_returning_tokens: int,
                        num_slots: int, max_num_batched_tokens: int) -> int:
     """Token budget of the next micro-batch: the tokens waiting to run now (prefill chunks

@@ -80,7 +80,8 @@ class StageWorker:
         self.model = load_model(model_dir, dtype=dtype, tp=groups.tp, layer_range=layer_range,
                                 device=device, progress=progress,
                                 cpu_weight_layout=config.model.cpu_weight_layout,
-                                head_split=self.head_split)
+                                head_split=self.head_split,
+                                huge_pages=config.engine.cpu_huge_pages)
         self.hidden_size = arch.hidden_size
         self.vocab_size = arch.vocab_size
         pp, rank = groups.dims.pp, groups.rank
@@ -127,7 +128,8 @@ class StageWorker:
         layers = self.model.attention_layers()
         attn = layers[0]
         cache = allocate_kv_cache(len(layers), num_blocks, self.config.engine.block_size,
-                                  attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
+                                  attn.num_kv_heads, attn.head_dim, self.dtype, self.device,
+                                  self.config.engine.cpu_huge_pages)
         self.runner = ModelRunner(self.model, cache, self.config.engine.block_size, self.device)
         self.num_blocks = num_blocks
 

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from meshserve.engine.host_memory import to_huge_pages
 from meshserve.models.arch import CheckpointError, ModelArch
 from meshserve.models.llama import LlamaForCausalLM
 from meshserve.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -144,10 +145,11 @@ def _expected_shards(model: LlamaForCausalLM,
 def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
                tp: TensorParallelGroup = SINGLE, layer_range: tuple[int, int] | None = None,
                device: torch.device | str = "cpu", progress: bool = True,
-               cpu_weight_layout: str = "auto", head_split: int | None = None
-               ) -> LlamaForCausalLM:
+               cpu_weight_layout: str = "auto", head_split: int | None = None,
+               huge_pages: bool = True) -> LlamaForCausalLM:
     """Build the model for this rank (its TP shard, its PP layers) and load its weights
-    (on CPU with cpu_weight_layout auto, wide weights then go column-major)."""
+    (on CPU with cpu_weight_layout auto, wide weights then go column-major; on CPU the
+    weights then move to huge pages with `huge_pages`, host_memory.to_huge_pages)."""
     path = Path(model_dir)
     if not path.is_dir():
         raise CheckpointError(f"{path}: missing model directory")
@@ -157,8 +159,11 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
         model = LlamaForCausalLM(arch, tp=tp, dtype=dtype, layer_range=layer_range,
                                  head_split=head_split)
     load_weights(model, files, progress=progress)
-    if torch.device(device).type == "cpu" and cpu_weight_layout == "auto":
-        column_major_wide_weights(model)
+    if torch.device(device).type == "cpu":
+        if cpu_weight_layout == "auto":
+            column_major_wide_weights(model)
+        if huge_pages:
+            to_huge_pages(model)
     return model.eval()
 
 

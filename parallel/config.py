@@ -35,6 +35,11 @@ class ParallelConfig:
     num_micro_batches: int | None = None
     """Micro-batches in flight with pp > 1; null means pp."""
 
+    micro_batch_tokens: int | None = None
+    """Token budget of one micro-batch with pp > 1; null: engine.max_num_batched_tokens on
+    GPUs, on CPUs that over twice the micro-batches in flight, at least 256
+    (engine/micro_batch.py, micro_batch_cap)."""
+
     timeout_s: float = 60.0
     """A rank silent this long is declared dead and every rank exits with an error."""
 
@@ -60,6 +65,8 @@ class ParallelConfig:
         require(self.backend in BACKENDS, "parallel.backend", self.backend, f"one of {BACKENDS}")
         require(self.num_micro_batches is None or self.num_micro_batches >= 1,
                 "parallel.num_micro_batches", self.num_micro_batches, "null or an int >= 1")
+        require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
+                "parallel.micro_batch_tokens", self.micro_batch_tokens, "null or an int >= 1")
         require(self.timeout_s > 0, "parallel.timeout_s", self.timeout_s, "a number of seconds > 0")
         require(self.cpu_allreduce in CPU_ALLREDUCE, "parallel.cpu_allreduce", self.cpu_allreduce,
                 f"one of {CPU_ALLREDUCE}")

@@ -59,10 +59,12 @@ static float sum_squares(const float *a, int64_t n) {
 
 #define CHUNK 32
 
-/* acc[0:CHUNK] += p * row[0:CHUNK] over rows, then stored: four AVX2 registers, or an array
+/* acc[0:CHUNK] (loaded from o) += p * row[0:CHUNK] over rows, then stored: four AVX2 registers, or an array
  * the compiler may vectorize. */
 #if defined(__AVX2__) && defined(__FMA__)
-#define CHUNK_ACC_DECL __m256 a0_ = _mm256_setzero_ps(), a1_ = a0_, a2_ = a0_, a3_ = a0_;
+#define CHUNK_ACC_LOAD(o)                                                \
+    __m256 a0_ = _mm256_loadu_ps((o)), a1_ = _mm256_loadu_ps((o) + 8);   \
+    __m256 a2_ = _mm256_loadu_ps((o) + 16), a3_ = _mm256_loadu_ps((o) + 24);
 #define CHUNK_ACC_STEP(p, row)                                           \
     {                                                                    \
         const __m256 p_ = _mm256_set1_ps(p);                             \
@@ -75,24 +77,24 @@ static float sum_squares(const float *a, int64_t n) {
     _mm256_storeu_ps((o), a0_); _mm256_storeu_ps((o) + 8, a1_);          \
     _mm256_storeu_ps((o) + 16, a2_); _mm256_storeu_ps((o) + 24, a3_);
 #else
-#define CHUNK_ACC_DECL float acc_[CHUNK] = {0};
+#define CHUNK_ACC_LOAD(o) float acc_[CHUNK]; memcpy(acc_, (o), sizeof(acc_));
 #define CHUNK_ACC_STEP(p, row) \
     { const float p_ = (p); for (int i_ = 0; i_ < CHUNK; i_++) acc_[i_] += p_ * (row)[i_]; }
 #define CHUNK_ACC_STORE(o) memcpy((o), acc_, sizeof(acc_));
 #endif
 
-/* The cached rows of positions [start, n) of one sequence: for each, fn(row, t - start). */
-#define FOR_EACH_ROW(cache, table, start, n, block_size, blk_stride, tok_stride, row, i, body) \
-    for (int64_t blk_ = (start) / (block_size), i = 0; blk_ * (block_size) < (n); blk_++) {  \
-        const float *base_ = (cache) + (table)[blk_] * (blk_stride);                       \
-        int64_t lo_ = blk_ * (block_size) < (start) ? (start) - blk_ * (block_size) : 0;   \
-        int64_t hi_ = (n) - blk_ * (block_size) < (block_size) ? (n) - blk_ * (block_size)  \
-                                                                  : (block_size);          \
-        for (int64_t o_ = lo_; o_ < hi_; o_++, i++) {                                     \
-            const float *row = base_ + o_ * (tok_stride);                                  \
-            body                                                                           \
-        }                                                                                  \
-    }
+/* Ask for the next block of a sequence's cache (block table entry blk + 1, if it holds
+ * any of the n positions) while this one is worked on: blocks lie anywhere in the pool, where
+ * the hardware prefetcher can't guess them. */
+static inline void prefetch_next_block(const float *cache, const int64_t *table, int64_t blk,
+                                       int64_t n, int64_t block_size, int64_t blk_stride) {
+    if ((blk + 1) * block_size >= n) return;
+    const char *next = (const char *)(cache + table[blk + 1] * blk_stride);
+    const int64_t rows = n - (blk + 1) * block_size < block_size ? n - (blk + 1) * block_size
+                                                                 : block_size;
+    const int64_t bytes = rows * (blk_stride / block_size) * (int64_t)sizeof(float);
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+}
 
 /* scores[h * len + r] = scale * q_h . row_r for `rows` consecutive key rows; returns rows. */
 static int64_t key_scores(float *scores, int64_t len, const float *q, const float *row,
@@ -134,6 +136,25 @@ static int64_t key_scores(float *scores, int64_t len, const float *q, const floa
     return rows;
 }
 
+/* o[0:head_dim] += p[r] * rows[r * tok_stride + 0:head_dim] for r < count, in order of r,
+ * CHUNK floats at a time in registers. */
+static void value_rows(float *o, const float *p, const float *rows, int64_t count,
+                       int64_t tok_stride, int64_t head_dim) {
+    for (int64_t c = 0; c < head_dim; c += CHUNK) {
+        const int64_t width = head_dim - c < CHUNK ? head_dim - c : CHUNK;
+        if (width == CHUNK) {
+            CHUNK_ACC_LOAD(o + c)
+            for (int64_t r = 0; r < count; r++)
+                CHUNK_ACC_STEP(p[r], rows + r * tok_stride + c)
+            CHUNK_ACC_STORE(o + c)
+        } else {
+            for (int64_t r = 0; r < count; r++)
+                for (int64_t i = 0; i < width; i++)
+                    o[c + i] += p[r] * rows[r * tok_stride + c + i];
+        }
+    }
+}
+
 /* One query token per sequence against its cached keys and values.
  *
  * q       [B, H, D] with row stride q_stride (heads contiguous, D floats each)
@@ -164,6 +185,7 @@ int ms_paged_decode_f32(const float *q, int64_t q_stride, const float *k, const 
         /* Pass 1: scores[h][t] = scale * q_h . k_t, each key row read once. */
         for (int64_t blk = start / block_size, i = 0; blk * block_size < n; blk++) {
             const float *base = k + table[blk] * blk_stride;
+            prefetch_next_block(k, table, blk, n, block_size, blk_stride);
             const int64_t first = blk * block_size;
             const int64_t lo = first < start ? start - first : 0;
             const int64_t hi = n - first < block_size ? n - first : block_size;
@@ -183,28 +205,22 @@ int ms_paged_decode_f32(const float *q, int64_t q_stride, const float *k, const 
             const float inv = 1.0f / total;
             for (int64_t i = 0; i < len; i++) s[i] *= inv;
         }
-        /* Pass 2: out_h = sum_t p[h][t] v_t, CHUNK output floats at a time kept in
-         * registers across every t (the value rows come again from cache). */
-        for (int64_t h = 0; h < heads; h++) {
-            const float *p = scores + h * len;
-            for (int64_t c = 0; c < head_dim; c += CHUNK) {
-                const int64_t offset = (h / group) * head_dim + c;
-                const int64_t width = head_dim - c < CHUNK ? head_dim - c : CHUNK;
-                float *o = ob + h * head_dim + c;
-                if (width == CHUNK) {
-                    CHUNK_ACC_DECL
-                    FOR_EACH_ROW(v, table, start, n, block_size, blk_stride, tok_stride, vt, t, {
-                        CHUNK_ACC_STEP(p[t], vt + offset)
-                    })
-                    CHUNK_ACC_STORE(o)
-                } else {
-                    float acc[CHUNK] = {0};
-                    FOR_EACH_ROW(v, table, start, n, block_size, blk_stride, tok_stride, vt, t, {
-                        for (int64_t i = 0; i < width; i++) acc[i] += p[t] * vt[offset + i];
-                    })
-                    memcpy(o, acc, sizeof(float) * (size_t)width);
-                }
-            }
+        /* Pass 2: out_h = sum_t p[h][t] v_t, a block of value rows at a time: the block
+         * comes from memory once and serves every head from L1 (walking all rows per head
+         * instead read a long context's values again per head, from wherever the other
+         * cores' traffic had left them). Each output's sum still runs over t in order. */
+        memset(ob, 0, sizeof(float) * (size_t)(heads * head_dim));
+        for (int64_t blk = start / block_size, i = 0; blk * block_size < n; blk++) {
+            const float *base = v + table[blk] * blk_stride;
+            prefetch_next_block(v, table, blk, n, block_size, blk_stride);
+            const int64_t first = blk * block_size;
+            const int64_t lo = first < start ? start - first : 0;
+            const int64_t hi = n - first < block_size ? n - first : block_size;
+            for (int64_t h = 0; h < heads; h++)
+                value_rows(ob + h * head_dim, scores + h * len + i,
+                           base + lo * tok_stride + (h / group) * head_dim, hi - lo,
+                           tok_stride, head_dim);
+            i += hi - lo;
         }
     }
     free(scores);

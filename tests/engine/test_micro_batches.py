@@ -17,7 +17,7 @@ from meshserve import SamplingParams
 from meshserve.engine.engine import Engine
 from meshserve.engine.executor import LocalExecutor, StepResult
 from meshserve.engine.llm import model_overrides
-from meshserve.engine.micro_batch import micro_batch_budget
+from meshserve.engine.micro_batch import micro_batch_budget, micro_batch_cap
 from meshserve.engine.scheduler_output import SchedulerOutput
 from meshserve.launch.config import load_config
 from meshserve.launch.run_config import MeshConfig
@@ -158,3 +158,27 @@ def test_aborting_a_sequence_in_flight(make_checkpoint, prompts, expected) -> No
 def test_micro_batch_budget(pending: int, returning: int, slots: int, cap: int,
                             budget: int) -> None:
     assert micro_batch_budget(pending, returning, slots, cap) == budget
+
+
+@pytest.mark.parametrize(("step", "slots", "device", "configured", "cap"), [
+    (2048, 2, "cpu", None, 512),   # a CPU pipeline: the step budget over twice the slots
+    (2048, 4, "cpu", None, 256),
+    (2048, 8, "cpu", None, 256),   # never below 256
+    (200, 2, "cpu", None, 200),    # nor above the step budget
+    (2048, 1, "cpu", None, 2048),  # no pipeline
+    (2048, 2, "cuda", None, 2048),  # GPUs keep the step budget
+    (2048, 2, "cpu", 1024, 1024), (2048, 2, "cuda", 300, 300),
+    (2048, 2, "cpu", 4096, 2048),  # configured, within the step budget
+])
+def test_micro_batch_cap(step: int, slots: int, device: str, configured: int | None,
+                         cap: int) -> None:
+    assert micro_batch_cap(step, slots, device, configured) == cap
+
+
+def test_micro_batch_tokens_is_validated() -> None:
+    from meshserve.parallel.config import ParallelConfig
+
+    assert ParallelConfig(micro_batch_tokens=512).micro_batch_tokens == 512
+    with pytest.raises(ValueError, match=r"parallel.micro_batch_tokens=0 is invalid.*"
+                                         r"null or an int >= 1"):
+        ParallelConfig(micro_batch_tokens=0)

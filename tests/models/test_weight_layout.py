@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from meshserve.engine.host_memory import HUGE_PAGE_BYTES
 from meshserve.engine.model_runner import ModelRunner
 from meshserve.models.loader import column_major_wide_weights, load_model
 
@@ -47,3 +49,17 @@ def test_a_tied_lm_head_stays_row_major(make_checkpoint) -> None:
                        progress=False)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.model.embed_tokens.weight.is_contiguous()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_huge_page_weights_give_the_same_logits(make_checkpoint, tied: bool) -> None:
+    # 8448 x 64 fp32 = 2.1 MB: the embedding (and an untied, column-major head) move.
+    path = make_checkpoint("llama", seed=7, tie_word_embeddings=tied, vocab_size=8448)
+    moved = load_model(path, progress=False)
+    plain = load_model(path, progress=False, huge_pages=False)
+    embed, head = moved.model.embed_tokens.weight, moved.lm_head.weight
+    assert embed.data_ptr() % HUGE_PAGE_BYTES == 0 and head.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert (head is embed) == tied
+    assert head.stride() == plain.lm_head.weight.stride()
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    assert torch.equal(_logits(moved, ids), _logits(plain, ids))
