@@ -93,13 +93,27 @@ static inline void prefetch_next_block(const float *cache, const int64_t *table,
     const int64_t rows = n - (blk + 1) * block_size < block_size ? n - (blk + 1) * block_size
                                                                  : block_size;
     const int64_t bytes = rows * (blk_stride / block_size) * (int64_t)sizeof(float);
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
 }
 
-/* scores[h * len + r] = scale * q_h . row_r for `rows` consecutive key rows; returns rows. */
-static int64_t key_scores(float *scores, int64_t len, const float *q, const float *row,
-                          int64_t rows, int64_t tok_stride, int64_t heads, int64_t group,
-                          int64_t head_dim, float scale) {
+/* The cache blocks holding a sequence's positions [start, n), in order: for each, `base`
+ * its rows, [lo, hi) the rows wanted and `i` the index of row lo among all wanted rows;
+ * the next block is asked for meanwhile. */
+#define FOR_EACH_BLOCK(cache, table, start, n, block_size, blk_stride, base, lo, hi, i, body) \
+    for (int64_t blk_ = (start) / (block_size), i = 0; blk_ * (block_size) < (n); blk_++) {  \
+        const float *base = (cache) + (table)[blk_] * (blk_stride);                         \
+        prefetch_next_block((cache), (table), blk_, (n), (block_size), (blk_stride));       \
+        const int64_t first_ = blk_ * (block_size);                                         \
+        const int64_t lo = first_ < (start) ? (start) - first_ : 0;                         \
+        const int64_t hi = (n) - first_ < (block_size) ? (n) - first_ : (block_size);       \
+        body                                                                                \
+        i += hi - lo;                                                                       \
+    }
+
+/* scores[h * len + r] = scale * q_h . row_r for `rows` consecutive key rows. */
+static void key_scores(float *scores, int64_t len, const float *q, const float *row,
+                       int64_t rows, int64_t tok_stride, int64_t heads, int64_t group,
+                       int64_t head_dim, float scale) {
     int64_t r = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     /* Eight rows at a time: eight accumulators reduced together into one register. */
@@ -133,7 +147,6 @@ static int64_t key_scores(float *scores, int64_t len, const float *q, const floa
             scores[h * len + r] = scale * dot(q + h * head_dim, rr + (h / group) * head_dim,
                                               head_dim);
     }
-    return rows;
 }
 
 /* o[0:head_dim] += p[r] * rows[r * tok_stride + 0:head_dim] for r < count, in order of r,
@@ -183,15 +196,10 @@ int ms_paged_decode_f32(const float *q, int64_t q_stride, const float *k, const 
         const float *qb = q + b * q_stride;
         float *ob = out + b * heads * head_dim;
         /* Pass 1: scores[h][t] = scale * q_h . k_t, each key row read once. */
-        for (int64_t blk = start / block_size, i = 0; blk * block_size < n; blk++) {
-            const float *base = k + table[blk] * blk_stride;
-            prefetch_next_block(k, table, blk, n, block_size, blk_stride);
-            const int64_t first = blk * block_size;
-            const int64_t lo = first < start ? start - first : 0;
-            const int64_t hi = n - first < block_size ? n - first : block_size;
-            i += key_scores(scores + i, len, qb, base + lo * tok_stride, hi - lo, tok_stride,
-                            heads, group, head_dim, scale);
-        }
+        FOR_EACH_BLOCK(k, table, start, n, block_size, blk_stride, base, lo, hi, i, {
+            key_scores(scores + i, len, qb, base + lo * tok_stride, hi - lo, tok_stride, heads,
+                       group, head_dim, scale);
+        })
         /* Softmax per head, normalized in place. */
         for (int64_t h = 0; h < heads; h++) {
             float *s = scores + h * len;
@@ -210,18 +218,12 @@ int ms_paged_decode_f32(const float *q, int64_t q_stride, const float *k, const 
          * instead read a long context's values again per head, from wherever the other
          * cores' traffic had left them). Each output's sum still runs over t in order. */
         memset(ob, 0, sizeof(float) * (size_t)(heads * head_dim));
-        for (int64_t blk = start / block_size, i = 0; blk * block_size < n; blk++) {
-            const float *base = v + table[blk] * blk_stride;
-            prefetch_next_block(v, table, blk, n, block_size, blk_stride);
-            const int64_t first = blk * block_size;
-            const int64_t lo = first < start ? start - first : 0;
-            const int64_t hi = n - first < block_size ? n - first : block_size;
+        FOR_EACH_BLOCK(v, table, start, n, block_size, blk_stride, base, lo, hi, i, {
             for (int64_t h = 0; h < heads; h++)
                 value_rows(ob + h * head_dim, scores + h * len + i,
                            base + lo * tok_stride + (h / group) * head_dim, hi - lo,
                            tok_stride, head_dim);
-            i += hi - lo;
-        }
+        })
     }
     free(scores);
     return 0;
