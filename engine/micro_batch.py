@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 MIN_CPU_MICRO_BATCH_TOKENS = 256
 """The smallest automatic CPU micro-batch: below it prefill GEMMs lose efficiency."""
 

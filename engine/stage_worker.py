@@ -101,7 +101,7 @@ class StageWorker:
                                                            groups.last_stage_rank):
             src, dst = groups.last_stage_rank, groups.driver_rank
             self.logits = TensorChannel(groups.result_group, dst if groups.rank == src else src,
-                                        max_in_flight + 1, groups.op_timeout,
+                                        2 * (max_in_flight + 1), groups.op_timeout,
                                         ring=groups.rings.get(("result", src, dst)))
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
@@ -174,12 +174,13 @@ class StageWorker:
             if self.logits is not None:  # the driver of a split head: collect_sampled() next
                 self._awaiting.append(inputs.sample_seq_ids)
             return None, waited
-        if self.logits is not None:  # the last stage of a split head: rows + logits on
-            if inputs.sample_seq_ids:
+        if self.logits is not None:  # the last stage of a split head: rows, then logits, on
+            if inputs.sample_seq_ids:  # (the driver's part runs while this one does)
                 rows = inputs.sampled_rows(hidden)
+                self.logits.send([rows])
                 part = self.model.compute_logits(rows)
                 assert part is not None
-                self.logits.send([rows, part])
+                self.logits.send([part])
             return None, waited
         if not inputs.sample_seq_ids:
             return (StepResult() if self.sampler is not None else None), waited
@@ -192,24 +193,27 @@ class StageWorker:
     @torch.inference_mode()
     def collect_sampled(self) -> StepResult:
         """(Driver of a split LM head) Tokens of the oldest micro-batch in flight: the last
-        stage's normed rows and its part of the logits arrive, this stage adds its part
-        and samples. Waiting for them counts as input wait, the rest as busy."""
+        stage's normed rows arrive, this stage computes its part of the logits (while the
+        last stage computes the other part), adds the last stage's part and samples.
+        Waiting for either counts as input wait, the rest as busy."""
         assert self.logits is not None and self.sampler is not None and self._awaiting
         seq_ids = self._awaiting.popleft()
         if not seq_ids:
             return StepResult()
         assert self.head_split is not None
         t0 = time.perf_counter()
-        n, h = len(seq_ids), self.hidden_size
-        buf = self.logits.recv((n * (h + self.vocab_size - self.head_split),), self.dtype,
-                               self.device)
+        n = len(seq_ids)
+        rows = self.logits.recv((n, self.hidden_size), self.dtype, self.device)
         t1 = time.perf_counter()
-        rows, part = buf[: n * h].view(n, h), buf[n * h:].view(n, -1)
         first = self.model.compute_logits(rows)
         assert first is not None
+        t2 = time.perf_counter()
+        part = self.logits.recv((n, self.vocab_size - self.head_split), self.dtype,
+                                self.device)
+        t3 = time.perf_counter()
         result = self.sampler.sample(torch.cat([first, part], dim=-1), seq_ids)
-        self._input_wait_s += t1 - t0
-        self._busy_s += time.perf_counter() - t1
+        self._input_wait_s += (t1 - t0) + (t3 - t2)
+        self._busy_s += (t2 - t1) + (time.perf_counter() - t3)
         return result
 
     def drain(self) -> None:
