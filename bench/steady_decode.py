@@ -30,7 +30,7 @@ def measure(model_dir: str, num_seqs: int, prompt_tokens: int, seconds: float,
     try:
         engine = llm.engine
         rng = random.Random(0)
-        vocab = llm.engine.arch.vocab_size
+        vocab = engine.arch.vocab_size
         params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
         for _ in range(num_seqs):
             engine.add_request([rng.randrange(vocab) for _ in range(prompt_tokens)], params)

@@ -53,13 +53,12 @@ HUGE_PAGE_BYTES = 2 << 20
 
 
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized contiguous CPU tensor on memory of its own, 2 MiB-aligned and
-    madvise(MADV_HUGEPAGE)d before first touch, so the kernel backs it with huge pages where
-    it can (else with small ones: same tensor, no error). Its memory is unmapped when the
-    last tensor on it is gone."""
+    """A contiguous CPU tensor of zeros (anonymous memory) on a mapping of its own,
+    2 MiB-aligned and madvise(MADV_HUGEPAGE)d before first touch, so the kernel backs it with
+    huge pages where it can (else with small ones: same tensor, no error); its pages are
+    faulted in on first touch. The mapping is unmapped when the last tensor on it is gone."""
     nbytes = math.prod(shape) * dtype.itemsize
-    buf = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES,  # zero-filled
-                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)

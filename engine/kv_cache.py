@@ -46,6 +46,7 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
 
     def zeros() -> torch.Tensor:
         if huge_pages and torch.device(device).type == "cpu":
+            # Already zero: zero_() faults every page in now, not during decode steps.
             return huge_page_empty(shape, dtype).zero_()
         return torch.zeros(shape, dtype=dtype, device=device)
 
