@@ -46,7 +46,7 @@ from meshserve.launch.ranks import (
 )
 from meshserve.launch.run_config import MeshConfig
 from meshserve.models.arch import ModelArch
-from meshserve.parallel.broadcast import ObjectBroadcaster
+from meshserve.parallel.broadcast import ObjectBroadcaster, RingBroadcaster
 from meshserve.parallel.p2p import ObjectChannel
 from meshserve.parallel.tp_group import CommCounters
 
@@ -108,9 +108,12 @@ class DistributedExecutor:
         self.device = self.worker.device
         self.num_blocks = self.worker.num_blocks
         g = self.groups
-        self._broadcaster = ObjectBroadcaster(g.cpu_group, src=g.driver_rank,
-                                              send_timeout=g.op_timeout)
         spawned = self._spawned
+        step_rings = g.step_rings()
+        self._broadcaster: ObjectBroadcaster | RingBroadcaster = (
+            RingBroadcaster(step_rings, alive=spawned.check if spawned else lambda: None)
+            if step_rings is not None else
+            ObjectBroadcaster(g.cpu_group, src=g.driver_rank, send_timeout=g.op_timeout))
         self._results = (ObjectChannel(g.result_group, self.max_in_flight, g.op_timeout,
                                        ring=g.rings.get(("result", g.sampler_rank, g.rank)),
                                        alive=spawned.check if spawned else lambda: None)
@@ -238,6 +241,7 @@ class DistributedExecutor:
             if self._spawned is not None:
                 self._spawned.expect_exit()
             self._broadcaster.send(None)
+            self._broadcaster.flush()
             self.worker.drain()
         except Exception:  # noqa: BLE001 - the ranks are stopped by force below
             pass

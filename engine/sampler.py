@@ -9,6 +9,7 @@ import torch
 
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.step_inputs import to_device
+from meshserve.kernels import dispatch
 
 
 @dataclass
@@ -41,7 +42,7 @@ class Sampler:
         the device: the host learns them only when it reads the tensor."""
         greedy = [p.greedy for p in params]
         if all(greedy):
-            return logits.argmax(dim=-1)
+            return dispatch.argmax_rows(logits)
         return self._sample(logits.float(), params, generators, greedy)
 
     def _sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -65,7 +66,7 @@ class Sampler:
         if not any(greedy):
             return sampled
         is_greedy = to_device(greedy, dev, torch.bool)
-        return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+        return torch.where(is_greedy, dispatch.argmax_rows(logits), sampled)
 
     @staticmethod
     def logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],

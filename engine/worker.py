@@ -32,7 +32,12 @@ from meshserve.launch.ranks import (
 )
 from meshserve.launch.run_config import MeshConfig
 from meshserve.models.arch import ModelArch
-from meshserve.parallel.broadcast import BroadcastInbox, ObjectBroadcaster
+from meshserve.parallel.broadcast import (
+    BroadcastInbox,
+    ObjectBroadcaster,
+    RingInbox,
+    watch_process,
+)
 from meshserve.parallel.mesh import ParallelDims, ProcessGroups
 from meshserve.parallel.p2p import ObjectChannel
 from meshserve.parallel.planner import lm_head_split, runtime_stage_ranges
@@ -133,7 +138,14 @@ def serve(groups: ProcessGroups, worker: StageWorker, num_in_flight: int,
           store: dist.Store | None = None) -> None:
     """Run every step the driver broadcasts until it broadcasts None; the sampling rank
     sends each step's tokens to the driver. A StatsRequest is answered through `store`."""
-    inbox = BroadcastInbox(ObjectBroadcaster(groups.cpu_group, src=groups.driver_rank))
+    ring = groups.rings.get(("step", groups.driver_rank, groups.rank))
+    inbox: BroadcastInbox | RingInbox
+    if ring is not None:
+        assert groups.driver_pid is not None
+        inbox = RingInbox(ring, watch_process(groups.driver_pid, "the driver (rank "
+                                              f"{groups.driver_rank})"))
+    else:
+        inbox = BroadcastInbox(ObjectBroadcaster(groups.cpu_group, src=groups.driver_rank))
     results = None
     if groups.is_sampler and groups.result_group is not None:
         results = ObjectChannel(groups.result_group, num_in_flight, groups.op_timeout,

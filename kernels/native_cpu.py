@@ -97,6 +97,8 @@ def library() -> ctypes.CDLL | None:
     lib.ms_linear_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]
     lib.ms_linear_t_f32.restype = None
     lib.ms_linear_t_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]
+    lib.ms_argmax_rows_f32.restype = None
+    lib.ms_argmax_rows_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
     return lib
 
 
@@ -220,4 +222,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         else:
             lib.ms_linear_t_f32(x.data_ptr(), x.stride(0), weight.data_ptr(),
                                 weight.stride(1), out.data_ptr(), n, m, k, n)
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [N, V] (unit column stride, V >= 1) -> [N] int64: each row's torch.argmax (the first
+    largest value; a NaN counts as the largest)."""
+    rows, cols = x.shape
+    assert cols >= 1 and x.stride(1) == 1, (x.shape, x.stride())
+    out = torch.empty(rows, dtype=torch.long)
+    if rows:
+        _loaded().ms_argmax_rows_f32(x.data_ptr(), x.stride(0), rows, cols, out.data_ptr())
     return out

@@ -2,19 +2,25 @@
 
 A message is one broadcast of a fixed-size buffer (length header, then the pickle);
 larger messages add a second broadcast for the rest. Receivers run a thread that always
-has the next broadcast posted, so the sender rarely waits on a busy rank.
+has the next broadcast posted, so the sender rarely waits on a busy rank. Where every
+receiver shares the sender's host, RingBroadcaster and RingInbox carry the same messages
+through shared-memory rings instead.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import queue
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from meshserve.parallel.shm_ring import ShmRing
 
 _HEADER = 8  # little-endian int64 payload length
 
@@ -29,12 +35,16 @@ class ObjectBroadcaster:
         self.group, self.src, self.capacity = group, src, capacity
         self.send_timeout = send_timeout
         self._buf = torch.zeros(capacity, dtype=torch.uint8)
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self.num_messages = 0
         self.num_bytes = 0
 
     def send(self, obj: object) -> None:
-        """Broadcast `obj` from this rank (the source)."""
+        """Broadcast `obj` from this rank (the source). Returns once it is on its way: the
+        previous message's broadcast is waited for (and its error raised) here, the last
+        one's by `flush()`."""
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        self.flush()
         n = len(data)
         payload = torch.frombuffer(bytearray(n.to_bytes(_HEADER, "little") + data),
                                    dtype=torch.uint8)
@@ -49,10 +59,16 @@ class ObjectBroadcaster:
     def _send(self, buf: torch.Tensor) -> None:
         work = dist.broadcast(buf, src=self.src, group=self.group, async_op=True)
         assert work is not None
-        if self.send_timeout is None:
-            work.wait()
-        else:
-            work.wait(self.send_timeout)
+        self._pending.append((work, buf))
+
+    def flush(self) -> None:
+        """Wait (at most `send_timeout` each) until every message sent has gone out."""
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            if self.send_timeout is None:
+                work.wait()
+            else:
+                work.wait(self.send_timeout)
 
     def recv(self) -> object:
         """Receive the next object broadcast by the source."""
@@ -109,3 +125,79 @@ class BroadcastInbox:
     def join(self, timeout: float | None = None) -> None:
         """Wait for the receiving thread to end."""
         self._thread.join(timeout)
+
+
+class RingBroadcaster:
+    """ObjectBroadcaster's sending side through shared-memory rings, one to each receiver
+    (all on this host): a step's metadata reaches a waiting rank as soon as it looks, and
+    the sender pays a pickle and a copy per receiver, no gloo call (0.25-0.6 ms a
+    micro-batch on the driver's critical path, measured here). Waiting for a full ring is
+    bounded by the rings' timeout; `alive` may raise meanwhile (a receiver died)."""
+
+    def __init__(self, rings: Sequence[ShmRing], alive: Callable[[], None] = lambda: None
+                 ) -> None:
+        assert rings
+        self._rings, self._alive = list(rings), alive
+        self.num_messages = 0
+        self.num_bytes = 0
+
+    def send(self, obj: object) -> None:
+        """Post `obj` to every receiver."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        for ring in self._rings:
+            ring.put_message(data, self._alive)
+        self.num_messages += 1
+        self.num_bytes += len(data)
+
+    def flush(self) -> None:
+        """Nothing to wait for: a message is in the rings once `send` returns."""
+
+
+class RingInbox:
+    """BroadcastInbox's counterpart for a RingBroadcaster: `get()` takes the next object
+    from this rank's ring, waiting as long as it takes (idle is not failure) while
+    `watch_sender` (checked every WATCH_INTERVAL_S) says the sender lives."""
+
+    WATCH_INTERVAL_S = 0.1
+
+    def __init__(self, ring: ShmRing, watch_sender: Callable[[], None]) -> None:
+        self._ring, self._watch = ring, watch_sender
+        self._next_watch = 0.0
+
+    def _alive(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_watch:
+            self._next_watch = now + self.WATCH_INTERVAL_S
+            self._watch()
+
+    def get(self) -> object:
+        """The next object, blocking."""
+        return pickle.loads(self._ring.take_message(self._alive, timeout_s=None))
+
+    def join(self, timeout: float | None = None) -> None:
+        """No thread to wait for."""
+
+
+def watch_process(pid: int, what: str) -> Callable[[], None]:
+    """A check that raises RuntimeError once process `pid` (on this host) has exited."""
+
+    def check() -> None:
+        if not process_alive(pid):
+            raise RuntimeError(f"{what} (pid {pid}) is gone")
+
+    return check
+
+
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs on this host (a zombie, exited but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc: kill() said it exists

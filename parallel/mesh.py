@@ -7,6 +7,7 @@ tensor backend (gloo or NCCL), plus gloo CPU groups for step metadata and result
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -28,6 +29,10 @@ ACTIVATION_SLOT_BYTES = 2 << 20
 """Largest activation message (hidden + residual of a micro-batch) sent through shared
 memory between CPU stages on one host; bigger ones (long prefill chunks, for which a few
 milliseconds do not matter) go through gloo."""
+
+STEP_SLOT_BYTES = 64 << 10
+"""Slot size of the rings that carry the driver's step metadata to the other ranks of its
+replica on its host (ShmRing.put_message spreads a bigger message over several slots)."""
 
 RESULT_SLOT_BYTES = 4 << 20
 """Largest result message sent through shared memory to the driver: a pickled step result,
@@ -148,7 +153,11 @@ class ProcessGroups:
     """Longest wait on another rank once running (gloo); None: the group's own (NCCL)."""
     rings: dict[RingKey, ShmRing] = field(default_factory=dict)
     """Shared-memory rings this rank sends or receives on: ("act", stage, next stage) for
-    activations, ("result", sampler, driver) for sampled tokens (CPU, same host only)."""
+    activations, ("result", sampler, driver) for sampled tokens, ("step", driver, rank)
+    for the step metadata (CPU, same host only; step rings only where the whole replica
+    shares its driver's host)."""
+    driver_pid: int | None = None
+    """The driver's process id, where step rings come from it (a waiting rank watches it)."""
 
     @property
     def is_driver(self) -> bool:
@@ -169,6 +178,17 @@ class ProcessGroups:
     def is_last_stage(self) -> bool:
         """Whether this rank computes logits."""
         return self.pp_rank == self.dims.pp - 1
+
+    def replica_ranks(self) -> list[int]:
+        """Global ranks of this rank's replica (dp coordinate), the driver first."""
+        return [int(r) for r in self.mesh.mesh[self.dp_rank].flatten()]
+
+    def step_rings(self) -> list[ShmRing] | None:
+        """(Driver) The rings to every other rank of its replica, or None where there are
+        none: the step metadata then goes by gloo broadcast."""
+        rings = [self.rings.get(("step", self.rank, r)) for r in self.replica_ranks()
+                 if r != self.rank]
+        return rings if rings and all(r is not None for r in rings) else None  # type: ignore[return-value]
 
     def describe(self, rank: int | None = None) -> str:
         """'rank 3 (dp 0, pp stage 1 of 2, tp rank 1 of 2)' for logs and errors."""
@@ -222,17 +242,24 @@ class ProcessGroups:
                     result_group = g
         assert cpu_group is not None
         rings: dict[RingKey, ShmRing] = {}
-        if dims.pp > 1 and device_type == "cpu" and cpu_p2p == "auto" and shm_supported():
+        driver_pid = None
+        if (dims.pp > 1 or dims.tp > 1) and device_type == "cpu" and cpu_p2p == "auto" \
+                and shm_supported():
             wanted = [(key, p2p_slots, size) for key, size in _ring_keys(grid)
-                      if node_ids[key[1]] == node_ids[key[2]]]
+                      if dims.pp > 1 and node_ids[key[1]] == node_ids[key[2]]]
+            wanted += [(key, p2p_slots + 1, STEP_SLOT_BYTES)
+                       for key in _step_ring_keys(grid, node_ids)]
             rings = connect_rings(wanted, rank, timeout_s=(
                 op_timeout.total_seconds() if op_timeout is not None else None))
+            pids: list[int | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(pids, os.getpid())
+            driver_pid = pids[int(grid[dp_rank, 0, 0])]
         return cls(dims=dims, rank=rank, mesh=mesh, dp_rank=dp_rank, pp_rank=pp_rank,
                    tp_rank=tp_rank, tp=tp, pp_group=pp_group, cpu_group=cpu_group,
                    result_group=result_group, driver_rank=int(grid[dp_rank, 0, 0]),
                    sampler_rank=int(grid[dp_rank, 0 if split_head else -1, 0]),
                    last_stage_rank=int(grid[dp_rank, -1, 0]), op_timeout=op_timeout,
-                   rings=rings)
+                   rings=rings, driver_pid=driver_pid)
 
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of stage `pp_rank` at this rank's dp and tp coordinates."""
@@ -248,6 +275,17 @@ class ProcessGroups:
         self.rings.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _step_ring_keys(grid: torch.Tensor, node_ids: Sequence[str]) -> list[RingKey]:
+    """The step-metadata rings of a [dp, pp, tp] rank grid: from each replica whose ranks
+    all share one host, its driver to each other rank of it."""
+    keys: list[RingKey] = []
+    for d in range(grid.shape[0]):
+        ranks = [int(r) for r in grid[d].flatten()]
+        if len({node_ids[r] for r in ranks}) == 1:
+            keys += [("step", ranks[0], r) for r in ranks[1:]]
+    return keys
 
 
 def _ring_keys(grid: torch.Tensor) -> list[tuple[RingKey, int]]:

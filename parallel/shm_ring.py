@@ -114,6 +114,25 @@ class ShmRing:
         self.put([torch.frombuffer(bytearray(data), dtype=torch.uint8)] if data else [],
                  length=len(data), alive=alive)
 
+    def put_message(self, data: bytes, alive: Callable[[], None] = lambda: None) -> None:
+        """Post `data` of any length: over as many slots as it needs, each slot's length
+        field the bytes left from that slot on (`take_message` joins them). Waits for the
+        consumer whenever every slot is full."""
+        view = memoryview(data)
+        offset = 0
+        while True:
+            n = self.num_messages
+            self._wait(lambda n=n: n - int(self._taken[0]) < self.num_slots, "take", n, alive)
+            part = view[offset:offset + self.slot_bytes]
+            start = _HEADER + (n % self.num_slots) * self._stride + _LENGTH
+            self._buf[start:start + len(part)] = part
+            self._lengths[n % self.num_slots][0] = len(data) - offset
+            self._posted[0] = n + 1
+            self.num_messages = n + 1
+            offset += len(part)
+            if offset >= len(data):
+                return
+
     def drain(self, alive: Callable[[], None] = lambda: None) -> None:
         """Wait until the consumer has taken every message posted."""
         n = self.num_messages
@@ -144,6 +163,30 @@ class ShmRing:
                 if length > 0 else b"")
         self._release()
         return length, data
+
+    def take_message(self, alive: Callable[[], None] = lambda: None,
+                     timeout_s: float | None | str = "ring") -> bytes:
+        """The next message `put_message` posted, whole. `timeout_s`: the longest wait for
+        its first slot (None: no limit; default: the ring's timeout); the slots after it
+        follow within the ring's timeout."""
+        n = self.num_messages
+        limit = self.timeout_s if timeout_s == "ring" else timeout_s
+        assert not isinstance(limit, str), limit
+        if not spin_until(lambda: int(self._posted[0]) > n, limit, alive):
+            raise RingTimeout(f"{self.what}: the other side did not post message #{n} "
+                              f"within {limit:g} s (dead or hung)")
+        parts: list[bytes] = []
+        left = None
+        while left is None or left > 0:
+            length = self.wait_message(alive)
+            if left is not None and length != left:
+                raise RuntimeError(f"{self.what}: message #{self.num_messages} continues "
+                                   f"with {length} bytes left, {left} expected")
+            size = min(length, self.slot_bytes)
+            parts.append(self._slot(self.num_messages, size).numpy().tobytes())
+            self._release()
+            left = length - size
+        return b"".join(parts)
 
     def _release(self) -> None:
         self.num_messages += 1

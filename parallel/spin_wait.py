@@ -19,6 +19,13 @@ SPINS_BEFORE_SLEEP = 1024
 
 BACKOFF_S = 50e-6
 
+IDLE_AFTER_S = 0.5
+"""A wait this long is an idle one (a worker between requests, a stage behind a long
+prefill): from then on the waiter sleeps IDLE_BACKOFF_S between polls, so an idle rank
+costs next to no CPU and answers within a millisecond."""
+
+IDLE_BACKOFF_S = 1e-3
+
 
 def spin_until(ready: Callable[[], bool], timeout_s: float | None,
                on_check: Callable[[], None] = lambda: None) -> bool:
@@ -26,16 +33,22 @@ def spin_until(ready: Callable[[], bool], timeout_s: float | None,
     `on_check` runs every SPINS_BEFORE_YIELD polls and may raise to give up."""
     if ready():
         return True
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline = None if timeout_s is None else start + timeout_s
+    idle_at = start + IDLE_AFTER_S
+    backoff = BACKOFF_S
     spins = 0
     while not ready():
         spins += 1
         if spins > SPINS_BEFORE_SLEEP:
-            time.sleep(BACKOFF_S)
+            time.sleep(backoff)
         elif spins % SPINS_BEFORE_YIELD == 0:
             time.sleep(0)
         if spins % SPINS_BEFORE_YIELD == 0:
             on_check()
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
                 return False
+            if now > idle_at:
+                backoff = IDLE_BACKOFF_S
     return True

@@ -496,3 +496,54 @@ void ms_linear_t_f32(const float *x, int64_t xs, const float *wt, int64_t ws, fl
         }
     }
 }
+
+/* ---- Greedy sampling: out[r] = argmax of row r of x[rows, cols] (row stride xs) ----
+ *
+ * As torch.argmax: the first index of the largest value, and a NaN counts as larger than
+ * anything (the first NaN wins). Two passes over the row, both vectorized: its largest
+ * value (and whether it holds a NaN), then where that value first occurs.
+ */
+static int64_t argmax_row(const float *x, int64_t n) {
+    int64_t i = 0;
+    float m = x[0];
+    int nan = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (n >= 8) {
+        __m256 mv = _mm256_loadu_ps(x), nv = _mm256_cmp_ps(mv, mv, _CMP_UNORD_Q);
+        for (i = 8; i + 8 <= n; i += 8) {
+            const __m256 v = _mm256_loadu_ps(x + i);
+            mv = _mm256_max_ps(mv, v);
+            nv = _mm256_or_ps(nv, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mv);
+        m = lanes[0];
+        for (int l = 1; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+        nan = _mm256_movemask_ps(nv) != 0;
+    }
+#endif
+    for (; i < n; i++) {
+        nan |= x[i] != x[i];
+        m = x[i] > m ? x[i] : m;
+    }
+    if (nan) {
+        for (i = 0; i < n; i++)
+            if (x[i] != x[i]) return i;
+    }
+    i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 target = _mm256_set1_ps(m);
+    for (; i + 8 <= n; i += 8) {
+        const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target,
+                                                          _CMP_EQ_OQ));
+        if (mask) return i + __builtin_ctz((unsigned)mask);
+    }
+#endif
+    for (; i < n; i++)
+        if (x[i] == m) return i;
+    return 0; /* not reached: m is one of the row's values */
+}
+
+void ms_argmax_rows_f32(const float *x, int64_t xs, int64_t rows, int64_t cols, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * xs, cols);
+}

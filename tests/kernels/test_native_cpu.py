@@ -150,3 +150,22 @@ def test_dispatch_takes_the_c_linear_in_its_measured_ranges() -> None:
         assert not dispatch.native_linear_applies(torch.randn(lo, 32), row_major)
     finally:
         torch.set_num_threads(threads)
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.integers(0, 5), cols=st.integers(1, 70), pad=st.integers(0, 3),
+       ties=st.booleans(), nans=st.integers(0, 2), all_inf=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_argmax_rows_is_torch_argmax_ties_and_nans_included(
+        rows: int, cols: int, pad: int, ties: bool, nans: int, all_inf: bool,
+        seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randint(-2, 2, (rows, cols + pad), generator=gen).float() if ties
+         else torch.randn(rows, cols + pad, generator=gen))[:, :cols]
+    if all_inf and rows:
+        x[0] = float("-inf")
+    for _ in range(nans if rows else 0):  # a NaN anywhere counts as the largest
+        x[int(torch.randint(rows, (1,), generator=gen)),
+          int(torch.randint(cols, (1,), generator=gen))] = float("nan")
+    assert torch.equal(native_cpu.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(dispatch.argmax_rows(x), x.argmax(dim=-1))

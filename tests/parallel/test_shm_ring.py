@@ -126,3 +126,30 @@ def test_a_full_shm_raises_at_creation_and_leaves_no_file(monkeypatch) -> None:
     with pytest.raises(OSError, match="No space"):
         ShmRing(path, create=True, num_slots=2, slot_bytes=64)
     assert not os.path.exists(path)
+
+
+@settings(max_examples=40, deadline=None)
+@given(num_slots=st.integers(1, 3), slot_bytes=st.integers(1, 9),
+       sizes=st.lists(st.integers(0, 40), min_size=1, max_size=8))
+def test_messages_longer_than_a_slot_arrive_whole_and_in_order(
+        num_slots: int, slot_bytes: int, sizes: list[int]) -> None:
+    """put_message spreads a message over slots, waiting for the consumer whenever the ring
+    is full; take_message joins it again."""
+    producer, consumer = pair(num_slots, slot_bytes, timeout_s=5.0)
+    messages = [bytes((i * 7 + j) % 256 for j in range(n)) for i, n in enumerate(sizes)]
+    got: list[bytes] = []
+    try:
+        t = threading.Thread(target=lambda: got.extend(consumer.take_message()
+                                                       for _ in messages))
+        t.start()
+        for m in messages:
+            producer.put_message(m)
+        t.join(10)
+        assert got == messages
+        producer.put_message(b"!")  # one slot; no bound on its wait: idle is fine
+        assert consumer.take_message(timeout_s=None) == b"!"
+        with pytest.raises(RingTimeout, match="did not post message"):
+            consumer.take_message(timeout_s=0.05)
+    finally:
+        producer.close()
+        consumer.close()
