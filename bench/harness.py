@@ -60,9 +60,8 @@ class _DecodeSteps:
 class MeshserveRunner:
     """meshserve's LLM/Engine on one process; the prefix cache is emptied before each run."""
 
-    name = MESHSERVE
-
-    def __init__(self, config: MeshConfig) -> None:
+    def __init__(self, config: MeshConfig, name: str = MESHSERVE) -> None:
+        self.name = name
         self.llm = LLM(config=config, progress=False)
         engine = self.llm.engine
         self.dtype = resolve_dtype(config.model.dtype, engine.arch, engine.device)

@@ -1,4 +1,5 @@
-"""Names of the engines a benchmark compares: meshserve and its Hugging Face peers."""
+"""Names of the engines a benchmark compares: meshserve, its Hugging Face peers, and
+meshserve on one rank (the baseline a multi-rank layout is measured against)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ MESHSERVE = "meshserve"
 
 HF_CONTINUOUS = "hf-continuous"
 """transformers' own continuous batching (paged attention), one process."""
+
+MESHSERVE_SINGLE = "meshserve-single"
+"""meshserve itself on one rank (parallel tp = pp = dp = 1), every other setting the run's:
+its rounds interleave with the layout under test in one process, so the machine's drift
+between minutes falls on both sides of the ratio alike."""
 
 HF_STATIC_PREFIX = "hf-static-"
 """`hf-static-<B>`: transformers `model.generate` in static batches of B, left padded."""
@@ -27,4 +33,4 @@ def static_batch_size(name: str) -> int | None:
 
 def is_peer(name: str) -> bool:
     """Whether `name` is a peer this harness can run."""
-    return name == HF_CONTINUOUS or static_batch_size(name) is not None
+    return name in (HF_CONTINUOUS, MESHSERVE_SINGLE) or static_batch_size(name) is not None

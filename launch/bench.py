@@ -20,7 +20,7 @@ import torch
 
 from meshserve.bench import checkpoints, roofline, workloads
 from meshserve.bench.harness import MeshserveRunner, Runner
-from meshserve.bench.peer_names import MESHSERVE
+from meshserve.bench.peer_names import MESHSERVE, MESHSERVE_SINGLE
 from meshserve.bench.peers import load_hf_model, make_peer
 from meshserve.bench.plot import plot
 from meshserve.bench.protocol import check_outputs, run_rounds
@@ -50,12 +50,15 @@ def run(overrides: list[str]) -> int:
     roof = roofline.measure(b.roofline_read_bytes, b.roofline_matmul_size) if b.roofline else None
     ours = MeshserveRunner(cfg)
     itemsize = ours.dtype.itemsize
+    runners: list[Runner] = [ours]
     try:
-        runners = [ours, *_peers(cfg, model_dir, ours.dtype)]
+        runners += _peers(cfg, model_dir, ours.dtype)
         rounds = run_rounds(runners, reqs, repeats=b.repeats, warmup=b.warmup,
                             progress=b.progress)
     finally:  # multi-rank runs: every rank exits cleanly, its ports freed
-        ours.llm.shutdown()
+        for r in runners:
+            if isinstance(r, MeshserveRunner):
+                r.llm.shutdown()
     meta = _meta(cfg, model_dir, arch, itemsize, reqs, load_start)
     result = build_result(rounds=rounds, checks=check_outputs(rounds, MESHSERVE), arch=arch,
                           itemsize=itemsize, roof=roof, threads=threads,
@@ -93,12 +96,20 @@ def _check_fits(reqs: list[workloads.BenchRequest], cfg: MeshConfig, arch: Model
 
 
 def _peers(cfg: MeshConfig, model_dir: Path, dtype: torch.dtype) -> list[Runner]:
-    """The configured peers, sharing one transformers model in meshserve's dtype."""
-    if not cfg.bench.peers:
-        return []
-    model = load_hf_model(model_dir, dtype)
-    return [make_peer(p, model, max_batch_tokens=cfg.bench.hf_max_batch_tokens,
-                      kv_cache_memory=cfg.engine.kv_cache_memory) for p in cfg.bench.peers]
+    """The configured peers in their order: meshserve-single (our engine on one rank, in
+    this process) and the transformers ones, sharing one model in meshserve's dtype."""
+    hf = [p for p in cfg.bench.peers if p != MESHSERVE_SINGLE]
+    model = load_hf_model(model_dir, dtype) if hf else None
+    peers: list[Runner] = []
+    for name in cfg.bench.peers:
+        if name == MESHSERVE_SINGLE:
+            single = dataclasses.replace(cfg.parallel, tp=1, pp=1, dp=1, auto=False)
+            peers.append(MeshserveRunner(dataclasses.replace(cfg, parallel=single), name=name))
+        else:
+            assert model is not None
+            peers.append(make_peer(name, model, max_batch_tokens=cfg.bench.hf_max_batch_tokens,
+                                   kv_cache_memory=cfg.engine.kv_cache_memory))
+    return peers
 
 
 def _meta(cfg: MeshConfig, model_dir: Path, arch: ModelArch, itemsize: int,

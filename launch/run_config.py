@@ -120,7 +120,8 @@ class BenchConfig:
                 f"null or one of {sorted(SPECS)} (use model.path for a directory)")
         bad = [p for p in self.peers if not is_peer(p)]
         require(not bad and len(set(self.peers)) == len(self.peers), "bench.peers", self.peers,
-                "distinct names among hf-static-<B> (B >= 1) and hf-continuous")
+                "distinct names among hf-static-<B> (B >= 1), hf-continuous and "
+                "meshserve-single")
         require(self.repeats >= 1, "bench.repeats", self.repeats, "an int >= 1")
         require(bool(self.out), "bench.out", self.out, "a directory path")
         require(self.roofline_read_bytes >= 1 << 20, "bench.roofline_read_bytes",

@@ -96,3 +96,29 @@ def test_workload_too_long_for_the_model(make_checkpoint: Callable[..., Path],
     err = capsys.readouterr().err
     assert "bench.workload='latency': request 0 needs 256 + 128 tokens" in err
     assert "max_model_len=256" in err
+
+
+@pytest.mark.slow
+def test_a_layout_against_meshserve_single_in_one_run(make_checkpoint: Callable[..., Path],
+                                                      tmp_path: Path) -> None:
+    """bench.peers=[meshserve-single]: a pp=2 run and our engine on one rank, rounds
+    interleaved in one process, with the same tokens out."""
+    ckpt = make_checkpoint("llama", seed=4)
+    save([BenchRequest(list(range(1, 30)), 5), BenchRequest([9, 8, 7], 2)], tmp_path / "wl.json")
+    out = subprocess.run(
+        [MESHSERVE, "bench", f"model.path={ckpt}", f"bench.workload={tmp_path / 'wl.json'}",
+         "bench.peers=[meshserve-single]", "bench.repeats=2", "bench.warmup=false",
+         f"bench.out={tmp_path / 'out'}", "bench.roofline=false", "bench.plot=false",
+         "engine.kv_cache_memory=16777216", "parallel.pp=2", "threads=1"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert list(res["engines"]) == ["meshserve", "meshserve-single"]
+    assert res["protocol"]["round_order"] == [["meshserve", "meshserve-single"],
+                                              ["meshserve-single", "meshserve"]]
+    assert "ranks" in res["engines"]["meshserve"]["runs"][0]  # the pp=2 side: two ranks
+    assert "ranks" not in res["engines"]["meshserve-single"]["runs"][0]
+    assert res["outputs"]["against_reference"]["meshserve-single"]["identical"]
+    assert res["ratios"]["meshserve-single"]["throughput_tok_s"]["median"] > 0
+    assert "vs meshserve-single throughput" in out.stdout

@@ -121,6 +121,13 @@ def test_bench_config_rejects_bad_values(override: str, message: str) -> None:
         load_config([override])
 
 
+def test_meshserve_single_is_a_peer_name() -> None:
+    assert load_config(["bench.peers=[meshserve-single,hf-static-8]"]).bench.peers == [
+        "meshserve-single", "hf-static-8"]
+    with pytest.raises(ValueError, match="hf-continuous and meshserve-single"):
+        load_config(["bench.peers=[meshserve-single,meshserve-single]"])
+
+
 def test_bench_config_defaults_follow_bench_md() -> None:
     b = load_config([]).bench
     assert b.peers == ["hf-static-8", "hf-static-16", "hf-continuous"]
