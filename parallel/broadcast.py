@@ -172,7 +172,7 @@ class RingInbox:
 
     def get(self) -> object:
         """The next object, blocking."""
-        return pickle.loads(self._ring.take_message(self._alive, timeout_s=None))
+        return pickle.loads(self._ring.take_message(self._alive, idle=True))
 
     def join(self, timeout: float | None = None) -> None:
         """No thread to wait for."""

@@ -164,17 +164,13 @@ class ShmRing:
         self._release()
         return length, data
 
-    def take_message(self, alive: Callable[[], None] = lambda: None,
-                     timeout_s: float | None | str = "ring") -> bytes:
-        """The next message `put_message` posted, whole. `timeout_s`: the longest wait for
-        its first slot (None: no limit; default: the ring's timeout); the slots after it
-        follow within the ring's timeout."""
+    def take_message(self, alive: Callable[[], None] = lambda: None, *,
+                     idle: bool = False) -> bytes:
+        """The next message `put_message` posted, whole. `idle`: wait for its first slot
+        without limit (a rank between steps); the ring's timeout bounds every other wait."""
         n = self.num_messages
-        limit = self.timeout_s if timeout_s == "ring" else timeout_s
-        assert not isinstance(limit, str), limit
-        if not spin_until(lambda: int(self._posted[0]) > n, limit, alive):
-            raise RingTimeout(f"{self.what}: the other side did not post message #{n} "
-                              f"within {limit:g} s (dead or hung)")
+        if idle:
+            spin_until(lambda: int(self._posted[0]) > n, None, alive)
         parts: list[bytes] = []
         left = None
         while left is None or left > 0:

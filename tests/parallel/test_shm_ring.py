@@ -146,10 +146,25 @@ def test_messages_longer_than_a_slot_arrive_whole_and_in_order(
             producer.put_message(m)
         t.join(10)
         assert got == messages
-        producer.put_message(b"!")  # one slot; no bound on its wait: idle is fine
-        assert consumer.take_message(timeout_s=None) == b"!"
-        with pytest.raises(RingTimeout, match="did not post message"):
-            consumer.take_message(timeout_s=0.05)
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_an_idle_wait_for_a_message_outlasts_the_ring_timeout() -> None:
+    producer, consumer = pair(num_slots=2, slot_bytes=4, timeout_s=0.05)
+
+    def post_later() -> None:
+        time.sleep(0.2)
+        producer.put_message(b"step 1")  # two slots
+
+    try:
+        t = threading.Thread(target=post_later)
+        t.start()
+        assert consumer.take_message(idle=True) == b"step 1"  # a rank between steps
+        t.join()
+        with pytest.raises(RingTimeout, match="did not post message #2 within 0.05 s"):
+            consumer.take_message()
     finally:
         producer.close()
         consumer.close()
