@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from meshserve.parallel.broadcast import process_alive
+
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
 
 
@@ -129,10 +131,10 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        while time.monotonic() < deadline and any(process_alive(p) for p in pids):
             time.sleep(0.1)
         for pid in pids:
-            if _alive(pid):
+            if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
     def sbatch(self, args: list[str], *, env: dict[str, str] | None = None,
@@ -141,10 +143,3 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
         return subprocess.run(["sbatch", "--wait", *args], capture_output=True, text=True,
                               env={**self.env, **(env or {})}, timeout=timeout_s)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

@@ -186,9 +186,10 @@ class ProcessGroups:
     def step_rings(self) -> list[ShmRing] | None:
         """(Driver) The rings to every other rank of its replica, or None where there are
         none: the step metadata then goes by gloo broadcast."""
-        rings = [self.rings.get(("step", self.rank, r)) for r in self.replica_ranks()
-                 if r != self.rank]
-        return rings if rings and all(r is not None for r in rings) else None  # type: ignore[return-value]
+        keys = [("step", self.rank, r) for r in self.replica_ranks() if r != self.rank]
+        if not keys or any(k not in self.rings for k in keys):
+            return None
+        return [self.rings[k] for k in keys]
 
     def describe(self, rank: int | None = None) -> str:
         """'rank 3 (dp 0, pp stage 1 of 2, tp rank 1 of 2)' for logs and errors."""

@@ -98,16 +98,13 @@ class ShmRing:
         consumer reads (a marker for a message that goes another way)."""
         nbytes = sum(p.numel() * p.element_size() for p in parts)
         assert nbytes <= self.slot_bytes, (nbytes, self.slot_bytes)
-        n = self.num_messages
-        self._wait(lambda: n - int(self._taken[0]) < self.num_slots, "take", n, alive)
+        n = self._claim(alive)
         slot, offset = self._slot(n, nbytes), 0
         for p in parts:
             size = p.numel() * p.element_size()
             slot[offset:offset + size].view(p.dtype).view(p.shape).copy_(p)
             offset += size
-        self._lengths[n % self.num_slots][0] = nbytes if length is None else length
-        self._posted[0] = n + 1
-        self.num_messages = n + 1
+        self._publish(n, nbytes if length is None else length)
 
     def put_bytes(self, data: bytes, alive: Callable[[], None] = lambda: None) -> None:
         """Post `data` (at most `slot_bytes`)."""
@@ -121,17 +118,26 @@ class ShmRing:
         view = memoryview(data)
         offset = 0
         while True:
-            n = self.num_messages
-            self._wait(lambda n=n: n - int(self._taken[0]) < self.num_slots, "take", n, alive)
+            n = self._claim(alive)
             part = view[offset:offset + self.slot_bytes]
             start = _HEADER + (n % self.num_slots) * self._stride + _LENGTH
             self._buf[start:start + len(part)] = part
-            self._lengths[n % self.num_slots][0] = len(data) - offset
-            self._posted[0] = n + 1
-            self.num_messages = n + 1
+            self._publish(n, len(data) - offset)
             offset += len(part)
             if offset >= len(data):
                 return
+
+    def _claim(self, alive: Callable[[], None]) -> int:
+        """(Producer) Wait for a free slot; the number of the message it will hold."""
+        n = self.num_messages
+        self._wait(lambda: n - int(self._taken[0]) < self.num_slots, "take", n, alive)
+        return n
+
+    def _publish(self, n: int, length: int) -> None:
+        """(Producer) Message n's slot is written: set its length field, then post it."""
+        self._lengths[n % self.num_slots][0] = length
+        self._posted[0] = n + 1
+        self.num_messages = n + 1
 
     def drain(self, alive: Callable[[], None] = lambda: None) -> None:
         """Wait until the consumer has taken every message posted."""
