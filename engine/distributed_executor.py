@@ -110,13 +110,16 @@ class DistributedExecutor:
         g = self.groups
         spawned = self._spawned
         step_rings = g.step_rings()
+        # While waiting on a rank through shared memory: a self-spawned rank's exit is
+        # seen by its Popen (with its exit code), a launcher's rank by its pid.
+        alive = spawned.check if spawned else g.watch_all(g.replica_ranks())
         self._broadcaster: ObjectBroadcaster | RingBroadcaster = (
-            RingBroadcaster(step_rings, alive=spawned.check if spawned else lambda: None)
+            RingBroadcaster(step_rings, alive=alive)
             if step_rings is not None else
             ObjectBroadcaster(g.cpu_group, src=g.driver_rank, send_timeout=g.op_timeout))
         self._results = (ObjectChannel(g.result_group, self.max_in_flight, g.op_timeout,
                                        ring=g.rings.get(("result", g.sampler_rank, g.rank)),
-                                       alive=spawned.check if spawned else lambda: None)
+                                       alive=alive)
                          if g.result_group is not None and not g.is_sampler else None)
         if progress:
             d = self.groups.dims

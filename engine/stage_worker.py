@@ -92,7 +92,7 @@ class StageWorker:
                               ring_in=groups.rings.get(("act", prev, rank)) if prev is not None
                               else None,
                               ring_out=groups.rings.get(("act", rank, nxt)) if nxt is not None
-                              else None)
+                              else None, watch=groups.watch)
         self.sampler = StepSampler(device, config.engine.seed) if groups.is_sampler else None
         # Split head: the last stage's rows and logits go to the driver, which samples.
         self.logits: TensorChannel | None = None
@@ -100,9 +100,11 @@ class StageWorker:
         if self.head_split is not None and groups.rank in (groups.driver_rank,
                                                            groups.last_stage_rank):
             src, dst = groups.last_stage_rank, groups.driver_rank
-            self.logits = TensorChannel(groups.result_group, dst if groups.rank == src else src,
-                                        2 * (max_in_flight + 1), groups.op_timeout,
-                                        ring=groups.rings.get(("result", src, dst)))
+            peer = dst if groups.rank == src else src
+            self.logits = TensorChannel(groups.result_group, peer, 2 * (max_in_flight + 1),
+                                        groups.op_timeout,
+                                        ring=groups.rings.get(("result", src, dst)),
+                                        alive=groups.watch(peer))
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
         self._busy_s = self._input_wait_s = 0.0

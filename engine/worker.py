@@ -11,6 +11,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -36,7 +37,6 @@ from meshserve.parallel.broadcast import (
     BroadcastInbox,
     ObjectBroadcaster,
     RingInbox,
-    watch_process,
 )
 from meshserve.parallel.mesh import ParallelDims, ProcessGroups
 from meshserve.parallel.p2p import ObjectChannel
@@ -141,16 +141,15 @@ def serve(groups: ProcessGroups, worker: StageWorker, num_in_flight: int,
     ring = groups.rings.get(("step", groups.driver_rank, groups.rank))
     inbox: BroadcastInbox | RingInbox
     if ring is not None:
-        assert groups.driver_pid is not None
-        inbox = RingInbox(ring, watch_process(groups.driver_pid, "the driver (rank "
-                                              f"{groups.driver_rank})"))
+        inbox = RingInbox(ring, groups.watch(groups.driver_rank))
     else:
         inbox = BroadcastInbox(ObjectBroadcaster(groups.cpu_group, src=groups.driver_rank))
     results = None
     if groups.is_sampler and groups.result_group is not None:
         results = ObjectChannel(groups.result_group, num_in_flight, groups.op_timeout,
                                 ring=groups.rings.get(("result", groups.rank,
-                                                       groups.driver_rank)))
+                                                       groups.driver_rank)),
+                                alive=groups.watch(groups.driver_rank))
     while (msg := inbox.get()) is not None:
         if isinstance(msg, StatsRequest):
             assert store is not None, "stats requested from a rank without the run's store"
@@ -165,12 +164,19 @@ def serve(groups: ProcessGroups, worker: StageWorker, num_in_flight: int,
     inbox.join()
 
 
-def _exit_now(message: str, code: int) -> None:
-    """Print and leave at once: after a failure, tearing down gloo could wait on dead peers."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one message per rank, even when stopped now
-    os.write(2, (message + "\n").encode())
-    os._exit(code)
+_exit_lock = threading.Lock()
 
+
+def _exit_now(message: str, code: int) -> None:
+    """Print and leave at once: after a failure, tearing down gloo could wait on dead peers.
+    Callable from any thread (the parent watcher calls it from its own); only the first
+    call prints, so a rank that is stopped while it leaves says why once."""
+    if threading.current_thread() is threading.main_thread():  # signal() works there only
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if _exit_lock.acquire(blocking=False):
+        os.write(2, (message + "\n").encode())
+        os._exit(code)
+    threading.Event().wait()  # another thread is leaving with its own message and code
 
 
 def run_worker_rank(config: MeshConfig, model_dir: Path, env: LaunchEnv) -> int:

@@ -156,32 +156,35 @@ class RingBroadcaster:
 class RingInbox:
     """BroadcastInbox's counterpart for a RingBroadcaster: `get()` takes the next object
     from this rank's ring, waiting as long as it takes (idle is not failure) while
-    `watch_sender` (checked every WATCH_INTERVAL_S) says the sender lives."""
-
-    WATCH_INTERVAL_S = 0.1
+    `watch_sender` (see watch_process) says the sender lives."""
 
     def __init__(self, ring: ShmRing, watch_sender: Callable[[], None]) -> None:
         self._ring, self._watch = ring, watch_sender
-        self._next_watch = 0.0
-
-    def _alive(self) -> None:
-        now = time.monotonic()
-        if now >= self._next_watch:
-            self._next_watch = now + self.WATCH_INTERVAL_S
-            self._watch()
 
     def get(self) -> object:
         """The next object, blocking."""
-        return pickle.loads(self._ring.take_message(self._alive, idle=True))
+        return pickle.loads(self._ring.take_message(self._watch, idle=True))
 
     def join(self, timeout: float | None = None) -> None:
         """No thread to wait for."""
 
 
-def watch_process(pid: int, what: str) -> Callable[[], None]:
-    """A check that raises RuntimeError once process `pid` (on this host) has exited."""
+WATCH_INTERVAL_S = 0.1
+"""How often a waiting rank looks whether the process it waits on still runs."""
+
+
+def watch_process(pid: int, what: str, interval_s: float = WATCH_INTERVAL_S
+                  ) -> Callable[[], None]:
+    """A check, cheap to call in a polling loop, that raises RuntimeError once process
+    `pid` (on this host) has exited; it looks at most every `interval_s`."""
+    next_look = 0.0
 
     def check() -> None:
+        nonlocal next_look
+        now = time.monotonic()
+        if now < next_look:
+            return
+        next_look = now + interval_s
         if not process_alive(pid):
             raise RuntimeError(f"{what} (pid {pid}) is gone")
 

@@ -8,7 +8,7 @@ tensor backend (gloo or NCCL), plus gloo CPU groups for step metadata and result
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshserve.parallel.broadcast import watch_process
 from meshserve.parallel.config import ParallelConfig
 from meshserve.parallel.shm_allreduce import ShmAllReduce
 from meshserve.parallel.shm_allreduce import supported as shm_supported
@@ -156,8 +157,9 @@ class ProcessGroups:
     activations, ("result", sampler, driver) for sampled tokens, ("step", driver, rank)
     for the step metadata (CPU, same host only; step rings only where the whole replica
     shares its driver's host)."""
-    driver_pid: int | None = None
-    """The driver's process id, where step rings come from it (a waiting rank watches it)."""
+    local_pids: dict[int, int] = field(default_factory=dict)
+    """Process ids of the ranks on this host, by global rank, where this rank waits on
+    them through shared memory (rings, shared-memory AllReduce); empty elsewhere."""
 
     @property
     def is_driver(self) -> bool:
@@ -190,6 +192,22 @@ class ProcessGroups:
         if not keys or any(k not in self.rings for k in keys):
             return None
         return [self.rings[k] for k in keys]
+
+    def watch(self, rank: int) -> Callable[[], None]:
+        """A check for polling loops that raises RuntimeError once `rank` (on this host)
+        has exited; a no-op for a rank whose process this rank cannot see."""
+        pid = self.local_pids.get(rank)
+        return (lambda: None) if pid is None else watch_process(pid, self.describe(rank))
+
+    def watch_all(self, ranks: Sequence[int]) -> Callable[[], None]:
+        """One check over several ranks (see `watch`)."""
+        checks = [self.watch(r) for r in ranks if r in self.local_pids]
+
+        def check() -> None:
+            for c in checks:
+                c()
+
+        return check
 
     def describe(self, rank: int | None = None) -> str:
         """'rank 3 (dp 0, pp stage 1 of 2, tp rank 1 of 2)' for logs and errors."""
@@ -243,24 +261,29 @@ class ProcessGroups:
                     result_group = g
         assert cpu_group is not None
         rings: dict[RingKey, ShmRing] = {}
-        driver_pid = None
-        if (dims.pp > 1 or dims.tp > 1) and device_type == "cpu" and cpu_p2p == "auto" \
-                and shm_supported():
+        on_shm = device_type == "cpu" and shm_supported()
+        if on_shm and (dims.pp > 1 or dims.tp > 1) and cpu_p2p == "auto":
             wanted = [(key, p2p_slots, size) for key, size in _ring_keys(grid)
                       if dims.pp > 1 and node_ids[key[1]] == node_ids[key[2]]]
             wanted += [(key, p2p_slots + 1, STEP_SLOT_BYTES)
                        for key in _step_ring_keys(grid, node_ids)]
             rings = connect_rings(wanted, rank, timeout_s=(
                 op_timeout.total_seconds() if op_timeout is not None else None))
+        local_pids: dict[int, int] = {}
+        if on_shm and (dims.pp > 1 or dims.tp > 1):  # every rank or none
             pids: list[int | None] = [None] * dist.get_world_size()
             dist.all_gather_object(pids, os.getpid())
-            driver_pid = pids[int(grid[dp_rank, 0, 0])]
-        return cls(dims=dims, rank=rank, mesh=mesh, dp_rank=dp_rank, pp_rank=pp_rank,
-                   tp_rank=tp_rank, tp=tp, pp_group=pp_group, cpu_group=cpu_group,
-                   result_group=result_group, driver_rank=int(grid[dp_rank, 0, 0]),
-                   sampler_rank=int(grid[dp_rank, 0 if split_head else -1, 0]),
-                   last_stage_rank=int(grid[dp_rank, -1, 0]), op_timeout=op_timeout,
-                   rings=rings, driver_pid=driver_pid)
+            local_pids = {r: int(pid) for r, pid in enumerate(pids)
+                          if pid is not None and r != rank and node_ids[r] == node_ids[rank]}
+        groups = cls(dims=dims, rank=rank, mesh=mesh, dp_rank=dp_rank, pp_rank=pp_rank,
+                     tp_rank=tp_rank, tp=tp, pp_group=pp_group, cpu_group=cpu_group,
+                     result_group=result_group, driver_rank=int(grid[dp_rank, 0, 0]),
+                     sampler_rank=int(grid[dp_rank, 0 if split_head else -1, 0]),
+                     last_stage_rank=int(grid[dp_rank, -1, 0]), op_timeout=op_timeout,
+                     rings=rings, local_pids=local_pids)
+        if tp.shm is not None:  # a dead TP peer fails the next sum at once, not at its timeout
+            tp.shm.alive = groups.watch_all([int(r) for r in grid[dp_rank, pp_rank]])
+        return groups
 
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of stage `pp_rank` at this rank's dp and tp coordinates."""

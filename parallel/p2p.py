@@ -118,12 +118,18 @@ class StageLink:
 
     def __init__(self, group: dist.ProcessGroup | None, prev_rank: int | None,
                  next_rank: int | None, max_pending: int, timeout: timedelta | None, *,
-                 ring_in: ShmRing | None = None, ring_out: ShmRing | None = None) -> None:
+                 ring_in: ShmRing | None = None, ring_out: ShmRing | None = None,
+                 watch: Callable[[int], Callable[[], None]] = lambda rank: lambda: None
+                 ) -> None:
+        """`watch(rank)`: a check, called while waiting on that neighbour through shared
+        memory, that raises once it is gone (ProcessGroups.watch)."""
         assert group is not None or (prev_rank is None and next_rank is None)
         self.prev_rank, self.next_rank = prev_rank, next_rank
-        self._in = (TensorChannel(group, prev_rank, max_pending, timeout, ring_in)
+        self._in = (TensorChannel(group, prev_rank, max_pending, timeout, ring_in,
+                                  alive=watch(prev_rank))
                     if prev_rank is not None else None)
-        self._out = (TensorChannel(group, next_rank, max_pending, timeout, ring_out)
+        self._out = (TensorChannel(group, next_rank, max_pending, timeout, ring_out,
+                                   alive=watch(next_rank))
                      if next_rank is not None else None)
 
     @property

@@ -23,6 +23,7 @@ import mmap
 import os
 import platform
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 
 import numpy as np
@@ -63,6 +64,8 @@ class ShmAllReduce:
         self.rank, self.size, self.slot_bytes = rank, size, slot_bytes
         self.timeout_s = timeout.total_seconds() if timeout is not None else None
         self.seq = 0
+        self.alive: Callable[[], None] = lambda: None
+        """Called while waiting; may raise (a peer died). Set once the peers' pids are known."""
         header = 8 * size
         total = header + 2 * size * slot_bytes
         paths = [f"{SHM_DIR}/meshserve-ar-{uuid.uuid4().hex[:16]}" if rank == 0 else None]
@@ -144,7 +147,7 @@ class ShmAllReduce:
 
     def _wait(self, seq: int) -> None:
         flags = self.flags
-        if not spin_until(lambda: not (flags < seq).any(), self.timeout_s):
+        if not spin_until(lambda: not (flags < seq).any(), self.timeout_s, self.alive):
             late = [r for r in range(self.size) if flags[r] < seq]
             raise RuntimeError(
                 f"shared-memory all_reduce #{seq} timed out after {self.timeout_s} s: "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -63,10 +64,43 @@ def test_a_waiting_receiver_raises_once_the_sender_is_gone() -> None:
 def test_a_zombie_is_not_alive() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
-        import time
         deadline = time.monotonic() + 10
         while process_alive(child.pid) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not process_alive(child.pid)  # exited, not yet reaped
     finally:
         child.wait()
+
+
+def test_a_watch_looks_at_most_once_an_interval() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    check = watch_process(child.pid, "rank 1", interval_s=0.5)
+    try:
+        check()  # looked: alive
+        child.kill()
+        child.wait()
+        check()  # within the interval: does not look again (cheap in a polling loop)
+        time.sleep(0.6)
+        with pytest.raises(RuntimeError, match=rf"rank 1 \(pid {child.pid}\) is gone"):
+            check()
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+def test_a_sender_waiting_for_room_raises_once_the_receiver_is_gone() -> None:
+    """A stage sending to a dead driver through a full ring stops at once, not at the
+    ring's timeout (5 s here, parallel.timeout_s in a run)."""
+    producer, consumer = ring_pair()
+    receiver = subprocess.Popen([sys.executable, "-c", "pass"])
+    receiver.wait()
+    sender = RingBroadcaster([producer], alive=watch_process(receiver.pid, "the driver"))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="the driver .* is gone"):
+            for step in range(100):  # nobody takes: the ring fills, then the wait begins
+                sender.send(step)
+        assert time.monotonic() - t0 < 2
+    finally:
+        producer.close()
+        consumer.close()

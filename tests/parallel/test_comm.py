@@ -30,6 +30,7 @@ assert (pp.pp_rank, pp.tp_rank) == (rank, 0) and pp.driver_rank == 0 and pp.samp
 assert pp.is_first_stage == (rank == 0) and pp.is_last_stage == (rank == 1)
 assert pp.describe(1) == "rank 1 (pp stage 1 of 2, tp rank 0 of 1)"
 assert pp.step_rings() is None and not pp.rings  # two hosts: the steps go by gloo
+assert not pp.local_pids  # and no process to watch on this host
 
 messages = [{"step": 0}, list(range(30_000)), None]  # the second needs several buffers
 bcast = ObjectBroadcaster(pp.cpu_group, src=0, capacity=64, send_timeout=T)
@@ -59,7 +60,7 @@ else:
 one = ProcessGroups.build(ParallelDims(pp=2, world_size=2), rank=rank, node_ids=["a", "a"],
                           device_type="cpu", op_timeout=T, p2p_slots=2)
 assert sorted(one.rings) == [("act", 0, 1), ("result", 1, 0), ("step", 0, 1)], one.rings
-assert one.driver_pid is not None and (one.step_rings() is not None) == (rank == 0)
+assert set(one.local_pids) == {1 - rank} and (one.step_rings() is not None) == (rank == 0)
 dist.barrier()
 assert not glob.glob("/dev/shm/meshserve-p2p-*")  # unlinked once both sides mapped them
 act_ring = one.rings[("act", 0, 1)]
