@@ -97,6 +97,10 @@ def library() -> ctypes.CDLL | None:
     lib.ms_linear_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]
     lib.ms_linear_t_f32.restype = None
     lib.ms_linear_t_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]
+    lib.ms_pack_f32.restype = None
+    lib.ms_pack_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64]
+    lib.ms_linear_packed_f32.restype = None
+    lib.ms_linear_packed_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64]
     lib.ms_argmax_rows_f32.restype = None
     lib.ms_argmax_rows_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
     return lib
@@ -222,6 +226,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         else:
             lib.ms_linear_t_f32(x.data_ptr(), x.stride(0), weight.data_ptr(),
                                 weight.stride(1), out.data_ptr(), n, m, k, n)
+    return out
+
+
+PANEL = 24
+"""Output columns per panel of a packed weight (cpu_kernels.c: PANEL)."""
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [N, K] (any strides) as panels [ceil(N / PANEL), K, PANEL]: panel p
+    holds output columns p * PANEL onwards, one row of PANEL per k, zeros past N."""
+    n, k = weight.shape
+    out = torch.empty((n + PANEL - 1) // PANEL, k, PANEL, dtype=torch.float32)
+    _loaded().ms_pack_f32(weight.data_ptr(), weight.stride(0), weight.stride(1),
+                          out.data_ptr(), n, k)
+    return out
+
+
+def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The weight [n, K] that `pack` made `packed` from (a new row-major tensor)."""
+    panels, k, panel = packed.shape
+    return packed.permute(0, 2, 1).reshape(panels * panel, k)[:n].contiguous()
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] (unit column stride) @ weight.T: [M, n], for `packed` = pack(weight)."""
+    m, k = x.shape
+    assert x.stride(1) == 1 and packed.shape[1] == k and packed.is_contiguous(), (
+        x.shape, x.stride(), packed.shape)
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        _loaded().ms_linear_packed_f32(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                       out.data_ptr(), n, m, k, n)
     return out
 
 

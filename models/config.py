@@ -10,7 +10,7 @@ from meshserve.validation import require
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-CPU_WEIGHT_LAYOUTS = ("auto", "row")
+CPU_WEIGHT_LAYOUTS = ("auto", "packed", "column", "row")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,8 +33,9 @@ class ModelConfig:
     """A draft model (bundled name or directory) for speculative decoding."""
 
     cpu_weight_layout: str = "auto"
-    """On CPU: auto stores wide linear weights column-major (faster GEMMs there), row keeps
-    every weight as loaded. No effect on GPU."""
+    """On CPU: packed stores every linear weight in panels for the C packed kernel (fp32,
+    one torch thread); column stores wide ones column-major (faster MKL GEMMs); row keeps
+    every weight as loaded; auto is packed where it applies, else column. No effect on GPU."""
 
     def __post_init__(self) -> None:
         require(self.cpu_weight_layout in CPU_WEIGHT_LAYOUTS, "model.cpu_weight_layout",

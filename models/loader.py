@@ -12,6 +12,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from meshserve.engine.host_memory import to_huge_pages
+from meshserve.kernels import dispatch
 from meshserve.models.arch import CheckpointError, ModelArch
 from meshserve.models.llama import LlamaForCausalLM
 from meshserve.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -148,8 +149,9 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
                cpu_weight_layout: str = "auto", head_split: int | None = None,
                huge_pages: bool = True) -> LlamaForCausalLM:
     """Build the model for this rank (its TP shard, its PP layers) and load its weights
-    (on CPU with cpu_weight_layout auto, wide weights then go column-major; on CPU the
-    weights then move to huge pages with `huge_pages`, host_memory.to_huge_pages)."""
+    (on CPU with cpu_weight_layout auto, linear weights are then packed for the C kernel
+    where it runs, else wide ones go column-major; see ModelConfig.cpu_weight_layout; on
+    CPU the weights then move to huge pages with `huge_pages`, host_memory.to_huge_pages)."""
     path = Path(model_dir)
     if not path.is_dir():
         raise CheckpointError(f"{path}: missing model directory")
@@ -160,11 +162,42 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
                                  head_split=head_split)
     load_weights(model, files, progress=progress)
     if torch.device(device).type == "cpu":
-        if cpu_weight_layout == "auto":
+        if cpu_weight_layout in ("auto", "packed"):
+            pack_linear_weights(model, required=cpu_weight_layout == "packed")
+        if cpu_weight_layout in ("auto", "column"):
             column_major_wide_weights(model)
         if huge_pages:
             to_huge_pages(model)
     return model.eval()
+
+
+def _linear_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Every linear weight [N, K] of the model that is not also an embedding's table."""
+    def is_embedding(m: torch.nn.Module) -> bool:
+        return isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
+
+    embeddings = {id(m.weight) for m in model.modules() if is_embedding(m)}
+    return [w for m in model.modules() if not is_embedding(m)
+            and isinstance(w := getattr(m, "weight", None), torch.nn.Parameter)
+            and w.dim() == 2 and id(w) not in embeddings]
+
+
+def pack_linear_weights(model: torch.nn.Module, *, required: bool = False) -> int:
+    """Repack every linear weight for the C packed kernel (dispatch.pack_weight) where it
+    applies (fp32, one torch thread, the C kernels built); returns how many. `required`:
+    raise ValueError naming model.cpu_weight_layout where it does not apply."""
+    weights = _linear_weights(model)
+    if not weights or not all(dispatch.packing_applies(w) for w in weights):
+        if required and weights:
+            raise ValueError(
+                "model.cpu_weight_layout='packed' needs fp32 weights on the CPU, one torch "
+                f"thread (have {torch.get_num_threads()}: set threads=1) and the C kernels "
+                f"(MESHSERVE_KERNELS=auto, a C compiler): allowed otherwise are "
+                "auto, column and row")
+        return 0
+    for w in weights:
+        dispatch.pack_weight(w)
+    return len(weights)
 
 
 def column_major_wide_weights(model: torch.nn.Module) -> int:
@@ -176,16 +209,9 @@ def column_major_wide_weights(model: torch.nn.Module) -> int:
     weights (o_proj, down_proj) gain nothing and stay row-major. A weight shared with the
     embedding stays row-major: the embedding gathers its rows.
     """
-    def is_embedding(m: torch.nn.Module) -> bool:
-        return isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
-
-    embeddings = {id(m.weight) for m in model.modules() if is_embedding(m)}
     changed = 0
-    for module in model.modules():
-        w = getattr(module, "weight", None)
-        if (is_embedding(module) or not isinstance(w, torch.nn.Parameter) or w.dim() != 2
-                or id(w) in embeddings or w.shape[0] < 2 * w.shape[1]):
-            continue
-        w.data = w.data.t().contiguous().t()
-        changed += 1
+    for w in _linear_weights(model):
+        if w.shape[0] >= 2 * w.shape[1] and dispatch.packed_columns(w) is None:
+            w.data = w.data.t().contiguous().t()
+            changed += 1
     return changed

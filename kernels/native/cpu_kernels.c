@@ -497,6 +497,125 @@ void ms_linear_t_f32(const float *x, int64_t xs, const float *wt, int64_t ws, fl
     }
 }
 
+/* ---- The same with the weight packed in panels: out[M, N] = x[M, K] @ w[N, K]^T ----
+ *
+ * Packed (ms_pack_f32): panel p holds columns [p * PANEL, (p + 1) * PANEL) of the output,
+ * as K rows of PANEL floats (zero past N), so a panel is one contiguous stream. A
+ * micro-kernel keeps a tile of up to 4 rows x PANEL outputs in 12 registers while it walks
+ * down the panel: three weight loads and one broadcast per row feed twelve FMAs, where
+ * the unpacked kernels load and store their accumulators (MKL packs the weight on every
+ * call instead). The panel stays in L2 for the next rows of x. One row alone streams four
+ * panels at once (four memory streams). Each output is one FMA chain over k in order, so a
+ * row's result does not depend on M or on the other rows.
+ */
+#define PANEL 24
+
+void ms_pack_f32(const float *w, int64_t ws_n, int64_t ws_k, float *p, int64_t N, int64_t K) {
+    int64_t panels = (N + PANEL - 1) / PANEL;
+    for (int64_t q = 0; q < panels; q++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < PANEL; j++) {
+                int64_t n = q * PANEL + j;
+                p[(q * K + k) * PANEL + j] = n < N ? w[n * ws_n + k * ws_k] : 0.0f;
+            }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define PK_ROW(r)                                                                          \
+    if (rows > r) {                                                                        \
+        const __m256 a = _mm256_broadcast_ss(x + r * xs + k);                              \
+        c##r##0 = _mm256_fmadd_ps(a, w0, c##r##0);                                         \
+        c##r##1 = _mm256_fmadd_ps(a, w1, c##r##1);                                         \
+        c##r##2 = _mm256_fmadd_ps(a, w2, c##r##2);                                         \
+    }
+#define PK_OUT(r)                                                                          \
+    if (rows > r) {                                                                        \
+        float *dst = ncols == PANEL ? o + r * os : tmp;                                    \
+        _mm256_storeu_ps(dst, c##r##0);                                                    \
+        _mm256_storeu_ps(dst + 8, c##r##1);                                                \
+        _mm256_storeu_ps(dst + 16, c##r##2);                                               \
+        if (ncols != PANEL)                                                                \
+            memcpy(o + r * os, tmp, (size_t)ncols * sizeof(float));                        \
+    }
+/* `ROWS` (1-4) rows of x against one panel, into the first `ncols` columns of o. */
+#define PK_TILE(NAME, ROWS)                                                                \
+    static void NAME(const float *x, int64_t xs, const float *panel, int64_t K, float *o,  \
+                     int64_t os, int64_t ncols) {                                          \
+        const int rows = ROWS;                                                             \
+        const __m256 z = _mm256_setzero_ps();                                              \
+        __m256 c00 = z, c01 = z, c02 = z, c10 = z, c11 = z, c12 = z;                        \
+        __m256 c20 = z, c21 = z, c22 = z, c30 = z, c31 = z, c32 = z;                        \
+        float tmp[PANEL];                                                                  \
+        for (int64_t k = 0; k < K; k++) {                                                  \
+            const float *w = panel + k * PANEL;                                            \
+            _mm_prefetch((const char *)(w + 8 * PANEL), _MM_HINT_T0);                      \
+            const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);             \
+            const __m256 w2 = _mm256_loadu_ps(w + 16);                                     \
+            PK_ROW(0) PK_ROW(1) PK_ROW(2) PK_ROW(3)                                        \
+        }                                                                                  \
+        PK_OUT(0) PK_OUT(1) PK_OUT(2) PK_OUT(3)                                            \
+        (void)tmp;                                                                         \
+    }
+PK_TILE(pk_tile1, 1)
+PK_TILE(pk_tile2, 2)
+PK_TILE(pk_tile3, 3)
+PK_TILE(pk_tile4, 4)
+
+#define PK_STREAM(q, a0, a1, a2)                                                           \
+    w = q + k * PANEL;                                                                     \
+    a0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w), a0);                                      \
+    a1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 8), a1);                                  \
+    a2 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 16), a2);
+/* One row of x against four full panels from q0 (the same FMA chains as pk_tile1). */
+static void pk_row_four_panels(const float *x, const float *q0, int64_t K, float *o) {
+    const float *q1 = q0 + K * PANEL, *q2 = q1 + K * PANEL, *q3 = q2 + K * PANEL, *w;
+    const __m256 z = _mm256_setzero_ps();
+    __m256 a0 = z, a1 = z, a2 = z, b0 = z, b1 = z, b2 = z;
+    __m256 c0 = z, c1 = z, c2 = z, d0 = z, d1 = z, d2 = z;
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 xv = _mm256_broadcast_ss(x + k);
+        PK_STREAM(q0, a0, a1, a2) PK_STREAM(q1, b0, b1, b2)
+        PK_STREAM(q2, c0, c1, c2) PK_STREAM(q3, d0, d1, d2)
+    }
+    const __m256 acc[12] = {a0, a1, a2, b0, b1, b2, c0, c1, c2, d0, d1, d2};
+    for (int i = 0; i < 12; i++)
+        _mm256_storeu_ps(o + 8 * i, acc[i]);
+}
+#endif
+
+void ms_linear_packed_f32(const float *x, int64_t xs, const float *p, float *out, int64_t os,
+                          int64_t M, int64_t K, int64_t N) {
+    int64_t panels = (N + PANEL - 1) / PANEL, q = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (M == 1)
+        for (; q + 4 <= panels && (q + 4) * PANEL <= N; q += 4)
+            pk_row_four_panels(x, p + q * K * PANEL, K, out + q * PANEL);
+    for (; q < panels; q++) {
+        const float *panel = p + q * K * PANEL;
+        int64_t ncols = N - q * PANEL < PANEL ? N - q * PANEL : PANEL;
+        float *o = out + q * PANEL;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4)
+            pk_tile4(x + m * xs, xs, panel, K, o + m * os, os, ncols);
+        if (M - m == 3)
+            pk_tile3(x + m * xs, xs, panel, K, o + m * os, os, ncols);
+        else if (M - m == 2)
+            pk_tile2(x + m * xs, xs, panel, K, o + m * os, os, ncols);
+        else if (M - m == 1)
+            pk_tile1(x + m * xs, xs, panel, K, o + m * os, os, ncols);
+    }
+#else
+    for (; q < panels; q++)
+        for (int64_t j = 0; j < PANEL && q * PANEL + j < N; j++)
+            for (int64_t m = 0; m < M; m++) {
+                float acc = 0.0f;
+                for (int64_t k = 0; k < K; k++)
+                    acc = fmaf(x[m * xs + k], p[(q * K + k) * PANEL + j], acc);
+                out[m * os + q * PANEL + j] = acc;
+            }
+#endif
+}
+
 /* ---- Greedy sampling: out[r] = argmax of row r of x[rows, cols] (row stride xs) ----
  *
  * As torch.argmax: the first index of the largest value, and a NaN counts as larger than

@@ -131,6 +131,53 @@ def test_linear_matches_torch_and_a_row_never_depends_on_the_batch(
         assert torch.equal(native_cpu.linear(x[i:i + 1], weight)[0], out[i])
 
 
+@settings(max_examples=80, deadline=None)
+@given(m=st.integers(0, 11), k=st.integers(1, 70), n=st.integers(1, 130),
+       column_major=st.booleans(), x_pad=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_packed_linear_matches_torch_and_a_row_never_depends_on_the_batch(
+        m: int, k: int, n: int, column_major: bool, x_pad: int, seed: int) -> None:
+    """Every tile height (1-4 rows), the one-row four-panel path (n >= 96), a last panel
+    narrower than PANEL, and packing from either layout."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen)
+    source = weight.t().contiguous().t() if column_major else weight
+    packed = native_cpu.pack(source)
+    assert packed.shape == ((n + native_cpu.PANEL - 1) // native_cpu.PANEL, k, native_cpu.PANEL)
+    assert torch.equal(native_cpu.unpack(packed, n), weight)
+    x = torch.randn(m, k + x_pad, generator=gen)[:, :k]
+    out = native_cpu.linear_packed(x, packed, n)
+    assert out.shape == (m, n)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), rtol=1e-5,
+                               atol=1e-5 * k)
+    for i in range(m):  # the same bits whatever else is in the batch
+        assert torch.equal(native_cpu.linear_packed(x[i:i + 1], packed, n)[0], out[i])
+
+
+def test_dispatch_takes_a_packed_weight_like_any_other() -> None:
+    weight, bias = torch.randn(50, 16), torch.randn(50)
+    param = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    dispatch.pack_weight(param)
+    assert dispatch.packed_columns(param) == 50 and dispatch.out_features(param) == 50
+    assert param.dim() == 3
+    x = torch.randn(2, 3, 16)  # leading dimensions kept
+    expected = torch.nn.functional.linear(x, weight, bias)
+    torch.testing.assert_close(dispatch.linear(x, param, bias), expected)
+    strided = torch.randn(16, 5).t()  # rows of x not contiguous: copied first
+    torch.testing.assert_close(dispatch.linear(strided, param), strided @ weight.t())
+
+
+def test_a_packed_weight_under_the_reference_kernels_gives_the_same_product(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    weight = torch.randn(30, 8)
+    param = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    dispatch.pack_weight(param)
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    dispatch.kernel_mode.cache_clear()
+    assert not dispatch.use_native(param)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(dispatch.linear(x, param), x @ weight.t())
+
+
 def test_dispatch_takes_the_c_linear_in_its_measured_ranges() -> None:
     row_major, column_major = torch.randn(64, 32), torch.randn(32, 64).t()
     assert column_major.stride() == (1, 64)

@@ -1,4 +1,5 @@
-"""CPU weight layout: wide linear weights stored column-major, same logits."""
+"""CPU weight layouts: linear weights packed in panels for the C kernel, or wide ones
+stored column-major for MKL; the same logits either way."""
 
 from __future__ import annotations
 
@@ -6,8 +7,13 @@ import pytest
 import torch
 
 from meshserve.engine.host_memory import HUGE_PAGE_BYTES
+from meshserve.kernels import native_cpu
+from meshserve.kernels.dispatch import out_features, packed_columns
 from meshserve.engine.model_runner import ModelRunner
 from meshserve.models.loader import column_major_wide_weights, load_model
+
+
+native = pytest.mark.skipif(native_cpu.library() is None, reason="needs the C kernels")
 
 
 class _Seq:
@@ -25,7 +31,7 @@ def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 
 def test_wide_weights_go_column_major_and_logits_stay(make_checkpoint) -> None:
     path = make_checkpoint("llama", seed=7, tie_word_embeddings=False)
-    model = load_model(path, progress=False)  # CPU: converted on load
+    model = load_model(path, progress=False, cpu_weight_layout="column")  # converted on load
     layer = model.model.layers["0"]
     gate_up = layer.mlp.gate_up_proj.weight
     assert gate_up.stride() == (1, gate_up.shape[0])
@@ -33,9 +39,7 @@ def test_wide_weights_go_column_major_and_logits_stay(make_checkpoint) -> None:
     assert layer.self_attn.o_proj.weight.is_contiguous()  # square: kept
     assert layer.mlp.down_proj.weight.is_contiguous()  # narrow: kept
     assert model.model.embed_tokens.weight.is_contiguous()  # the embedding gathers rows
-    row_major = load_model(path, progress=False)
-    for p in row_major.parameters():
-        p.data = p.data.contiguous()
+    row_major = load_model(path, progress=False, cpu_weight_layout="row")
     assert row_major.model.layers["0"].mlp.gate_up_proj.weight.is_contiguous()
     ids = [3, 14, 15, 92, 65]
     torch.testing.assert_close(_logits(model, ids), _logits(row_major, ids), atol=1e-5,
@@ -44,11 +48,55 @@ def test_wide_weights_go_column_major_and_logits_stay(make_checkpoint) -> None:
     assert column_major_wide_weights(row_major) == 2 * len(row_major.model.layers) + 1
 
 
-def test_a_tied_lm_head_stays_row_major(make_checkpoint) -> None:
+@pytest.mark.parametrize("layout", ["auto", "packed", "column"])
+def test_a_tied_lm_head_stays_row_major(make_checkpoint, one_thread, layout: str) -> None:
     model = load_model(make_checkpoint("llama", seed=7, tie_word_embeddings=True),
-                       progress=False)
+                       progress=False, cpu_weight_layout=layout)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.model.embed_tokens.weight.is_contiguous()
+    assert packed_columns(model.lm_head.weight) is None  # the embedding gathers its rows
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@native
+def test_auto_packs_every_linear_weight_with_one_thread(make_checkpoint, one_thread) -> None:
+    path = make_checkpoint("llama", seed=7, tie_word_embeddings=False)
+    packed = load_model(path, progress=False)  # auto, one thread: packed
+    layer = packed.model.layers["0"]
+    weights = [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+               layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight,
+               packed.lm_head.weight]
+    assert all(packed_columns(w) is not None for w in weights)
+    assert packed.model.embed_tokens.weight.dim() == 2  # the embedding is not a linear
+    row = load_model(path, progress=False, cpu_weight_layout="row")
+    assert [out_features(w) for w in weights] == [
+        w.shape[0] for w in (row.model.layers["0"].self_attn.qkv_proj.weight,
+                             row.model.layers["0"].self_attn.o_proj.weight,
+                             row.model.layers["0"].mlp.gate_up_proj.weight,
+                             row.model.layers["0"].mlp.down_proj.weight, row.lm_head.weight)]
+    ids = [3, 14, 15, 92, 65, 35, 89]
+    torch.testing.assert_close(_logits(packed, ids), _logits(row, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_auto_keeps_column_major_with_several_threads(make_checkpoint) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # MKL uses both; the packed kernel would use one
+    try:
+        path = make_checkpoint("llama", seed=7, tie_word_embeddings=False)
+        model = load_model(path, progress=False)
+        assert packed_columns(model.lm_head.weight) is None
+        assert model.lm_head.weight.stride()[0] == 1  # column-major, as before
+        with pytest.raises(ValueError, match=r"model.cpu_weight_layout='packed' .* threads=1"):
+            load_model(path, progress=False, cpu_weight_layout="packed")
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("tied", [True, False])
