@@ -100,9 +100,9 @@ def cold_matmul_tflops(shapes: Sequence[tuple[int, int]], dtype: str, device: to
     """TFLOP/s of x [M, k] @ w [k, n] over the (k, n) weight `shapes` in turn, cycled
     through `weights_bytes` of weights (so none is in cache), for each M in `rows`. The
     weights are laid out and multiplied as the runtime does (models.loader, dispatch.linear:
-    on the CPU wide ones column-major, small batches through the C kernels)."""
+    on the CPU packed for the C kernel where it runs, else wide ones column-major)."""
     from meshserve.kernels import dispatch
-    from meshserve.models.loader import column_major_wide_weights
+    from meshserve.models.loader import column_major_wide_weights, pack_linear_weights
 
     torch_dtype = getattr(torch, dtype)
     per_round = sum(k * n for k, n in shapes) * torch_dtype.itemsize
@@ -110,11 +110,12 @@ def cold_matmul_tflops(shapes: Sequence[tuple[int, int]], dtype: str, device: to
         torch.nn.Parameter(torch.randn(n, k, device=device, dtype=torch_dtype),
                            requires_grad=False)
         for _ in range(max(1, -(-weights_bytes // per_round))) for k, n in shapes)
+    flops_per_row = 2 * sum(w.shape[0] * w.shape[1] for w in ws)
     if device.type == "cpu":
         holder = torch.nn.ModuleList(_Weight(w) for w in ws)
-        column_major_wide_weights(holder)
+        if not pack_linear_weights(holder):
+            column_major_wide_weights(holder)
         ws = torch.nn.ParameterList(m.weight for m in holder)
-    flops_per_row = 2 * sum(w.shape[0] * w.shape[1] for w in ws)
     rates = []
     for m in rows:
         xs = {k: torch.randn(m, k, device=device, dtype=torch_dtype) for k, _ in shapes}
