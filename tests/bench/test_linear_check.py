@@ -1,0 +1,24 @@
+"""`python -m meshserve.bench.linear_check`: every shape, both layouts, one line each."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from meshserve.bench.linear_check import SHAPES
+from meshserve.kernels import native_cpu
+
+
+@pytest.mark.skipif(native_cpu.library() is None, reason="needs the C kernels")
+def test_it_prints_both_layouts_for_every_shape() -> None:
+    out = subprocess.run([sys.executable, "-m", "meshserve.bench.linear_check", "--rows", "3"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines()[1:]]
+    assert len(rows) == len(SHAPES)
+    for row in rows:
+        before, packed, ratio = map(float, row[-4:-1])
+        assert before > 0 and packed > 0
+        assert ratio == pytest.approx(before / packed, rel=0.1)  # printed rounded
