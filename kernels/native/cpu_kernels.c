@@ -512,12 +512,21 @@ void ms_linear_t_f32(const float *x, int64_t xs, const float *wt, int64_t ws, fl
 
 void ms_pack_f32(const float *w, int64_t ws_n, int64_t ws_k, float *p, int64_t N, int64_t K) {
     int64_t panels = (N + PANEL - 1) / PANEL;
-    for (int64_t q = 0; q < panels; q++)
-        for (int64_t k = 0; k < K; k++)
+    for (int64_t q = 0; q < panels; q++) {
+        float *panel = p + q * K * PANEL;
+        if (ws_k == 1) /* row-major: read each weight row in order, write down the panel */
             for (int64_t j = 0; j < PANEL; j++) {
                 int64_t n = q * PANEL + j;
-                p[(q * K + k) * PANEL + j] = n < N ? w[n * ws_n + k * ws_k] : 0.0f;
+                for (int64_t k = 0; k < K; k++)
+                    panel[k * PANEL + j] = n < N ? w[n * ws_n + k] : 0.0f;
             }
+        else /* column-major (or any other): write the panel in order */
+            for (int64_t k = 0; k < K; k++)
+                for (int64_t j = 0; j < PANEL; j++) {
+                    int64_t n = q * PANEL + j;
+                    panel[k * PANEL + j] = n < N ? w[n * ws_n + k * ws_k] : 0.0f;
+                }
+    }
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
