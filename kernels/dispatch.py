@@ -236,15 +236,15 @@ def out_features(weight: torch.Tensor) -> int:
 
 
 def packing_applies(weight: torch.Tensor) -> bool:
-    """Whether pack_weight should repack this weight: fp32 on the CPU with the C kernels
-    built, one torch thread (the packed kernel runs on one; MKL would use the others)."""
-    return weight.dim() == 2 and torch.get_num_threads() == 1 and use_native(weight)
+    """Whether pack_weight can repack this weight: fp32 on the CPU with the C kernels."""
+    return weight.dim() == 2 and use_native(weight)
 
 
 def pack_weight(param: torch.nn.Parameter) -> None:
     """Repack a linear weight [N, K] in place (its data becomes native_cpu.pack's panels),
-    for the C packed linear: 1.2-1.8x MKL at 4-64 rows here, 1.05-1.1x at prefill sizes,
-    1.1-2x at one row (ms_linear_packed_f32). `linear` takes it like any weight."""
+    for the C packed linear: on one thread 1.2-1.8x MKL at 4-64 rows here, 1.05-1.1x at
+    prefill sizes (ms_linear_packed_f32); it splits its panels over torch's threads.
+    `linear` takes it like any weight."""
     n = param.shape[0]
     param.data = native_cpu.pack(param.data)
     setattr(param, PACKED_COLUMNS, n)
@@ -280,7 +280,7 @@ def _linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int,
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = native_cpu.linear_packed(rows, packed, n).view(*lead, n)
+    out = native_cpu.linear_packed(rows, packed, n, torch.get_num_threads()).view(*lead, n)
     return out if bias is None else out + bias
 
 

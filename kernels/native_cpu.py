@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -249,16 +250,53 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     return packed.permute(0, 2, 1).reshape(panels * panel, k)[:n].contiguous()
 
 
-def linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """x [M, K] (unit column stride) @ weight.T: [M, n], for `packed` = pack(weight)."""
+THREAD_MIN_FLOPS = 4_000_000
+"""Below this much work (about 0.1 ms on one core) a packed linear stays on one thread:
+handing a part to another thread costs tens of microseconds."""
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int,
+                  threads: int = 1) -> torch.Tensor:
+    """x [M, K] (unit column stride) @ weight.T: [M, n], for `packed` = pack(weight). With
+    `threads` > 1 and enough work, the panels are split into that many contiguous ranges,
+    each run on its own thread (ctypes releases the GIL); every output is computed exactly
+    as on one thread."""
     m, k = x.shape
     assert x.stride(1) == 1 and packed.shape[1] == k and packed.is_contiguous(), (
         x.shape, x.stride(), packed.shape)
     out = torch.empty(m, n, dtype=torch.float32)
-    if m:
-        _loaded().ms_linear_packed_f32(x.data_ptr(), x.stride(0), packed.data_ptr(),
-                                       out.data_ptr(), n, m, k, n)
+    if not m:
+        return out
+    lib, panels = _loaded(), packed.shape[0]
+    threads = min(threads, panels, max(1, 2 * m * n * k // THREAD_MIN_FLOPS))
+
+    def run(q0: int, q1: int) -> None:
+        cols = min(n, q1 * PANEL) - q0 * PANEL
+        lib.ms_linear_packed_f32(x.data_ptr(), x.stride(0),
+                                 packed.data_ptr() + q0 * k * PANEL * 4,
+                                 out.data_ptr() + q0 * PANEL * 4, n, m, k, cols)
+
+    if threads <= 1:
+        run(0, panels)
+        return out
+    bounds = [panels * i // threads for i in range(threads + 1)]
+    pool = _pool(threads - 1)
+    parts = [pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+    run(bounds[0], bounds[1])
+    for part in parts:
+        part.result()
     return out
+
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A pool of `workers` threads, made once per size and kept."""
+    pool = _pools.get(workers)
+    if pool is None:
+        pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="ms-linear")
+    return pool
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ class ModelConfig:
 
     cpu_weight_layout: str = "auto"
     """On CPU: packed stores every linear weight in panels for the C packed kernel (fp32,
-    one torch thread); column stores wide ones column-major (faster MKL GEMMs); row keeps
+    the C kernels built); column stores wide ones column-major (faster MKL GEMMs); row keeps
     every weight as loaded; auto is packed where it applies, else column. No effect on GPU."""
 
     def __post_init__(self) -> None:

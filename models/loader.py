@@ -184,15 +184,14 @@ def _linear_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def pack_linear_weights(model: torch.nn.Module, *, required: bool = False) -> int:
     """Repack every linear weight for the C packed kernel (dispatch.pack_weight) where it
-    applies (fp32, one torch thread, the C kernels built); returns how many. `required`:
+    applies (fp32 on the CPU, the C kernels built); returns how many. `required`:
     raise ValueError naming model.cpu_weight_layout where it does not apply."""
     weights = _linear_weights(model)
     if not weights or not all(dispatch.packing_applies(w) for w in weights):
         if required and weights:
             raise ValueError(
-                "model.cpu_weight_layout='packed' needs fp32 weights on the CPU, one torch "
-                f"thread (have {torch.get_num_threads()}: set threads=1) and the C kernels "
-                f"(MESHSERVE_KERNELS=auto, a C compiler): allowed otherwise are "
+                "model.cpu_weight_layout='packed' needs fp32 weights on the CPU and the C "
+                "kernels (MESHSERVE_KERNELS=auto, a C compiler): allowed otherwise are "
                 "auto, column and row")
         return 0
     for w in weights:

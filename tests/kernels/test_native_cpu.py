@@ -153,6 +153,18 @@ def test_packed_linear_matches_torch_and_a_row_never_depends_on_the_batch(
         assert torch.equal(native_cpu.linear_packed(x[i:i + 1], packed, n)[0], out[i])
 
 
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_a_packed_linear_on_several_threads_gives_the_same_bits(
+        m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native_cpu, "THREAD_MIN_FLOPS", 1)  # split even this small one
+    weight = torch.randn(100, 37)  # 5 panels, the last narrower: ranges of 1-2 panels
+    packed = native_cpu.pack(weight)
+    x = torch.randn(m, 37)
+    one = native_cpu.linear_packed(x, packed, 100)
+    for threads in (2, 3, 5, 8):
+        assert torch.equal(native_cpu.linear_packed(x, packed, 100, threads), one), threads
+
+
 def test_dispatch_takes_a_packed_weight_like_any_other() -> None:
     weight, bias = torch.randn(50, 16), torch.randn(50)
     param = torch.nn.Parameter(weight.clone(), requires_grad=False)

@@ -8,7 +8,7 @@ import torch
 
 from meshserve.engine.host_memory import HUGE_PAGE_BYTES
 from meshserve.engine.model_runner import ModelRunner
-from meshserve.kernels import native_cpu
+from meshserve.kernels import dispatch, native_cpu
 from meshserve.kernels.dispatch import out_features, packed_columns
 from meshserve.models.loader import column_major_wide_weights, load_model
 
@@ -84,18 +84,40 @@ def test_auto_packs_every_linear_weight_with_one_thread(make_checkpoint, one_thr
     torch.testing.assert_close(_logits(packed, ids), _logits(row, ids), atol=1e-5, rtol=1e-5)
 
 
-def test_auto_keeps_column_major_with_several_threads(make_checkpoint) -> None:
+@native
+def test_several_threads_take_the_same_packed_weights(
+        make_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packed kernel splits its panels over torch's threads: the logits stay the same
+    bits as on one thread."""
+    monkeypatch.setattr(native_cpu, "THREAD_MIN_FLOPS", 1)  # split even these small ones
+    path = make_checkpoint("llama", seed=7, tie_word_embeddings=False, vocab_size=4096)
     before = torch.get_num_threads()
-    torch.set_num_threads(2)  # MKL uses both; the packed kernel would use one
     try:
-        path = make_checkpoint("llama", seed=7, tie_word_embeddings=False)
+        torch.set_num_threads(2)
         model = load_model(path, progress=False)
-        assert packed_columns(model.lm_head.weight) is None
-        assert model.lm_head.weight.stride()[0] == 1  # column-major, as before
-        with pytest.raises(ValueError, match=r"model.cpu_weight_layout='packed' .* threads=1"):
-            load_model(path, progress=False, cpu_weight_layout="packed")
+        assert packed_columns(model.lm_head.weight) == 4096
+        ids = list(range(1, 30))
+        two = _logits(model, ids)
+        torch.set_num_threads(1)
+        assert torch.equal(_logits(model, ids), two)
     finally:
         torch.set_num_threads(before)
+
+
+def test_packed_is_refused_where_the_c_kernels_do_not_run(
+        make_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = make_checkpoint("llama", seed=7, tie_word_embeddings=False)
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    dispatch.kernel_mode.cache_clear()
+    try:
+        model = load_model(path, progress=False)  # auto: column-major, as before packing
+        assert packed_columns(model.lm_head.weight) is None
+        assert model.lm_head.weight.stride()[0] == 1
+        with pytest.raises(ValueError, match=r"model.cpu_weight_layout='packed' needs fp32"):
+            load_model(path, progress=False, cpu_weight_layout="packed")
+    finally:
+        monkeypatch.delenv(dispatch.ENV_VAR)
+        dispatch.kernel_mode.cache_clear()
 
 
 @pytest.mark.parametrize("tied", [True, False])
