@@ -289,6 +289,7 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int,
 
 
 _pools: dict[int, ThreadPoolExecutor] = {}
+os.register_at_fork(after_in_child=_pools.clear)  # a forked child has none of the threads
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:

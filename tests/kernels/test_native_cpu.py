@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -228,3 +231,23 @@ def test_argmax_rows_is_torch_argmax_ties_and_nans_included(
           int(torch.randint(cols, (1,), generator=gen))] = float("nan")
     assert torch.equal(native_cpu.argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(dispatch.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_a_forked_child_makes_its_own_linear_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool's threads do not survive fork: the child must not wait on them."""
+    monkeypatch.setattr(native_cpu, "THREAD_MIN_FLOPS", 1)
+    weight = torch.randn(100, 16)
+    packed, x = native_cpu.pack(weight), torch.randn(3, 16)
+    expected = native_cpu.linear_packed(x, packed, 100, 2)  # the parent's pool exists now
+    pid = os.fork()
+    if pid == 0:  # child: exit 0 only if the threaded call completes with the same bits
+        ok = torch.equal(native_cpu.linear_packed(x, packed, 100, 2), expected)
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise AssertionError("the forked child hung on its parent's linear threads")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
