@@ -504,9 +504,9 @@ void ms_linear_t_f32(const float *x, int64_t xs, const float *wt, int64_t ws, fl
  * micro-kernel keeps a tile of up to 4 rows x PANEL outputs in 12 registers while it walks
  * down the panel: three weight loads and one broadcast per row feed twelve FMAs, where
  * the unpacked kernels load and store their accumulators (MKL packs the weight on every
- * call instead). The panel stays in L2 for the next rows of x. One row alone streams four
- * panels at once (four memory streams). Each output is one FMA chain over k in order, so a
- * row's result does not depend on M or on the other rows.
+ * call instead). The panel stays in L2 for the next rows of x. Up to three rows stream
+ * four panels at once (four memory streams), a row at a time. Each output is one FMA chain
+ * over k in order, so a row's result does not depend on M or on the other rows.
  */
 #define PANEL 24
 
@@ -590,15 +590,19 @@ static void pk_row_four_panels(const float *x, const float *q0, int64_t K, float
     for (int i = 0; i < 12; i++)
         _mm256_storeu_ps(o + 8 * i, acc[i]);
 }
+
 #endif
 
 void ms_linear_packed_f32(const float *x, int64_t xs, const float *p, float *out, int64_t os,
                           int64_t M, int64_t K, int64_t N) {
     int64_t panels = (N + PANEL - 1) / PANEL, q = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    if (M == 1)
+    /* Fewer than four rows stream four panels at once (one stream does not saturate
+     * memory), a row at a time: the second and third rows find the panels in L2. */
+    if (M <= 3)
         for (; q + 4 <= panels && (q + 4) * PANEL <= N; q += 4)
-            pk_row_four_panels(x, p + q * K * PANEL, K, out + q * PANEL);
+            for (int64_t m = 0; m < M; m++)
+                pk_row_four_panels(x + m * xs, p + q * K * PANEL, K, out + m * os + q * PANEL);
     for (; q < panels; q++) {
         const float *panel = p + q * K * PANEL;
         int64_t ncols = N - q * PANEL < PANEL ? N - q * PANEL : PANEL;
