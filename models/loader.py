@@ -172,14 +172,19 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
 
 
 def _linear_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Every linear weight [N, K] of the model that is not also an embedding's table."""
+    """Every linear weight [N, K] of the model that is not also an embedding's table, once
+    each (a packed one is [panels, K, PANEL]: not listed again)."""
     def is_embedding(m: torch.nn.Module) -> bool:
         return isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
 
-    embeddings = {id(m.weight) for m in model.modules() if is_embedding(m)}
-    return [w for m in model.modules() if not is_embedding(m)
-            and isinstance(w := getattr(m, "weight", None), torch.nn.Parameter)
-            and w.dim() == 2 and id(w) not in embeddings]
+    seen = {id(m.weight) for m in model.modules() if is_embedding(m)}
+    out = []
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.nn.Parameter) and w.dim() == 2 and id(w) not in seen:
+            seen.add(id(w))
+            out.append(w)
+    return out
 
 
 def pack_linear_weights(model: torch.nn.Module, *, required: bool = False) -> int:
@@ -210,7 +215,7 @@ def column_major_wide_weights(model: torch.nn.Module) -> int:
     """
     changed = 0
     for w in _linear_weights(model):
-        if w.shape[0] >= 2 * w.shape[1] and dispatch.packed_columns(w) is None:
+        if w.shape[0] >= 2 * w.shape[1]:
             w.data = w.data.t().contiguous().t()
             changed += 1
     return changed
