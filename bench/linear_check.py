@@ -8,26 +8,16 @@ dispatch.linear: MKL or the unpacked C kernels), on the tiny model's shapes.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 
 from meshserve.kernels import dispatch, native_cpu
+from meshserve.parallel.calibrate import best_time
+
+CPU = torch.device("cpu")
 
 SHAPES = {"lm head": (32000, 512), "gate/up": (2816, 512), "qkv": (1536, 512),
           "o_proj": (512, 512), "down": (512, 1408)}
-
-
-def best_ms(f: Callable[[], object], repeats: int = 10) -> float:
-    """Fastest of `repeats` timed calls after one warm-up, in ms."""
-    f()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * min(times)
 
 
 def main() -> None:
@@ -46,8 +36,8 @@ def main() -> None:
         dispatch.pack_weight(packed)
         for m in args.rows:
             x = torch.randn(m, k)
-            a = best_ms(lambda x=x, w=before: dispatch.linear(x, w))
-            b = best_ms(lambda x=x, w=packed: dispatch.linear(x, w))
+            a = 1e3 * best_time(lambda x=x, w=before: dispatch.linear(x, w), 10, CPU)
+            b = 1e3 * best_time(lambda x=x, w=packed: dispatch.linear(x, w), 10, CPU)
             print(f"{name:8s} {n:>5d} x {k:<4d} {m:5d} {a:10.2f} {b:10.2f} {a / b:6.2f} "
                   f"{2 * m * n * k / b / 1e6:8.1f}")
 

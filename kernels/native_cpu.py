@@ -267,14 +267,14 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int,
     out = torch.empty(m, n, dtype=torch.float32)
     if not m:
         return out
-    lib, panels = _loaded(), packed.shape[0]
+    lib, panels, size = _loaded(), packed.shape[0], packed.element_size()
     threads = min(threads, panels, max(1, 2 * m * n * k // THREAD_MIN_FLOPS))
 
-    def run(q0: int, q1: int) -> None:
+    def run(q0: int, q1: int) -> None:  # panels [q0, q1): output columns from q0 * PANEL
         cols = min(n, q1 * PANEL) - q0 * PANEL
         lib.ms_linear_packed_f32(x.data_ptr(), x.stride(0),
-                                 packed.data_ptr() + q0 * k * PANEL * 4,
-                                 out.data_ptr() + q0 * PANEL * 4, n, m, k, cols)
+                                 packed.data_ptr() + q0 * k * PANEL * size,
+                                 out.data_ptr() + q0 * PANEL * size, n, m, k, cols)
 
     if threads <= 1:
         run(0, panels)
