@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from meshserve.launch.discovery import free_port
-from meshserve.parallel.shm_allreduce import ShmAllReduce
+from meshserve.parallel.comm.discovery import free_port
+from meshserve.parallel.comm.shm_allreduce import ShmAllReduce
 
 SIZES = (512, 2048, 16384, 65536, 262144)
 """float32 elements: 2 KB .. 1 MB."""

@@ -1,4 +1,4 @@
-"""BENCH.md's random Llama checkpoints ('tiny', 'big'), built once and cached on disk."""
+"""The benchmarks' random Llama checkpoints ('tiny', 'big'), built once and cached on disk."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ SPECS: dict[str, dict[str, Any]] = {
     "big": dict(_COMMON, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                 num_attention_heads=16, num_key_value_heads=8),
 }
-"""LlamaConfig keyword arguments of each named checkpoint (BENCH.md, 'Models')."""
+"""LlamaConfig keyword arguments of each named checkpoint (docs/benchmarks/README.md, models)."""
 
 SEED = 0
 """torch.manual_seed before the random init, so every machine builds the same weights."""

@@ -1,4 +1,4 @@
-"""DeepSpeed-Inference tensor parallelism on the tensor-parallel cases (peer of issue #4).
+"""DeepSpeed-Inference tensor parallelism on the tensor-parallel cases (the TP peer).
 
 Run under torchrun, one rank per TP rank:
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     # DeepSpeed's CPU all-reduce reads the ranks per host from LOCAL_SIZE; torchrun sets
-    # LOCAL_WORLD_SIZE. Without it the shared-memory op crashes (ENV.md).
+    # LOCAL_WORLD_SIZE. Without it the shared-memory op crashes (docs/benchmarks/README.md, peers).
     os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(args.threads)
     import deepspeed

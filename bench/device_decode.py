@@ -43,8 +43,9 @@ def _meshserve_decode(arch: ModelArch, s: Sizes, batch: int,
     tokens, timed from when every request has its first token to when all have
     `decode_steps` more."""
     from meshserve.engine.engine import Engine
-    from meshserve.engine.executor import LocalExecutor
+    from meshserve.engine.run import resolve_run
     from meshserve.engine.sampling_params import SamplingParams
+    from meshserve.engine.worker.executor import InProcessExecutor
     from meshserve.launch.config import load_config
 
     bs = 16
@@ -61,9 +62,9 @@ def _meshserve_decode(arch: ModelArch, s: Sizes, batch: int,
         if s.device.type == "cpu":
             overrides.append("threads=1")
         config = load_config(overrides)
-        executor = LocalExecutor(config, Path(tmp), arch, progress=False,
-                                 model=_random_model(arch, s))
-        engine = Engine(config, progress=False, executor=executor)
+        run_ = resolve_run(config, env=None)
+        executor = InProcessExecutor(run_, progress=False, model=_random_model(arch, s))
+        engine = Engine(run_, progress=False, executor=executor)
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, arch.vocab_size, (batch, s.decode_prompt), generator=gen)
 
@@ -105,28 +106,28 @@ def _step_parts(runner: Any, seqs: list[_Seq], s: Sizes) -> dict[str, Any]:
     """Where a decode step's time goes: host input building, the model body (graph replay,
     and eager for comparison), the LM head with argmax, and one eager step's GPU kernels
     by name (the profiler cannot see inside a graph)."""
-    from meshserve.bench.device_sections import best_time
-    from meshserve.engine.cuda_graphs import bucket_for
-    from meshserve.engine.step_inputs import build_step_inputs
+    from meshserve.engine.worker.cuda_graphs import bucket_for
+    from meshserve.engine.worker.step_inputs import build_step_inputs
+    from meshserve.parallel.planner.calibration import best_time
 
     inputs = build_step_inputs(seqs, runner.block_size, s.device)
     parts: dict[str, Any] = {
         "inputs_ms": best_time(lambda: build_step_inputs(seqs, runner.block_size, s.device),
-                               s.device, s.repeats) * 1e3}
+                               s.repeats, s.device) * 1e3}
     hidden = runner._eager(inputs.input_ids, inputs.positions, inputs.meta)
     with torch.inference_mode():
         parts["lm_head_argmax_ms"] = best_time(
-            lambda: runner.model.compute_logits(hidden).argmax(-1), s.device, s.repeats) * 1e3
+            lambda: runner.model.compute_logits(hidden).argmax(-1), s.repeats, s.device) * 1e3
         parts["eager_body_ms"] = best_time(
-            lambda: runner._eager(inputs.input_ids, inputs.positions, inputs.meta), s.device,
-            s.repeats) * 1e3
+            lambda: runner._eager(inputs.input_ids, inputs.positions, inputs.meta), s.repeats,
+            s.device) * 1e3
         if runner.graphs is not None:
             bucket = bucket_for(len(seqs), runner.graphs.sizes)
             graph, _ = runner.graphs.graphs[bucket]
-            parts["graph_body_ms"] = best_time(graph.replay, s.device, s.repeats) * 1e3
+            parts["graph_body_ms"] = best_time(graph.replay, s.repeats, s.device) * 1e3
             parts["packed_inputs_ms"] = best_time(
-                lambda: runner.graphs.packed.send(seqs, runner.block_size, bucket), s.device,
-                s.repeats) * 1e3
+                lambda: runner.graphs.packed.send(seqs, runner.block_size, bucket), s.repeats,
+                s.device) * 1e3
         parts["kernels"] = _kernel_table(
             lambda: runner._eager(inputs.input_ids, inputs.positions, inputs.meta), s.device)
     return parts

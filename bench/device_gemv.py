@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from meshserve.bench.device_sections import Sizes, best_time
+from meshserve.bench.device_sections import Sizes
+from meshserve.parallel.planner.calibration import best_time
 
 L2_BYTES = 64 << 20
 """Weights are rotated through copies totalling several times the L2 (60 MB on an H200)."""
@@ -22,7 +23,7 @@ def graph_time(calls: list[Callable[[], object]], device: torch.device, reps: in
     """Seconds per call of `calls`, replayed `reps` times in one CUDA graph (best of 3);
     on a CPU, the best wall time per call."""
     if device.type != "cuda":
-        return min(best_time(c, device, 2) for c in calls)
+        return min(best_time(c, 2, device) for c in calls)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile and warm outside the capture

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from meshserve.models.arch import ModelArch
-from meshserve.parallel.calibrate import best_time as calibrate_best_time
+from meshserve.parallel.planner.calibration import best_time
 
 LLAMA3_8B: dict[str, Any] = dict(
     architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
@@ -51,11 +50,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def best_time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Best wall time of `fn` over `repeats` runs after one warm-up (calibrate's timer)."""
-    return calibrate_best_time(fn, repeats, device)
-
-
 def warm_clocks(device: torch.device, seconds: float = 2.0) -> float:
     """Keep the GPU busy for `seconds` so its clocks are up before anything is timed (an
     idle H200 sits at 345 MHz; the first section's short kernels were timed 10% slow on
@@ -75,7 +69,7 @@ def copy_bandwidth(s: Sizes) -> dict[str, Any]:
     """GB/s of a device-to-device copy, counting bytes read plus bytes written."""
     x = torch.empty(s.copy_bytes // 4, dtype=torch.float32, device=s.device).fill_(1.0)
     y = torch.empty_like(x)
-    t = best_time(lambda: y.copy_(x), s.device, s.repeats)
+    t = best_time(lambda: y.copy_(x), s.repeats, s.device)
     return {"bytes": s.copy_bytes, "seconds": t, "gbs": 2 * s.copy_bytes / t / 1e9}
 
 
@@ -94,8 +88,8 @@ def attention_bandwidth(s: Sizes, copy_gbs: float) -> dict[str, Any]:
     tables = perm.view(s.attn_batch, blocks_per_seq)
     ctx = torch.full((s.attn_batch,), s.attn_context, device=s.device)
     q = torch.randn(s.attn_batch, h, d, device=s.device).to(s.dtype)
-    t = best_time(lambda: dispatch.paged_decode(q, k, v, tables, ctx, d ** -0.5), s.device,
-                  s.repeats)
+    t = best_time(lambda: dispatch.paged_decode(q, k, v, tables, ctx, d ** -0.5), s.repeats,
+                  s.device)
     read = 2 * s.attn_batch * s.attn_context * hkv * d * k.element_size()
     gbs = read / t / 1e9
     res: dict[str, Any] = {
@@ -129,8 +123,8 @@ def _sweep_decode_configs(s: Sizes, args: tuple[Any, ...], read: int,
     for cfg in s.decode_sweep:
         try:
             err = (tpd.paged_decode(*args, config=cfg).float() - want).abs().max().item()
-            t = best_time(lambda cfg=cfg: tpd.paged_decode(*args, config=cfg), s.device,
-                          s.repeats)
+            t = best_time(lambda cfg=cfg: tpd.paged_decode(*args, config=cfg), s.repeats,
+                          s.device)
         except Exception as e:  # a config the compiler refuses (shared memory, say)
             tried.append({**asdict(cfg), "error": f"{type(e).__name__}: {e}"[:200]})
             continue

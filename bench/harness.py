@@ -12,13 +12,13 @@ from meshserve.bench.metrics import RequestRecord, RunResult
 from meshserve.bench.peer_names import MESHSERVE
 from meshserve.bench.roofline import kv_bytes_per_token, weight_bytes_read
 from meshserve.bench.workloads import BenchRequest
-from meshserve.engine.distributed_executor import DistributedExecutor
-from meshserve.engine.executor import resolve_dtype
 from meshserve.engine.llm import LLM
 from meshserve.engine.outputs import RequestOutput
+from meshserve.engine.run import compute_dtype
+from meshserve.engine.runtime_config import RuntimeConfig
 from meshserve.engine.sampling_params import SamplingParams
-from meshserve.engine.stage_worker import StageStats
-from meshserve.launch.run_config import MeshConfig
+from meshserve.engine.worker.distributed_executor import DistributedExecutor
+from meshserve.engine.worker.worker import StageStats
 
 OnFinish = Callable[[], None]
 """Called once per completed request (drives the progress bar)."""
@@ -60,11 +60,11 @@ class _DecodeSteps:
 class MeshserveRunner:
     """meshserve's LLM/Engine on one process; the prefix cache is emptied before each run."""
 
-    def __init__(self, config: MeshConfig, name: str = MESHSERVE) -> None:
+    def __init__(self, config: RuntimeConfig, name: str = MESHSERVE) -> None:
         self.name = name
         self.llm = LLM(config=config, progress=False)
         engine = self.llm.engine
-        self.dtype = resolve_dtype(config.model.dtype, engine.arch, engine.device)
+        self.dtype = compute_dtype(engine.run)
         """The compute dtype (the peers run in it too)."""
         itemsize = self.dtype.itemsize
         self._weight_bytes = weight_bytes_read(engine.arch, itemsize)

@@ -16,7 +16,7 @@ runtime loads) and the cluster preset, exactly as `meshserve diagnose` predicts 
 
 Prints a table (layout, predicted and measured ms, error, rank of each layout by predicted
 and by measured time) and writes DIR/layout_check.json. Run it on an idle machine with at
-least tp·pp·threads cores, after `meshserve calibrate` (ISSUE 5: within 20% and the same
+least tp·pp·threads cores, after `meshserve calibrate` (the target: within 20% and the same
 order with the calibrated CPU preset).
 """
 
@@ -34,16 +34,16 @@ from pathlib import Path
 from typing import Any
 
 from meshserve.bench import checkpoints
+from meshserve.engine.runtime_config import RuntimeConfig
 from meshserve.launch.config import CONF_DIR, load_config
-from meshserve.launch.run_config import MeshConfig
 from meshserve.models.arch import ModelArch
-from meshserve.parallel.cluster import ClusterConfig
-from meshserve.parallel.cost_model import CostModel, StepWork
-from meshserve.parallel.diagnose import StepRecord, record_cost
-from meshserve.parallel.model_shape import ModelShape
-from meshserve.parallel.plan import layout_for
-from meshserve.parallel.planner import resolve_dtype, runtime_stage_ranges
-from meshserve.parallel.stages import head_first_fraction
+from meshserve.parallel.planner.cluster import ClusterConfig
+from meshserve.parallel.planner.cost_model import CostModel, StepWork
+from meshserve.parallel.planner.diagnosis import StepRecord, record_cost
+from meshserve.parallel.planner.model_shape import ModelShape
+from meshserve.parallel.planner.placement import layout_for
+from meshserve.parallel.planner.search import resolve_dtype, runtime_stage_ranges
+from meshserve.parallel.planner.stages import head_first_fraction
 
 PHASES = ("prefill", "decode")
 
@@ -87,8 +87,8 @@ def layout_cluster(cluster: ClusterConfig, world_size: int) -> ClusterConfig:
                                nvlink_domain_size=world_size)
 
 
-def layout_config(base: MeshConfig, model_dir: Path, tp: int, pp: int, step_log: Path,
-                  work: Workload) -> MeshConfig:
+def layout_config(base: RuntimeConfig, model_dir: Path, tp: int, pp: int, step_log: Path,
+                  work: Workload) -> RuntimeConfig:
     """The run's config: the model, the layout, its cluster, CPU ranks, step records on."""
     return dataclasses.replace(
         base, device="cpu", threads=work.threads,
@@ -99,7 +99,7 @@ def layout_config(base: MeshConfig, model_dir: Path, tp: int, pp: int, step_log:
                                    step_log=str(step_log)))
 
 
-def measure(config: MeshConfig, work: Workload) -> list[StepRecord]:
+def measure(config: RuntimeConfig, work: Workload) -> list[StepRecord]:
     """Warm up, then run the workload once; its step records (in a fresh process)."""
     from meshserve.engine.llm import LLM
     from meshserve.engine.sampling_params import SamplingParams
@@ -124,7 +124,7 @@ def measure(config: MeshConfig, work: Workload) -> list[StepRecord]:
     return [StepRecord(**json.loads(line)) for line in lines]
 
 
-def run_layout(config: MeshConfig, work: Workload) -> list[StepRecord]:
+def run_layout(config: RuntimeConfig, work: Workload) -> list[StepRecord]:
     """`measure` in a fresh process (one multi-rank run per process; a clean torch)."""
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(work.threads)  # the driver's, inherited by the child
@@ -161,7 +161,7 @@ def phase_times(records: list[StepRecord], cost: CostModel,
     return out
 
 
-def cost_for(config: MeshConfig, arch: ModelArch) -> tuple[CostModel, list[tuple[int, int]]]:
+def cost_for(config: RuntimeConfig, arch: ModelArch) -> tuple[CostModel, list[tuple[int, int]]]:
     """The cost model of the config's layout, with the stage ranges the runtime loads."""
     p = config.parallel
     ranges = runtime_stage_ranges(config, arch, p.tp, p.pp)

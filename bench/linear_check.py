@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from meshserve.kernels import dispatch, native_cpu
-from meshserve.parallel.calibrate import best_time
+from meshserve.parallel.planner.calibration import best_time
 
 CPU = torch.device("cpu")
 

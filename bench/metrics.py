@@ -1,4 +1,5 @@
-"""Per-request records of one engine run and BENCH.md's metrics computed from them."""
+"""Per-request records of one engine run and the benchmark metrics (docs/benchmarks/README.md)
+computed from them."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def distribution(values: list[float]) -> dict[str, float]:
 
 
 def summarize(run: RunResult, slo_ttft_s: float, slo_tpot_s: float) -> dict[str, Any]:
-    """BENCH.md's metrics of one run: throughput, latency distributions, goodput, cache."""
+    """The benchmark metrics of one run: throughput, latency distributions, goodput, cache."""
     recs = run.records
     gen = sum(r.num_generated_tokens for r in recs)
     prompt = sum(r.num_prompt_tokens for r in recs)
@@ -115,7 +116,7 @@ def _engine_counters(run: RunResult, prompt: int, cached: int) -> dict[str, Any]
 
 def _rank_shares(run: RunResult, wall: float) -> dict[str, Any]:
     """Each rank's share of the run's wall time busy and waiting for activations, and its
-    pipeline bubble (BENCH.md: 1 - busy / wall), for engines that report ranks."""
+    pipeline bubble (1 - busy / wall), for engines that report ranks."""
     ranks = run.extra.get("ranks")
     if not ranks:
         return {}

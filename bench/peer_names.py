@@ -20,7 +20,7 @@ HF_STATIC_PREFIX = "hf-static-"
 """`hf-static-<B>`: transformers `model.generate` in static batches of B, left padded."""
 
 DEFAULT_PEERS = ("hf-static-8", "hf-static-16", HF_CONTINUOUS)
-"""BENCH.md's peers."""
+"""The peers of the benchmark protocol (docs/benchmarks/README.md)."""
 
 _STATIC = re.compile(r"hf-static-([1-9][0-9]*)")
 

@@ -10,13 +10,13 @@ from typing import Any
 
 from meshserve.bench.metrics import RunResult, aggregate, summarize
 from meshserve.bench.peer_names import MESHSERVE
-from meshserve.bench.protocol import Rounds
 from meshserve.bench.roofline import (
     Roofline,
     decode_bytes,
     prefill_flops,
     utilization,
 )
+from meshserve.bench.rounds import Rounds
 from meshserve.models.arch import ModelArch
 
 HIGHER_IS_BETTER = ("throughput_tok_s", "total_tok_s", "requests_per_s", "goodput_req_s")

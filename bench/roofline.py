@@ -8,13 +8,15 @@ MFU of a prefill = its matmul and attention FLOPs / time / measured matmul FLOP/
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
 from meshserve.models.arch import ModelArch
+from meshserve.parallel.planner.calibration import best_time
+from meshserve.parallel.planner.model_shape import ModelShape
+
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -37,20 +39,10 @@ class Roofline:
         return asdict(self)
 
 
-def _best_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm: page faults, caches, lazy init
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure_read_bandwidth(num_bytes: int = 2 << 30, repeats: int = 5) -> float:
     """GB/s reading `num_bytes` of fp32 (the best of `repeats` full reads)."""
     x = torch.ones(num_bytes // 4, dtype=torch.float32)
-    seconds = _best_time(lambda: x.sum(), repeats)
+    seconds = best_time(lambda: x.sum(), repeats, CPU)
     return x.numel() * 4 / seconds / 1e9
 
 
@@ -59,7 +51,7 @@ def measure_matmul(n: int = 2048, repeats: int = 3) -> float:
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=gen)
     b = torch.randn(n, n, generator=gen)
-    return 2 * n**3 / _best_time(lambda: a @ b, repeats) / 1e9
+    return 2 * n**3 / best_time(lambda: a @ b, repeats, CPU) / 1e9
 
 
 def measure(read_bytes: int = 2 << 30, matmul_size: int = 2048) -> Roofline:
@@ -69,17 +61,21 @@ def measure(read_bytes: int = 2 << 30, matmul_size: int = 2048) -> Roofline:
                     matmul_size=matmul_size, threads=torch.get_num_threads())
 
 
+def _shape(arch: ModelArch, itemsize: int) -> ModelShape:
+    """The cost model's shape of `arch` at `itemsize` bytes an element: the bench and the
+    planner count bytes and FLOPs with the same model."""
+    return ModelShape.from_arch(arch, {4: "float32", 2: "bfloat16"}[itemsize])
+
+
 def weight_bytes_read(arch: ModelArch, itemsize: int) -> int:
     """Weight bytes a decode step reads: all parameters but an untied input embedding."""
-    params = arch.num_params
-    if not arch.tie_word_embeddings:
-        params -= arch.vocab_size * arch.hidden_size
-    return params * itemsize
+    return _shape(arch, itemsize).decode_weight_bytes
 
 
 def kv_bytes_per_token(arch: ModelArch, itemsize: int) -> int:
     """Bytes of K and V of one token over all layers."""
-    return 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * itemsize
+    shape = _shape(arch, itemsize)
+    return shape.num_layers * shape.kv_bytes_per_token()
 
 
 def decode_bytes(arch: ModelArch, itemsize: int, context_tokens: float) -> float:
@@ -89,12 +85,7 @@ def decode_bytes(arch: ModelArch, itemsize: int, context_tokens: float) -> float
 
 def prefill_flops(arch: ModelArch, num_tokens: int) -> float:
     """FLOPs of a prefill of `num_tokens`: projections, MLP, causal attention, one LM-head row."""
-    d, h = arch.hidden_size, arch.head_dim
-    q, kv = arch.num_attention_heads * h, arch.num_key_value_heads * h
-    per_token = 2 * (d * (q + 2 * kv) + q * d + 3 * d * arch.intermediate_size)
-    attention = 2 * 2 * q * num_tokens * (num_tokens + 1) / 2  # QK^T and PV, causal half
-    layers = arch.num_hidden_layers * (per_token * num_tokens + attention)
-    return layers + 2 * d * arch.vocab_size
+    return _shape(arch, 4).prefill_flops(num_tokens)
 
 
 def utilization(work: float, seconds: float, rate: float) -> float:

@@ -1,4 +1,4 @@
-"""The tensor-parallel comparison's cases: the same prompts for every engine (issue #4).
+"""The tensor-parallel comparison's cases: the same prompts for every engine.
 
 Three cases, each greedy with EOS ignored:
 - `ttft`: one 512-token prompt, one new token: time to the first token;

@@ -1,4 +1,4 @@
-"""Tensor parallelism on this CPU host against DeepSpeed-Inference, in one run (issue #4).
+"""Tensor parallelism on this CPU host against DeepSpeed-Inference, in one run.
 
     python -m meshserve.bench.tp_check --model big [--tp 2] [--out result.json]
 

@@ -1,4 +1,4 @@
-"""BENCH.md's workloads as seeded request lists (prompt token ids + max_new_tokens)."""
+"""The benchmark workloads (docs/benchmarks/README.md) as seeded request lists (prompt token ids + max_new_tokens)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def latency(vocab_size: int, seed: int = 0) -> list[BenchRequest]:
 
 
 def short(vocab_size: int, seed: int = 0, n: int = 16) -> list[BenchRequest]:
-    """Prompts 32..128 tokens, 16..64 new tokens (BENCH.md's batch for the big model)."""
+    """Prompts 32..128 tokens, 16..64 new tokens (the batch for the big model)."""
     rng = random.Random(seed)
     return [BenchRequest(_ids(rng, rng.randint(32, 128), vocab_size), rng.randint(16, 64))
             for _ in range(n)]

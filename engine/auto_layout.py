@@ -5,20 +5,18 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from meshserve.engine.executor import resolve_device
-from meshserve.launch.discovery import LaunchEnv
-from meshserve.launch.run_config import MeshConfig
+from meshserve.engine.runtime_config import RuntimeConfig
 from meshserve.models.arch import ModelArch
-from meshserve.parallel.cluster import ClusterConfig
-from meshserve.parallel.planner import plan_for
-from meshserve.parallel.topology import detect_cluster
+from meshserve.parallel.comm.discovery import LaunchEnv
+from meshserve.parallel.planner.cluster import ClusterConfig
+from meshserve.parallel.planner.search import plan_for
+from meshserve.parallel.planner.topology import detect_cluster
 
 
-def run_cluster(config: MeshConfig) -> ClusterConfig:
+def run_cluster(config: RuntimeConfig, device: str) -> ClusterConfig:
     """The cluster parallel=auto plans on: the configured preset when it describes the
     devices this run uses, else (a GPU run with a CPU preset, such as the default
     local-cpu) this machine's GPUs as detected."""
-    device = resolve_device(config.device).type
     if device == config.cluster.device_type:
         return config.cluster
     detected = detect_cluster() if device == "cuda" else None
@@ -44,8 +42,9 @@ def launched_cluster(cluster: ClusterConfig, env: LaunchEnv) -> ClusterConfig:
                                                       env.local_world_size))
 
 
-def resolve_layout(config: MeshConfig, arch: ModelArch, env: LaunchEnv | None, *,
-                   announce: bool = True, max_dp: int | None = 1) -> MeshConfig:
+def resolve_layout(config: RuntimeConfig, arch: ModelArch, env: LaunchEnv | None,
+                   device: str, *, announce: bool = True,
+                   max_dp: int | None = 1) -> RuntimeConfig:
     """`config` with concrete degrees: unchanged unless parallel.auto, else the planner's
     (tp, pp, dp) with at most `max_dp` replicas (None: any), for exactly the launched ranks
     or, without a launcher, for up to the configured cluster's devices.
@@ -55,7 +54,7 @@ def resolve_layout(config: MeshConfig, arch: ModelArch, env: LaunchEnv | None, *
     """
     if not config.parallel.auto:
         return config
-    cluster = run_cluster(config)
+    cluster = run_cluster(config, device)
     if env is not None:
         cluster = launched_cluster(cluster, env)
     # A launcher's ranks must all be used; started alone, the run takes as many of the

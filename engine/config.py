@@ -63,7 +63,7 @@ class EngineConfig:
     step, and 2 MiB pages spare it a TLB miss every 4 KiB."""
 
     step_log: str | None = None
-    """JSON-lines file the engine appends one step record to per step (parallel/diagnose.py's
+    """JSON-lines file the engine appends one step record to per step (parallel/planner/diagnosis.py's
     StepRecord, read by `meshserve diagnose diagnose.records=...`); null writes none."""
 
     def __post_init__(self) -> None:

@@ -26,19 +26,14 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from meshserve.engine.auto_layout import resolve_layout
 from meshserve.engine.engine import Engine
-from meshserve.engine.executor import resolve_device
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.prefix_cache import PrefixCacheStats
 from meshserve.engine.replica import BEAT_S
+from meshserve.engine.run import Run
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler_output import SchedulerStats
-from meshserve.launch.discovery import discover
-from meshserve.launch.ranks import RankFailure
-from meshserve.launch.run_config import MeshConfig
-from meshserve.models.arch import ModelArch
-from meshserve.models.bundled import resolve_model_dir
+from meshserve.parallel.comm.ranks import RankFailure
 
 STARTUP_TIMEOUT_S = 300.0
 """Longest a replica may take to load its model and start its ranks."""
@@ -47,41 +42,40 @@ STOP_TIMEOUT_S = 10.0
 """How long shutdown waits for a replica to stop before killing it."""
 
 
-def make_engine(config: MeshConfig, *, progress: bool = True) -> Engine | DataParallelEngine:
+def make_engine(run: Run, *, progress: bool = True) -> Engine | DataParallelEngine:
     """One engine, or dp replicas of it behind one front when parallel.dp > 1 (or when
-    parallel=auto, started without a launcher, plans replicas)."""
-    env = discover()
-    if config.parallel.auto and env is None:
-        arch = ModelArch.from_dir(resolve_model_dir(config.model.name, config.model.path))
-        config = resolve_layout(config, arch, None, max_dp=None)
+    parallel=auto, started without a launcher, planned replicas)."""
+    config = run.config
     if config.parallel.dp == 1:
-        return Engine(config, progress=progress)
-    if env is not None:
+        return Engine(run, progress=progress)
+    if run.env is not None:
         raise ValueError(f"parallel.dp={config.parallel.dp} under a launcher: allowed is dp=1 "
                          "there (run one job per replica), or start meshserve without "
                          "torchrun/srun/mpirun and it starts the replicas itself")
-    return DataParallelEngine(config, progress=progress)
+    return DataParallelEngine(run, progress=progress)
 
 
-def replica_config(config: MeshConfig) -> MeshConfig:
-    """One replica's config: dp=1, and on CPU without an explicit thread count, the cores
+def replica_run(run: Run) -> Run:
+    """One replica's run: dp=1, and on CPU without an explicit thread count, the cores
     shared evenly by every rank of every replica."""
+    config = run.config
     par = config.parallel
     one = replace(config, parallel=replace(par, dp=1))
-    if config.threads is None and resolve_device(config.device).type == "cpu":
+    if config.threads is None and run.device_type == "cpu":
         one = replace(one, threads=max(1, (os.cpu_count() or 1) // par.world_size))
-    return one
+    return run.with_config(one)
 
 
-def with_step_log_of(config: MeshConfig, replica: int) -> MeshConfig:
+def with_step_log_of(run: Run, replica: int) -> Run:
     """Replica `replica`'s config: its step records in a file of its own (steps.jsonl ->
     steps.replica1.jsonl), so replicas never interleave lines; replica 0 keeps the name."""
+    config = run.config
     path = config.engine.step_log
     if not path or replica == 0:
-        return config
+        return run
     p = Path(path)
     own = p.with_name(f"{p.stem}.replica{replica}{p.suffix}")
-    return replace(config, engine=replace(config.engine, step_log=str(own)))
+    return run.with_config(replace(config, engine=replace(config.engine, step_log=str(own))))
 
 
 def _sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
@@ -98,7 +92,7 @@ class _Remote:
     process (no multiprocessing spawn, which would re-run the user's script) talking over
     a socket pair."""
 
-    def __init__(self, index: int, config: MeshConfig) -> None:
+    def __init__(self, index: int, run: Run) -> None:
         mine, theirs = socket.socketpair()
         self.index = index
         self.proc = subprocess.Popen(
@@ -106,7 +100,7 @@ class _Remote:
             pass_fds=(theirs.fileno(),))
         theirs.close()
         self.conn = Connection(mine.detach())
-        self.conn.send(config)
+        self.conn.send(run)
         self.num_blocks = 0
         self.stats: SchedulerStats | None = None
         self.last_seen = time.monotonic()
@@ -163,10 +157,11 @@ class DataParallelEngine:
     """dp engines behind Engine's interface: add_request, step, abort, has_unfinished,
     reset_prefix_cache, stats, shutdown (what LLM, the server and the benchmark use)."""
 
-    def __init__(self, config: MeshConfig, *, progress: bool = True) -> None:
-        self.config = config
+    def __init__(self, run: Run, *, progress: bool = True) -> None:
+        self.run = run
+        self.config = config = run.config
         self.dp = config.parallel.dp
-        one = replica_config(config)
+        one = replica_run(run)
         self._timeout_s = config.parallel.timeout_s
         self._remotes = [_Remote(i, with_step_log_of(one, i))  # they load meanwhile
                          for i in range(1, self.dp)]

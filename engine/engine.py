@@ -6,31 +6,30 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import cast
 
-from meshserve.engine.auto_layout import resolve_layout
-from meshserve.engine.executor import (
-    AsyncExecutor,
-    Executor,
-    LocalExecutor,
-    Logprob,
-    PipelinedExecutor,
-)
 from meshserve.engine.micro_batch import micro_batch_budget, micro_batch_cap
 from meshserve.engine.outputs import RequestMetrics, RequestOutput
-from meshserve.engine.sampled_tokens import SampledTokens
+from meshserve.engine.run import Run, resolve_run
+from meshserve.engine.runtime_config import RuntimeConfig
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler import Scheduler
 from meshserve.engine.scheduler_output import SchedulerOutput, SchedulerStats
 from meshserve.engine.sequence import Sequence, SequenceStatus
+from meshserve.engine.step_clock import StepClock, StepRecorder, StepTiming
 from meshserve.engine.step_log import StepLog
-from meshserve.launch.discovery import discover
-from meshserve.launch.run_config import MeshConfig
-from meshserve.models.arch import ModelArch
-from meshserve.models.bundled import resolve_model_dir
+from meshserve.engine.worker.executor import (
+    AsyncExecutor,
+    Executor,
+    InProcessExecutor,
+    PipelinedExecutor,
+)
+from meshserve.engine.worker.sampled_tokens import Logprob, SampledTokens
+from meshserve.engine.worker.step_sampler import StepResult
 from meshserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
-from meshserve.parallel.tp_group import CommCounters
+from meshserve.parallel.comm.tp_group import CommCounters
+
+__all__ = ["Engine", "StepTiming", "make_executor"]
 
 
 @dataclass
@@ -44,39 +43,16 @@ class _Request:
     logprobs: list[Logprob] = field(default_factory=list)
 
 
-@dataclass
-class StepTiming:
-    """Where step time goes: the scheduler's own (pure Python) work vs the executor's."""
-
-    num_steps: int = 0
-    num_tokens: int = 0
-    scheduler_s: float = 0.0
-    """schedule() + update()."""
-    execute_s: float = 0.0
-    """Model forward, sampling and (multi-rank) communication."""
-
-    def add(self, scheduler_s: float, execute_s: float, num_tokens: int) -> None:
-        """Account one step."""
-        self.num_steps += 1
-        self.num_tokens += num_tokens
-        self.scheduler_s += scheduler_s
-        self.execute_s += execute_s
-
-    @property
-    def scheduler_share(self) -> float:
-        """Scheduler time as a share of step time."""
-        total = self.scheduler_s + self.execute_s
-        return self.scheduler_s / total if total else 0.0
-
-
 class Engine:
     """Continuous batching over a paged KV cache on one rank."""
 
-    def __init__(self, config: MeshConfig, *, progress: bool = True,
+    def __init__(self, run: Run | RuntimeConfig, *, progress: bool = True,
                  executor: Executor | None = None) -> None:
-        self.model_dir = resolve_model_dir(config.model.name, config.model.path)
-        self.arch = ModelArch.from_dir(self.model_dir)
-        self.config = config = resolve_layout(config, self.arch, discover())
+        """`run`: the resolved run (a RuntimeConfig is resolved here); `executor`: one
+        already built for it, instead of the layout's own."""
+        self.run = run if isinstance(run, Run) else resolve_run(run)
+        self.model_dir, self.arch = self.run.model_dir, self.run.arch
+        self.config = config = self.run.config
         self.tokenizer = (Tokenizer(self.model_dir)
                           if (self.model_dir / "tokenizer.json").is_file() else None)
         self.max_model_len = self._max_model_len()
@@ -86,24 +62,22 @@ class Engine:
                              "null, false")
         # Opened before any rank starts, so a bad path fails at once.
         self.step_log = StepLog(config.engine.step_log) if config.engine.step_log else None
-        self.executor: Executor = executor or make_executor(config, self.model_dir, self.arch,
-                                                            progress=progress)
+        self.executor: Executor = executor or make_executor(self.run, progress=progress)
         self._max_in_flight: int = getattr(self.executor, "max_in_flight", 1)
-        # Micro-batches in the pipeline (pp > 1), oldest first, with their scheduler and
-        # executor seconds so far.
-        self._in_flight: deque[tuple[SchedulerOutput, float, float]] = deque()
+        # Micro-batches in the pipeline (pp > 1), oldest first, with their clocks.
+        self._in_flight: deque[tuple[SchedulerOutput, StepClock]] = deque()
         self.device = self.executor.device
         self._micro_batch_cap = micro_batch_cap(config.engine.max_num_batched_tokens,
                                                 self._max_in_flight, self.device.type,
                                                 config.parallel.micro_batch_tokens)
         self.async_scheduling = self._async_scheduling()
-        # Async scheduling: the step launched last, not yet resolved, with the seconds its
-        # scheduling and its launch took.
-        self._launched: tuple[SchedulerOutput, SampledTokens, float, float] | None = None
+        # Async scheduling: the step launched last, not yet resolved, with its clock.
+        self._launched: tuple[SchedulerOutput, SampledTokens, StepClock] | None = None
         self.num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(config.engine, self.num_blocks, self.max_model_len)
         self._new_params: dict[int, SamplingParams] = {}
-        self.timing = StepTiming()
+        self.recorder = StepRecorder(self.step_log)
+        self.timing = self.recorder.timing
         self._finished: list[int] = []
         self.eos_token_ids = set(self.arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -238,65 +212,94 @@ class Engine:
             return self._step_pipelined()
         if self.async_scheduling:
             return self._step_async()
-        t0 = time.perf_counter()
+        clock = self.recorder.start()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        t1 = time.perf_counter()
         new = self._admit_to_executor(out)
-        comm = self.step_log.comm_mark() if self.step_log is not None else None
-        t2 = time.perf_counter()
-        result = self.executor.execute(out, new, self._finished)
-        t3 = time.perf_counter()
-        self._finished = []
+        clock.scheduled()
+        result = self.executor.execute(out, new, self._take_finished())
+        clock.executed()
         self.scheduler.update(out, result.tokens)
-        t4 = time.perf_counter()
-        self.timing.add(t1 - t0 + t4 - t3, t3 - t2, out.num_batched_tokens)
-        if self.step_log is not None:
-            self.step_log.write(out.scheduled, wall_s=t4 - t0, scheduler_s=t1 - t0 + t4 - t3,
-                                comm_mark=comm,
-                                num_in_flight=1 if self.config.parallel.pp > 1 else None)
-        now = time.monotonic()
-        return [self._advance(self._requests[i], t, result.logprobs.get(i), now)
-                for i, t in result.tokens.items()]
+        clock.scheduled()
+        self.recorder.finish(out, clock, num_in_flight=1 if self.config.parallel.pp > 1 else None)
+        return self._outputs(result)
 
     def _step_async(self) -> list[RequestOutput]:
         """Schedule and launch the next step, then resolve the one launched before it:
         the host's scheduling, input building and launching overlap the device's work.
         Returns the outputs of the resolved step."""
         executor = cast(AsyncExecutor, self.executor)
-        t0 = time.perf_counter()
+        call = self.recorder.start(comm=False)
+        clock = self.recorder.start(comm=False)
         out = self.scheduler.schedule()
-        t1 = time.perf_counter()
+        clock.scheduled()
         launched = None
         if out.scheduled:
-            new = self._admit_to_executor(out)
-            launched = executor.launch(out, new, self._finished)
-            self._finished = []
-        t2 = time.perf_counter()
+            launched = executor.launch(out, self._admit_to_executor(out), self._take_finished())
+            clock.executed()
         outputs: list[RequestOutput] = []
         if self._launched is not None:
-            done, sampled, scheduler_s, launch_s = self._launched
+            done, sampled, done_clock = self._launched
+            done_clock.resume()
             result = executor.resolve(sampled)
-            t3 = time.perf_counter()
+            done_clock.executed()
             self.scheduler.resolve(done, result.tokens)
-            now = time.monotonic()
-            requests = self._requests  # a request that ended meanwhile is gone
-            outputs = [self._advance(requests[i], t, result.logprobs.get(i), now)
-                       for i, t in result.tokens.items() if i in requests]
-            t4 = time.perf_counter()
-            # The resolved step's execute time: from its launch to its tokens on the host.
-            self.timing.add(scheduler_s + t4 - t3, t3 - t2 + launch_s,
-                            done.num_batched_tokens)
-            if self.step_log is not None:
-                self.step_log.write(done.scheduled, wall_s=t4 - t0,
-                                    scheduler_s=scheduler_s + t4 - t3, comm_mark=None,
-                                    num_in_flight=None)
+            outputs = self._outputs(result)
+            done_clock.scheduled()
+            call.scheduler_s = done_clock.scheduler_s  # its record: this call's wall time
+            self.recorder.finish(done, done_clock, since=call)
         self._launched = None
         if launched is not None:
             self.scheduler.advance(out)
-            self._launched = (out, launched, t1 - t0, t2 - t1)
+            self._launched = (out, launched, clock)
         return outputs
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Fill the pipeline with micro-batches (disjoint sequences, balanced by tokens),
+        then finish the oldest; outputs of the requests it advanced."""
+        executor = cast(PipelinedExecutor, self.executor)
+        call = self.recorder.start()  # the step record: this call's wall and scheduling
+        self._fill_pipeline(executor, call)
+        if not self._in_flight:
+            return []
+        out, clock = self._in_flight.popleft()
+        clock.resume()
+        result = executor.collect()
+        clock.executed()
+        before_update = clock.scheduler_s
+        self.scheduler.update(out, result.tokens)
+        clock.scheduled()
+        call.scheduler_s += clock.scheduler_s - before_update
+        self.recorder.finish(out, clock, since=call, num_in_flight=len(self._in_flight) + 1)
+        return self._outputs(result)
+
+    def _fill_pipeline(self, executor: PipelinedExecutor, call: StepClock) -> None:
+        """Submit micro-batches until the pipeline holds `max_in_flight` or nothing is left
+        to schedule; their scheduling counts in `call`'s scheduler time."""
+        while len(self._in_flight) < self._max_in_flight:
+            clock = self.recorder.start(comm=False)
+            out = self.scheduler.schedule(self._micro_batch_budget())
+            new = self._admit_to_executor(out) if out.scheduled else {}
+            clock.scheduled()
+            call.scheduler_s += clock.scheduler_s
+            if not out.scheduled:
+                break
+            executor.submit(out, new, self._take_finished())
+            clock.executed()
+            self._in_flight.append((out, clock))
+
+    def _take_finished(self) -> list[int]:
+        """Sequences the executor may forget, handed over once."""
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _outputs(self, result: StepResult) -> list[RequestOutput]:
+        """The outputs of a step's tokens (a request that ended meanwhile is gone)."""
+        now = time.monotonic()
+        requests = self._requests
+        return [self._advance(requests[i], t, result.logprobs.get(i), now)
+                for i, t in result.tokens.items() if i in requests]
 
     def _admit_to_executor(self, out: SchedulerOutput) -> dict[int, SamplingParams]:
         """Stamp first-scheduled times; the sampling params of sequences the executor
@@ -309,43 +312,6 @@ class Engine:
         return {s.seq_id: self._new_params.pop(s.seq_id) for s in out.scheduled
                 if s.seq_id in self._new_params}
 
-    def _step_pipelined(self) -> list[RequestOutput]:
-        """Fill the pipeline with micro-batches (disjoint sequences, balanced by tokens),
-        then finish the oldest; outputs of the requests it advanced."""
-        executor = cast(PipelinedExecutor, self.executor)
-        start = time.perf_counter()
-        comm = self.step_log.comm_mark() if self.step_log is not None else None
-        scheduled_s = 0.0  # this call's scheduling, whichever micro-batches it was for
-        while len(self._in_flight) < self._max_in_flight:
-            t0 = time.perf_counter()
-            out = self.scheduler.schedule(self._micro_batch_budget())
-            if not out.scheduled:
-                scheduled_s += time.perf_counter() - t0
-                break
-            new = self._admit_to_executor(out)
-            t1 = time.perf_counter()
-            scheduled_s += t1 - t0
-            executor.submit(out, new, self._finished)
-            self._finished = []
-            self._in_flight.append((out, t1 - t0, time.perf_counter() - t1))
-        if not self._in_flight:
-            return []
-        out, scheduler_s, execute_s = self._in_flight.popleft()
-        t0 = time.perf_counter()
-        result = executor.collect()
-        t1 = time.perf_counter()
-        self.scheduler.update(out, result.tokens)
-        t2 = time.perf_counter()
-        self.timing.add(scheduler_s + t2 - t1, execute_s + t1 - t0, out.num_batched_tokens)
-        if self.step_log is not None:
-            self.step_log.write(out.scheduled, wall_s=t2 - start,
-                                scheduler_s=scheduled_s + t2 - t1, comm_mark=comm,
-                                num_in_flight=len(self._in_flight) + 1)
-        now = time.monotonic()
-        requests = self._requests  # a request aborted while in flight is gone
-        return [self._advance(requests[i], t, result.logprobs.get(i), now)
-                for i, t in result.tokens.items() if i in requests]
-
     def _micro_batch_budget(self) -> int:
         """An even share, over the pipeline's slots, of the tokens the next micro-batches
         will run: those that could run now (running sequences not in flight, waiting ones
@@ -356,7 +322,7 @@ class Engine:
         sched = self.scheduler
         in_flight: set[int] = set()
         returning = 0
-        for out, _, _ in self._in_flight:
+        for out, _ in self._in_flight:
             for x in out.scheduled:
                 in_flight.add(x.seq_id)
                 seq = sched.get(x.seq_id)
@@ -418,12 +384,11 @@ class Engine:
         return self.scheduler.stats()
 
 
-def make_executor(config: MeshConfig, model_dir: Path, arch: ModelArch, *,
-                  progress: bool = True) -> Executor:
-    """This process alone for a one-rank layout, else the driver of tp x pp ranks."""
-    env = discover()
-    if config.parallel.world_size == 1 and (env is None or env.world_size == 1):
-        return LocalExecutor(config, model_dir, arch, progress=progress)
-    from meshserve.engine.distributed_executor import DistributedExecutor
+def make_executor(run: Run, *, progress: bool = True) -> Executor:
+    """This process's one worker for a one-rank layout, else the driver of tp x pp ranks."""
+    env = run.env
+    if run.world_size == 1 and (env is None or env.world_size == 1):
+        return InProcessExecutor(run, progress=progress)
+    from meshserve.engine.worker.distributed_executor import DistributedExecutor
 
-    return DistributedExecutor(config, model_dir, arch, progress=progress)
+    return DistributedExecutor(run, progress=progress)

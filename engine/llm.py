@@ -4,19 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
-from meshserve.engine.auto_layout import resolve_layout
+from meshserve.compose import presets
 from meshserve.engine.data_parallel import make_engine
 from meshserve.engine.outputs import RequestOutput
+from meshserve.engine.run import resolve_run
+from meshserve.engine.runtime_config import RuntimeConfig, load_runtime_config
 from meshserve.engine.sampling_params import SamplingParams
-from meshserve.engine.worker import run_worker_rank
-from meshserve.launch.config import load_config, presets
-from meshserve.launch.discovery import discover
-from meshserve.launch.run_config import MeshConfig
-from meshserve.models.arch import ModelArch
-from meshserve.models.bundled import resolve_model_dir
+from meshserve.engine.worker.rank import run_worker_rank
+from meshserve.parallel.comm.discovery import discover
 
 
 def model_overrides(model: str | None) -> list[str]:
@@ -35,20 +34,30 @@ def model_overrides(model: str | None) -> list[str]:
 class LLM:
     """Generate completions for a batch of prompts with continuous batching.
 
+    `LLM("meshcoder", max_num_seqs=64, tp=2, enable_prefix_caching=False)`: a keyword is
+    any leaf field of the runtime config whose name is unique across its groups, or a
+    group with a dict (`engine={"max_num_seqs": 64}`); `overrides` takes Hydra strings
+    (`["parallel.tp=2"]`); `config` a RuntimeConfig as it is.
+
     With parallel.tp / parallel.pp > 1 the ranks are started by this object (or, under
     torchrun, found running): on every rank but 0 the constructor serves rank 0 until it
     shuts down and then exits the process, so one script runs on every rank.
     """
 
     def __init__(self, model: str | None = None, overrides: Sequence[str] = (), *,
-                 config: MeshConfig | None = None, progress: bool = True) -> None:
-        self.config = config or load_config(model_overrides(model) + list(overrides))
+                 config: RuntimeConfig | None = None, progress: bool = True,
+                 **kwargs: Any) -> None:
+        if config is not None and (model is not None or overrides or kwargs):
+            raise TypeError("LLM(config=...) takes the configuration as it is: allowed is "
+                            "config alone, or model / overrides / keyword arguments")
+        if config is None:
+            config = load_runtime_config(model_overrides(model) + list(overrides), **kwargs)
         env = discover()
+        # Alone, parallel=auto may plan replicas; under a launcher each replica is one run.
+        run = resolve_run(config, env=env, max_dp=None if env is None else 1)
         if env is not None and env.is_worker:
-            model_dir = resolve_model_dir(self.config.model.name, self.config.model.path)
-            config = resolve_layout(self.config, ModelArch.from_dir(model_dir), env)
-            raise SystemExit(run_worker_rank(config, model_dir, env))
-        self.engine = make_engine(self.config, progress=progress)
+            raise SystemExit(run_worker_rank(run))
+        self.engine = make_engine(run, progress=progress)
         self.config = self.engine.config  # the layout it runs: parallel=auto resolved
         self.progress = progress
 

@@ -15,9 +15,8 @@ def micro_batch_cap(max_num_batched_tokens: int, num_slots: int, device_type: st
     A pipeline idles for about one micro-batch's stage time where it fills (the first
     prefill), where prefill gives way to decode (the decodes wait for the last prompt
     chunks) and where it drains. On a CPU a 2,048-token prefill micro-batch takes seconds a
-    stage while 512 tokens still keep its GEMMs efficient: measured on the tiny model's
-    longtail at pp=2, 129.4 tok/s with 512-token micro-batches against 123.5 with 2,048
-    (one sweep; one rank: 80.2 and 80.4)."""
+    stage while 512 tokens still keep its GEMMs efficient, so smaller micro-batches shrink
+    those idle stretches (figures: docs/benchmarks/2026-11-30-cpu-2core.md, pipelines)."""
     if configured is not None:
         return max(1, min(configured, max_num_batched_tokens))
     if device_type != "cpu" or num_slots <= 1:

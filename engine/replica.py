@@ -1,7 +1,7 @@
 """A data-parallel replica's process: `python -m meshserve.engine.replica FD`.
 
 Started by `data_parallel.DataParallelEngine` with one end of a socket pair as FD. The
-first message is the replica's config; then it runs its own Engine (and that engine's
+first message is the replica's resolved Run; then it runs its own Engine (and that engine's
 tp x pp ranks), taking "add", "abort", "reset" and "stop" commands and sending back every
 step's outputs with its counters. A thread sends a heartbeat every BEAT_S, so the front
 tells a long step from a hung replica. It exits when told to stop or when the front is gone.
@@ -14,6 +14,7 @@ import threading
 from multiprocessing.connection import Connection
 
 from meshserve.engine.engine import Engine
+from meshserve.engine.run import Run
 
 BEAT_S = 1.0
 """Seconds between heartbeats."""
@@ -38,19 +39,19 @@ class _Sender:
                 return
 
 
-def serve(conn: Connection) -> int:
+def serve_replica(conn: Connection) -> int:
     """Run the replica until "stop" or the front's end of `conn` closes."""
-    config = conn.recv()
+    run = conn.recv()
     out = _Sender(conn)
     try:
-        return _serve(config, conn, out)
+        return _serve(run, conn, out)
     finally:
         out.stopped.set()
 
 
-def _serve(config: object, conn: Connection, out: _Sender) -> int:
+def _serve(run: Run, conn: Connection, out: _Sender) -> int:
     try:
-        engine = Engine(config, progress=False)  # type: ignore[arg-type]
+        engine = Engine(run, progress=False)
     except BaseException as e:  # noqa: BLE001 - reported to the front
         out.send(("error", f"{type(e).__name__}: {e}"))
         return 1
@@ -85,7 +86,7 @@ def _serve(config: object, conn: Connection, out: _Sender) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: the file descriptor of the replica's end of the socket pair."""
     (fd,) = (argv if argv is not None else sys.argv[1:])[:1]
-    return serve(Connection(int(fd)))
+    return serve_replica(Connection(int(fd)))
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meshserve.engine.scheduler_output import ScheduledSeq
-from meshserve.parallel.diagnose import COUNT_FIELDS, chunk_counts
-from meshserve.parallel.tp_group import CommCounters
+from meshserve.parallel.comm.tp_group import CommCounters
+from meshserve.parallel.planner.diagnosis import COUNT_FIELDS, chunk_counts
 
 FLUSH_INTERVAL_S = 1.0
 """Longest a written record waits in the buffer while the engine keeps stepping."""

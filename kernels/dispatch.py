@@ -242,8 +242,8 @@ def packing_applies(weight: torch.Tensor) -> bool:
 
 def pack_weight(param: torch.nn.Parameter) -> None:
     """Repack a linear weight [N, K] in place (its data becomes native_cpu.pack's panels),
-    for the C packed linear: on one thread 1.2-1.8x MKL at 4-64 rows here, 1.05-1.1x at
-    prefill sizes (ms_linear_packed_f32); it splits its panels over torch's threads.
+    for the C packed linear (ms_linear_packed_f32; against MKL: docs/benchmarks/2026-11-30-cpu-2core.md); it
+    splits its panels over torch's threads.
     `linear` takes it like any weight."""
     n = param.shape[0]
     param.data = native_cpu.pack(param.data)
@@ -309,8 +309,8 @@ def native_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Greedy tokens: logits [N, V] -> [N] int64, as logits.argmax(dim=-1) (the first
-    largest; a NaN counts as the largest). On the CPU the C kernel: torch's took 57 us a row
-    of 32k here, 5-10x the C pass, on the driver's critical path every micro-batch."""
+    largest; a NaN counts as the largest). On the CPU the C kernel, a single pass over each
+    row (torch's argmax is several times slower there, on the driver's critical path)."""
     if (logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1
             and use_native(logits)):
         return native_cpu.argmax_rows(logits)

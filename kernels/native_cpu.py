@@ -1,7 +1,7 @@
 """The C CPU kernels (kernels/native/cpu_kernels.c): built once per machine, called by ctypes.
 
-On the CPU the PyTorch reference path pays for every small op it launches (5-10 us each
-here) and for copying the paged KV cache into a padded tensor before attending over it.
+On the CPU the PyTorch reference path pays for every small op it launches (microseconds
+each) and for copying the paged KV cache into a padded tensor before attending over it.
 These kernels read the cache blocks in place and fuse RMSNorm into one pass.
 
 The library is compiled on first use with the system C compiler (`cc -O3 -march=native`)

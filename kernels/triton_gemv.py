@@ -57,7 +57,7 @@ _HALF = (torch.bfloat16, torch.float16)
 
 MEASURED_RULES: dict[tuple[int, int], list[GemvRule]] = {
     # H200 (Hopper, 9.0), bf16 Llama-3-8B layers timed in CUDA graphs by the device check
-    # (bench/records/h200-2026-11-30): o_proj 13.1 -> 10.9 us at 1 and 8 rows; qkv
+    # (docs/benchmarks/records/h200-2026-11-30): o_proj 13.1 -> 10.9 us at 1 and 8 rows; qkv
     # 17.8 -> 15.1 us at 1 row (at 8 rows within 3% of cuBLAS); gate_up and down stay on
     # cuBLAS, which streams them at 95% of copy bandwidth in the model.
     (9, 0): [GemvRule(max_rows=8, max_weight_bytes=32 << 20,

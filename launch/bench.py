@@ -1,4 +1,4 @@
-"""`meshserve bench`: a BENCH.md workload on meshserve and its peers, side by side.
+"""`meshserve bench`: a benchmark workload (docs/benchmarks/README.md) on meshserve and its peers, side by side.
 
     meshserve bench bench.model=tiny bench.workload=longtail \\
         bench.peers=[hf-static-8,hf-static-16,hf-continuous] bench.repeats=3 bench.out=DIR
@@ -23,10 +23,10 @@ from meshserve.bench.harness import MeshserveRunner, Runner
 from meshserve.bench.peer_names import MESHSERVE, MESHSERVE_SINGLE
 from meshserve.bench.peers import load_hf_model, make_peer
 from meshserve.bench.plot import plot
-from meshserve.bench.protocol import check_outputs, run_rounds
 from meshserve.bench.report import build_result, table, write_json
+from meshserve.bench.rounds import check_outputs, run_rounds
 from meshserve.launch.config import load_config
-from meshserve.launch.run_config import MeshConfig
+from meshserve.launch.options import CliConfig
 from meshserve.models.arch import ModelArch
 from meshserve.models.bundled import resolve_model_dir
 
@@ -39,7 +39,7 @@ def run(overrides: list[str]) -> int:
 
         return run_online(cfg)
     b = cfg.bench
-    threads = cfg.threads or 1  # BENCH.md: one compute thread per process unless told
+    threads = cfg.threads or 1  # one compute thread per process unless told (the benchmark protocol)
     torch.set_num_threads(threads)
     model_dir = resolve_model_dir(cfg.model.name, cfg.model.path)
     arch = ModelArch.from_dir(model_dir)
@@ -74,8 +74,8 @@ def run(overrides: list[str]) -> int:
     return 0
 
 
-def _config(overrides: list[str]) -> MeshConfig:
-    """The config; bench.model builds (or finds) a BENCH.md checkpoint and points model.path at it."""
+def _config(overrides: list[str]) -> CliConfig:
+    """The config; bench.model builds (or finds) a benchmark checkpoint and points model.path at it."""
     cfg = load_config(overrides)
     if cfg.bench.model is None:
         return cfg
@@ -86,7 +86,7 @@ def _config(overrides: list[str]) -> MeshConfig:
     return load_config([*overrides, f"model.path='{path}'", f"model.name={cfg.bench.model}"])
 
 
-def _check_fits(reqs: list[workloads.BenchRequest], cfg: MeshConfig, arch: ModelArch) -> None:
+def _check_fits(reqs: list[workloads.BenchRequest], cfg: CliConfig, arch: ModelArch) -> None:
     limit = cfg.engine.max_model_len or arch.max_position_embeddings
     for i, r in enumerate(reqs):
         if len(r.prompt_token_ids) + r.max_new_tokens > limit:
@@ -95,7 +95,7 @@ def _check_fits(reqs: list[workloads.BenchRequest], cfg: MeshConfig, arch: Model
                              f"at most max_model_len={limit}")
 
 
-def _peers(cfg: MeshConfig, model_dir: Path, dtype: torch.dtype) -> list[Runner]:
+def _peers(cfg: CliConfig, model_dir: Path, dtype: torch.dtype) -> list[Runner]:
     """The configured peers in their order: meshserve-single (our engine on one rank, in
     this process) and the transformers ones, sharing one model in meshserve's dtype."""
     hf = [p for p in cfg.bench.peers if p != MESHSERVE_SINGLE]
@@ -112,7 +112,7 @@ def _peers(cfg: MeshConfig, model_dir: Path, dtype: torch.dtype) -> list[Runner]
     return peers
 
 
-def _meta(cfg: MeshConfig, model_dir: Path, arch: ModelArch, itemsize: int,
+def _meta(cfg: CliConfig, model_dir: Path, arch: ModelArch, itemsize: int,
           reqs: list[workloads.BenchRequest], load_start: tuple[float, float, float]
           ) -> dict[str, Any]:
     import transformers

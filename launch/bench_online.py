@@ -21,14 +21,14 @@ from meshserve.bench import workloads
 from meshserve.bench.online import server_info, sweep
 from meshserve.bench.plot import plot_sweep
 from meshserve.bench.report import write_json
-from meshserve.launch.run_config import MeshConfig
+from meshserve.launch.options import CliConfig
 from meshserve.models.arch import ModelArch
 from meshserve.models.bundled import resolve_model_dir
 from meshserve.models.tokenizer import Tokenizer
 from meshserve.serve.config import API_KEY_ENV
 
 
-def run_online(cfg: MeshConfig) -> int:
+def run_online(cfg: CliConfig) -> int:
     """Sweep the configured rates against bench.url; 1 when no request completed."""
     b = cfg.bench
     assert b.url is not None
@@ -93,7 +93,7 @@ def _row(s: dict[str, Any]) -> str:
             f"{ms('tpot_s', 'p50'):>9} {ms('tpot_s', 'p99'):>9} {s['goodput_req_s']:>8.2f}")
 
 
-def _result(cfg: MeshConfig, model: str, url: str, summaries: list[dict[str, Any]],
+def _result(cfg: CliConfig, model: str, url: str, summaries: list[dict[str, Any]],
             load_start: tuple[float, float, float]) -> dict[str, Any]:
     b = cfg.bench
     return {

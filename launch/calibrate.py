@@ -14,17 +14,17 @@ from pathlib import Path
 
 import torch
 
-from meshserve.engine.executor import resolve_device
+from meshserve.engine.run import resolve_device
 from meshserve.launch.config import CONF_DIR, load_config
 from meshserve.launch.runtime_overhead import runtime_overhead_us
-from meshserve.parallel.calibrate import calibrate, preset_yaml, sig
+from meshserve.parallel.planner.calibration import calibrate, preset_yaml, sig
 
 
 def run(overrides: list[str]) -> int:
     """Measure, write the preset, print what was measured; returns the exit code."""
     cfg = load_config(overrides)
     opts = cfg.calibrate
-    device = resolve_device(cfg.device)
+    device = torch.device(resolve_device(cfg.device))
     if device.type == "cuda" and max(opts.world_sizes, default=0) > torch.cuda.device_count():
         raise ValueError(f"calibrate.world_sizes={opts.world_sizes} is invalid: allowed is at "
                          f"most the {torch.cuda.device_count()} visible GPUs")

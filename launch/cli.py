@@ -11,7 +11,7 @@ from meshserve.launch.config import GROUPS, ConfigError, presets
 VERBS: dict[str, tuple[str, str]] = {
     "generate": ("meshserve.launch.generate", "complete the configured prompts and print speed"),
     "serve": ("meshserve.launch.serve", "OpenAI-compatible HTTP server with Prometheus metrics"),
-    "bench": ("meshserve.launch.bench", "run a BENCH.md workload on meshserve and its peers"),
+    "bench": ("meshserve.launch.bench", "run a benchmark workload on meshserve and its peers"),
     "plan": ("meshserve.launch.plan", "rank (tp, pp, dp) layouts for a model, cluster, scenario"),
     "diagnose": ("meshserve.launch.diagnose", "split step time by cause, name the bottleneck"),
     "calibrate": ("meshserve.launch.calibrate", "measure this machine and write a cluster preset"),

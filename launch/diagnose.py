@@ -1,7 +1,7 @@
 """`meshserve diagnose diagnose.records=steps.jsonl [model=... cluster=... parallel...]`:
 split a workload's step time by cause against the cost model, name the bottleneck.
 
-The records are JSON lines, one step each, with StepRecord's fields (parallel/diagnose.py).
+The records are JSON lines, one step each, with StepRecord's fields (parallel/planner/diagnosis.py).
 An engine starts its records with a `{"run": {...}}` line; the model, dtype, layout,
 scenario and cluster preset come from there unless given on the command line. A file that
 several runs appended to is diagnosed for its last run.
@@ -17,12 +17,12 @@ from typing import Any
 
 from meshserve.launch.config import load_config, presets
 from meshserve.launch.plan import resolve_arch, shorthand
-from meshserve.parallel.cost_model import CostModel
-from meshserve.parallel.diagnose import StepRecord, diagnose
-from meshserve.parallel.model_shape import ModelShape
-from meshserve.parallel.plan import layout_for
-from meshserve.parallel.planner import plan_for, resolve_dtype
-from meshserve.parallel.stages import head_first_fraction
+from meshserve.parallel.planner.cost_model import CostModel
+from meshserve.parallel.planner.diagnosis import StepRecord, diagnose
+from meshserve.parallel.planner.model_shape import ModelShape
+from meshserve.parallel.planner.placement import layout_for
+from meshserve.parallel.planner.search import plan_for, resolve_dtype
+from meshserve.parallel.planner.stages import head_first_fraction
 
 RUN_OVERRIDES = {"model_path": "model.path", "model_name": "model.name", "dtype": "model.dtype",
                  "tp": "parallel.tp", "pp": "parallel.pp", "scenario": "scenario",

@@ -10,7 +10,7 @@ from meshserve.engine.llm import LLM
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.launch.config import load_config
-from meshserve.launch.ranks import RankFailure
+from meshserve.parallel.comm.ranks import RankFailure
 
 
 def run(overrides: list[str]) -> int:
@@ -22,7 +22,7 @@ def run(overrides: list[str]) -> int:
     cfg = load_config(overrides)
     t0 = time.perf_counter()
     try:
-        llm = LLM(config=cfg)
+        llm = LLM(config=cfg.runtime)
     except RankFailure as e:
         print(f"meshserve generate: {e}", file=sys.stderr)
         return 1

@@ -13,15 +13,21 @@ from dataclasses import asdict
 from typing import Any
 
 from meshserve.launch.config import load_config
-from meshserve.launch.run_config import MeshConfig
+from meshserve.launch.options import CliConfig
 from meshserve.models.arch import ModelArch
 from meshserve.models.bundled import resolve_model_dir
 from meshserve.models.config import ModelConfig
-from meshserve.parallel.cluster import ClusterConfig
-from meshserve.parallel.model_shape import ModelShape
-from meshserve.parallel.plan import Plan
-from meshserve.parallel.planner import Candidate, PlannerOptions, options_for, plan, resolve_dtype
-from meshserve.parallel.topology import detect_cluster
+from meshserve.parallel.planner.cluster import ClusterConfig
+from meshserve.parallel.planner.model_shape import ModelShape
+from meshserve.parallel.planner.placement import Plan
+from meshserve.parallel.planner.search import (
+    Candidate,
+    PlannerOptions,
+    options_for,
+    plan,
+    resolve_dtype,
+)
+from meshserve.parallel.planner.topology import detect_cluster
 
 
 def shorthand(overrides: list[str], verb: str) -> list[str]:
@@ -36,14 +42,14 @@ def resolve_arch(model: ModelConfig) -> ModelArch:
     return ModelArch.from_dir(resolve_model_dir(model.name, model.path))
 
 
-def model_shape(cfg: MeshConfig, cluster: ClusterConfig) -> ModelShape:
+def model_shape(cfg: CliConfig, cluster: ClusterConfig) -> ModelShape:
     """The cost model's view of the configured model in the dtype it will run in."""
     arch = resolve_arch(cfg.model)
     return ModelShape.from_arch(arch, resolve_dtype(cfg.model.dtype, arch.dtype,
                                                      cluster.device_type))
 
 
-def planning_cluster(cfg: MeshConfig) -> ClusterConfig:
+def planning_cluster(cfg: CliConfig) -> ClusterConfig:
     """The cluster preset, or this machine's GPUs with plan.detect=true."""
     if not cfg.plan.detect:
         return cfg.cluster
@@ -85,7 +91,7 @@ def candidate_dict(c: Candidate) -> dict[str, Any]:
             "rejected": c.rejected, "warning": c.warning}
 
 
-def plan_json(p: Plan, cfg: MeshConfig, cluster: ClusterConfig, shape: ModelShape) -> dict[str, Any]:
+def plan_json(p: Plan, cfg: CliConfig, cluster: ClusterConfig, shape: ModelShape) -> dict[str, Any]:
     """The plan as JSON: chosen degrees and predictions first, then candidates and ranks."""
     best = p.candidates[0]
     return {
@@ -131,7 +137,7 @@ def table(rows: list[list[str]], right: int) -> list[str]:
     return out
 
 
-def plan_table(p: Plan, cfg: MeshConfig, cluster: ClusterConfig, shape: ModelShape) -> str:
+def plan_table(p: Plan, cfg: CliConfig, cluster: ClusterConfig, shape: ModelShape) -> str:
     """The human-readable plan."""
     sc = cfg.scenario
     shown = p.candidates if not cfg.plan.top else p.candidates[:cfg.plan.top]

@@ -27,10 +27,10 @@ from safetensors.torch import save_file
 from meshserve.engine.llm import LLM
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.models.arch import ModelArch
-from meshserve.parallel.cluster import ClusterConfig
-from meshserve.parallel.cost_model import CostModel, StepWork
-from meshserve.parallel.model_shape import ModelShape
-from meshserve.parallel.plan import layout_for
+from meshserve.parallel.planner.cluster import ClusterConfig
+from meshserve.parallel.planner.cost_model import CostModel, StepWork
+from meshserve.parallel.planner.model_shape import ModelShape
+from meshserve.parallel.planner.placement import layout_for
 
 
 class Shape(NamedTuple):

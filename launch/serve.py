@@ -20,7 +20,7 @@ import uvicorn
 
 from meshserve.engine.llm import LLM
 from meshserve.launch.config import load_config
-from meshserve.launch.ranks import RankFailure
+from meshserve.parallel.comm.ranks import RankFailure
 from meshserve.serve.app import create_app
 from meshserve.serve.async_engine import SHUTTING_DOWN, AsyncEngine
 from meshserve.serve.config import API_KEY_ENV
@@ -36,7 +36,7 @@ def run(overrides: list[str]) -> int:
     sc = cfg.serve
     _setup_logging()
     try:
-        llm = LLM(config=cfg, progress=False)
+        llm = LLM(config=cfg.runtime, progress=False)
     except RankFailure as e:
         print(f"meshserve serve: {e}", file=sys.stderr)
         return 1

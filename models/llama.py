@@ -9,14 +9,14 @@ from meshserve.kernels.dispatch import add_rms_norm, rms_norm, silu_and_mul
 from meshserve.models.arch import ModelArch
 from meshserve.models.attention import Attention, AttentionMetadata
 from meshserve.models.rope import RotaryEmbedding
-from meshserve.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
-from meshserve.parallel.linear import (
+from meshserve.parallel.comm.tp_group import SINGLE, TensorParallelGroup
+from meshserve.parallel.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from meshserve.parallel.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from meshserve.parallel.tp_group import SINGLE, TensorParallelGroup
-from meshserve.parallel.weights import default_weight_loader, set_weight_loader
+from meshserve.parallel.layers.weights import default_weight_loader, set_weight_loader
 
 
 class RMSNorm(nn.Module):

@@ -11,13 +11,13 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from meshserve.engine.host_memory import to_huge_pages
 from meshserve.kernels import dispatch
+from meshserve.kernels.host_memory import to_huge_pages
 from meshserve.models.arch import CheckpointError, ModelArch
 from meshserve.models.llama import LlamaForCausalLM
-from meshserve.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
-from meshserve.parallel.tp_group import SINGLE, TensorParallelGroup
-from meshserve.parallel.weights import WeightShapeError
+from meshserve.parallel.comm.tp_group import SINGLE, TensorParallelGroup
+from meshserve.parallel.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from meshserve.parallel.layers.weights import WeightShapeError
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -147,15 +147,16 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
                tp: TensorParallelGroup = SINGLE, layer_range: tuple[int, int] | None = None,
                device: torch.device | str = "cpu", progress: bool = True,
                cpu_weight_layout: str = "auto", head_split: int | None = None,
-               huge_pages: bool = True) -> LlamaForCausalLM:
+               huge_pages: bool = True, arch: ModelArch | None = None) -> LlamaForCausalLM:
     """Build the model for this rank (its TP shard, its PP layers) and load its weights
     (on CPU with cpu_weight_layout auto, linear weights are then packed for the C kernel
     where it runs, else wide ones go column-major; see ModelConfig.cpu_weight_layout; on
-    CPU the weights then move to huge pages with `huge_pages`, host_memory.to_huge_pages)."""
+    CPU the weights then move to huge pages with `huge_pages`, host_memory.to_huge_pages).
+    `arch`: the directory's config.json already parsed (else it is read here)."""
     path = Path(model_dir)
     if not path.is_dir():
         raise CheckpointError(f"{path}: missing model directory")
-    arch = ModelArch.from_dir(path)
+    arch = arch or ModelArch.from_dir(path)
     files = safetensors_files(path)
     with torch.device(device):
         model = LlamaForCausalLM(arch, tp=tp, dtype=dtype, layer_range=layer_range,
@@ -208,9 +209,9 @@ def column_major_wide_weights(model: torch.nn.Module) -> int:
     """Store each untied linear weight [N, K] with N >= 2K column-major (same shape, the
     transpose's memory); returns how many were changed.
 
-    On CPU, F.linear with such weights runs faster: measured here 1.2-1.7x for the LM head
-    and gate/up projections at decode batch sizes, 1.0-1.2x for qkv; square and narrow
-    weights (o_proj, down_proj) gain nothing and stay row-major. A weight shared with the
+    On CPU, F.linear (MKL) with such weights runs faster for wide weights (the LM head,
+    gate/up, qkv) at decode batch sizes; square and narrow weights (o_proj, down_proj) gain
+    nothing and stay row-major (figures: docs/benchmarks/2026-11-30-cpu-2core.md). A weight shared with the
     embedding stays row-major: the embedding gathers its rows.
     """
     changed = 0

@@ -23,7 +23,7 @@ from meshserve.engine.engine import Engine
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler_output import SchedulerStats
-from meshserve.launch.ranks import failure_reason
+from meshserve.parallel.comm.ranks import failure_reason
 
 SHUTTING_DOWN = "the server is shutting down"
 """`AsyncEngine.failure` after a requested stop (any other value means the engine failed)."""

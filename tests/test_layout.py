@@ -49,7 +49,7 @@ def test_wheel_holds_the_namespace_configs_and_bundled_models(tmp_path: Path) ->
     tops = {n.split("/")[0] for n in names}
     assert tops <= {"meshserve", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1]
                     + ".dist-info"}, tops
-    for must in ("meshserve/__init__.py", "meshserve/parallel/linear.py",
+    for must in ("meshserve/__init__.py", "meshserve/parallel/layers/linear.py",
                  "meshserve/kernels/paged_attention.py", "meshserve/conf/config.yaml",
                  "meshserve/conf/model/llama-3-70b.yaml",
                  "meshserve/models/bundled/meshcoder/model.safetensors",

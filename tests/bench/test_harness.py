@@ -11,7 +11,7 @@ import torch
 from meshserve.bench.harness import MeshserveRunner
 from meshserve.bench.metrics import RunResult
 from meshserve.bench.peers import load_hf_model, make_peer
-from meshserve.bench.protocol import compare_outputs
+from meshserve.bench.rounds import compare_outputs
 from meshserve.bench.workloads import BenchRequest
 from meshserve.launch.config import load_config
 

@@ -8,7 +8,6 @@ import pytest
 
 from meshserve.bench.checkpoints import SPECS
 from meshserve.bench.metrics import RequestRecord, RunResult, aggregate, percentile, summarize
-from meshserve.bench.protocol import compare_outputs, round_order
 from meshserve.bench.report import _rank_lines, ratios
 from meshserve.bench.roofline import (
     decode_bytes,
@@ -17,6 +16,7 @@ from meshserve.bench.roofline import (
     utilization,
     weight_bytes_read,
 )
+from meshserve.bench.rounds import compare_outputs, round_order
 from meshserve.launch.config import load_config
 from meshserve.models.arch import ModelArch
 
@@ -77,7 +77,7 @@ def test_aggregate_and_ratio_directions() -> None:
 
 def test_bench_md_tiny_bytes() -> None:
     arch = ModelArch(**SPECS["tiny"])
-    assert arch.num_params == 56_369_664  # BENCH.md: 56.4 M
+    assert arch.num_params == 56_369_664  # docs/benchmarks/README.md: 56.4 M
     assert weight_bytes_read(arch, 4) == (56_369_664 - 32000 * 512) * 4
     assert kv_bytes_per_token(arch, 4) == 2 * 8 * 4 * 64 * 4
     assert decode_bytes(arch, 4, 300) == weight_bytes_read(arch, 4) + 300 * 16384

@@ -1,4 +1,4 @@
-"""BENCH.md's workloads: seeded, shaped as specified, round-tripping through JSON files."""
+"""The benchmark workloads (docs/benchmarks/README.md): seeded, shaped as specified, round-tripping through JSON files."""
 
 from __future__ import annotations
 

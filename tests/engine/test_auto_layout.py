@@ -7,10 +7,10 @@ import pytest
 from meshserve import LLM, SamplingParams
 from meshserve.engine.auto_layout import resolve_layout
 from meshserve.launch.config import load_config
-from meshserve.launch.discovery import LaunchEnv
 from meshserve.models.arch import ModelArch
 from meshserve.models.bundled import resolve_model_dir
-from meshserve.parallel.planner import plan_for
+from meshserve.parallel.comm.discovery import LaunchEnv
+from meshserve.parallel.planner.search import plan_for
 
 
 def launched(nodes: int, per_node: int, world: int | None = None) -> LaunchEnv:
@@ -25,32 +25,33 @@ def arch() -> ModelArch:
 
 
 def test_auto_uses_every_launched_rank_with_tp_inside_a_node(arch: ModelArch) -> None:
-    cfg = resolve_layout(load_config(["parallel=auto"]), arch, launched(2, 2), announce=False)
+    cfg = resolve_layout(load_config(["parallel=auto"]), arch, launched(2, 2), "cpu",
+                         announce=False)
     p = cfg.parallel
     assert (p.auto, p.tp * p.pp, p.dp) == (False, 4, 1)
     assert p.tp <= 2  # local-cpu's domain is one node's 2 ranks
 
 
 def test_auto_without_a_launcher_stays_within_the_cluster(arch: ModelArch) -> None:
-    cfg = resolve_layout(load_config(["parallel=auto"]), arch, None, announce=False)
+    cfg = resolve_layout(load_config(["parallel=auto"]), arch, None, "cpu", announce=False)
     assert cfg.parallel.tp * cfg.parallel.pp <= cfg.cluster.num_devices
     assert cfg.parallel.dp == 1
 
 
 def test_fixed_degrees_are_kept(arch: ModelArch) -> None:
     cfg = load_config(["parallel.tp=2"])
-    assert resolve_layout(cfg, arch, launched(1, 2)) is cfg
+    assert resolve_layout(cfg, arch, launched(1, 2), "cpu") is cfg
 
 
 def test_uneven_nodes_are_refused_naming_the_launch(arch: ModelArch) -> None:
     with pytest.raises(ValueError, match="same number of ranks on every node"):
-        resolve_layout(load_config(["parallel=auto"]), arch, launched(2, 2, world=3))
+        resolve_layout(load_config(["parallel=auto"]), arch, launched(2, 2, world=3), "cpu")
 
 
 def test_a_gpu_preset_on_a_cpu_run_is_refused_naming_both(arch: ModelArch) -> None:
     with pytest.raises(ValueError, match=r"cluster=dgx-h100 describes cuda devices but this "
                                          r"run's device is cpu"):
-        resolve_layout(load_config(["cluster=dgx-h100", "device=cpu"]), arch, None)
+        resolve_layout(load_config(["cluster=dgx-h100", "device=cpu"]), arch, None, "cpu")
 
 
 @pytest.mark.slow

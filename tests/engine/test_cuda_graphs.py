@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshserve.engine import cuda_graphs as cg
+from meshserve.engine.worker import cuda_graphs as cg
 from meshserve.models.attention import AttentionMetadata
 
 

@@ -4,6 +4,7 @@ left running after shutdown."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -13,15 +14,15 @@ import pytest
 import torch
 
 from meshserve import LLM, SamplingParams
-from meshserve.engine import data_parallel
 from meshserve.engine.data_parallel import (
     DataParallelEngine,
     make_engine,
-    replica_config,
+    replica_run,
     with_step_log_of,
 )
+from meshserve.engine.run import Run, resolve_run
 from meshserve.launch.config import load_config
-from meshserve.launch.ranks import RankFailure
+from meshserve.parallel.comm.ranks import RankFailure
 
 # Small KV cache and token budget: prompts are chunked and sequences get preempted.
 ENGINE = ["parallel=single", "engine.block_size=4", "engine.num_gpu_blocks=28",
@@ -46,26 +47,29 @@ def single(checkpoint: Path, prompts: list[list[int]]) -> list[list[int]]:
         return [o.token_ids for o in llm.generate(prompts, PARAMS)]
 
 
+def _run(overrides: list[str]) -> Run:
+    return resolve_run(load_config(overrides), env=None, announce=False)
+
+
 def test_a_replica_config_has_one_replica_and_its_share_of_the_cores() -> None:
-    cfg = load_config(["parallel.dp=2", "parallel.tp=2", "device=cpu"])
-    one = replica_config(cfg)
+    one = replica_run(_run(["parallel.dp=2", "parallel.tp=2", "device=cpu"])).config
     assert (one.parallel.dp, one.parallel.tp) == (1, 2)
     assert one.threads == max(1, (os.cpu_count() or 1) // 4)
-    assert replica_config(load_config(["parallel.dp=2", "threads=3"])).threads == 3
+    assert replica_run(_run(["parallel.dp=2", "threads=3"])).config.threads == 3
 
 
 def test_each_replica_logs_its_steps_to_a_file_of_its_own() -> None:
-    cfg = load_config(["engine.step_log=/logs/steps.jsonl"])
-    assert with_step_log_of(cfg, 0) is cfg
-    assert with_step_log_of(cfg, 2).engine.step_log == "/logs/steps.replica2.jsonl"
-    plain = load_config([])
+    run = _run(["engine.step_log=/logs/steps.jsonl", "parallel=single"])
+    assert with_step_log_of(run, 0) is run
+    assert with_step_log_of(run, 2).config.engine.step_log == "/logs/steps.replica2.jsonl"
+    plain = _run(["parallel=single"])
     assert with_step_log_of(plain, 1) is plain
 
 
-def test_replicas_under_a_launcher_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data_parallel, "discover", lambda: object())
+def test_replicas_under_a_launcher_are_refused() -> None:
+    launched = dataclasses.replace(_run(["parallel.dp=2"]), env=object())
     with pytest.raises(ValueError, match=r"parallel.dp=2 under a launcher: allowed is dp=1"):
-        make_engine(load_config(["parallel.dp=2"]))
+        make_engine(launched)  # type: ignore[arg-type]
 
 
 @pytest.mark.slow

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshserve.engine.host_memory import (
+from meshserve.engine.worker.kv_cache import allocate_kv_cache
+from meshserve.kernels.host_memory import (
     HUGE_PAGE_BYTES,
     huge_page_empty,
     to_huge_pages,
     tune_malloc,
 )
-from meshserve.engine.kv_cache import allocate_kv_cache
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

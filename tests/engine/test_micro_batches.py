@@ -1,6 +1,6 @@
 """The engine with micro-batches in flight, without spawning ranks.
 
-`InOrderPipeline` runs each micro-batch on a LocalExecutor when it is submitted and hands
+`InOrderPipeline` runs each micro-batch on an InProcessExecutor when it is submitted and hands
 results back oldest first, as a real pipeline does; every stage runs micro-batches in
 submission order, so greedy outputs must equal transformers' exactly.
 """
@@ -9,27 +9,27 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import pytest
 
 from meshserve import SamplingParams
 from meshserve.engine.engine import Engine
-from meshserve.engine.executor import LocalExecutor, StepResult
 from meshserve.engine.llm import model_overrides
 from meshserve.engine.micro_batch import micro_batch_budget, micro_batch_cap
+from meshserve.engine.run import resolve_run
+from meshserve.engine.runtime_config import RuntimeConfig
 from meshserve.engine.scheduler_output import SchedulerOutput
+from meshserve.engine.worker.executor import InProcessExecutor
+from meshserve.engine.worker.step_sampler import StepResult
 from meshserve.launch.config import load_config
-from meshserve.launch.run_config import MeshConfig
-from meshserve.models.arch import ModelArch
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 class InOrderPipeline:
-    """A pipelined executor over LocalExecutor that checks the engine's micro-batches."""
+    """A pipelined executor over InProcessExecutor that checks the engine's micro-batches."""
 
-    def __init__(self, local: LocalExecutor, max_in_flight: int) -> None:
+    def __init__(self, local: InProcessExecutor, max_in_flight: int) -> None:
         self.local, self.max_in_flight = local, max_in_flight
         self.num_blocks, self.device = local.num_blocks, local.device
         self._results: deque[tuple[set[int], StepResult]] = deque()
@@ -65,9 +65,8 @@ class InOrderPipeline:
         pass
 
 
-def local_executor(config: MeshConfig) -> LocalExecutor:
-    path = Path(config.model.path or "")
-    return LocalExecutor(config, path, ModelArch.from_dir(path), progress=False)
+def local_executor(config: RuntimeConfig) -> InProcessExecutor:
+    return InProcessExecutor(resolve_run(config, env=None), progress=False)
 
 
 def run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshserve.engine.sampler import Sampler
 from meshserve.engine.sampling_params import SamplingParams
+from meshserve.engine.worker.sampler import Sampler
 
 
 def gen(seed: int) -> torch.Generator:

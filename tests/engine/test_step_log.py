@@ -11,7 +11,7 @@ from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler_output import ScheduledSeq
 from meshserve.engine.step_log import StepLog
 from meshserve.launch.diagnose import read_records, run_overrides
-from meshserve.parallel.tp_group import CommCounters
+from meshserve.parallel.comm.tp_group import CommCounters
 
 
 def chunk(seq_id: int, num_tokens: int, start_pos: int) -> ScheduledSeq:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from meshserve.engine.model_runner import ModelRunner
 from meshserve.engine.scheduler_output import ScheduledSeq
-from meshserve.engine.warmup import warm_up
+from meshserve.engine.worker.model_runner import ModelRunner
+from meshserve.engine.worker.warmup import warm_up
 from meshserve.models.loader import load_model
 
 

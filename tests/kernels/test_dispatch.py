@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from meshserve.engine.model_runner import ModelRunner
+from meshserve.engine.worker.model_runner import ModelRunner
 from meshserve.kernels import dispatch
 from meshserve.models.loader import load_model
 

@@ -79,7 +79,7 @@ def test_write_norm_rotary(close) -> None:
 
 def test_decode_graphs_match_eager(make_checkpoint) -> None:
     """The same decode steps through captured graphs (padded buckets) and eagerly."""
-    from meshserve.engine.model_runner import ModelRunner
+    from meshserve.engine.worker.model_runner import ModelRunner
     from meshserve.models.loader import load_model
 
     path = make_checkpoint("llama", seed=4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.launch.discovery import (
+from meshserve.parallel.comm.discovery import (
     LaunchError,
     discover,
     expand_hostlist,

@@ -11,8 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from meshserve.launch.local_slurm import LocalSlurm, missing_reason
+from helpers.local_slurm import LocalSlurm, missing_reason
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))]

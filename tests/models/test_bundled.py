@@ -3,7 +3,10 @@ draft shares the target's tokenizer."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
+from types import ModuleType
 
 import pytest
 
@@ -46,6 +49,16 @@ def test_unknown_bundled_name_is_a_clear_error() -> None:
         resolve_model_dir("nope", None)
 
 
+def _trainer() -> ModuleType:
+    """models/bundled/train.py: a script beside the weights it made, not an installed module."""
+    spec = importlib.util.spec_from_file_location("bundled_train", BUNDLED_DIR / "train.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_target_has_learned_the_stdlib_and_the_draft_agrees() -> None:
     """Held-out stdlib code is far more predictable than chance (ln 4096 = 8.3 nats), and
     the recorded greedy agreement is what speculative decoding can build on."""
@@ -53,9 +66,8 @@ def test_target_has_learned_the_stdlib_and_the_draft_agrees() -> None:
     from transformers import AutoModelForCausalLM
 
     from meshserve.models.tokenizer import Tokenizer
-    from meshserve.models.train_bundled import collect_corpus
 
-    text = collect_corpus().heldout[0]
+    text = _trainer().collect_corpus().heldout[0]
     ids = Tokenizer(BUNDLED_DIR / "meshcoder").encode(text)[:256]
     model = AutoModelForCausalLM.from_pretrained(BUNDLED_DIR / "meshcoder", dtype=torch.float32)
     with torch.no_grad():

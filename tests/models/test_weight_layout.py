@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshserve.engine.host_memory import HUGE_PAGE_BYTES
-from meshserve.engine.model_runner import ModelRunner
+from meshserve.engine.worker.model_runner import ModelRunner
 from meshserve.kernels import dispatch, native_cpu
 from meshserve.kernels.dispatch import out_features, packed_columns
+from meshserve.kernels.host_memory import HUGE_PAGE_BYTES
 from meshserve.models.loader import column_major_wide_weights, load_model
 
 native = pytest.mark.skipif(native_cpu.library() is None, reason="needs the C kernels")

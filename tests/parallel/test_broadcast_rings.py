@@ -9,14 +9,14 @@ import time
 
 import pytest
 
-from meshserve.parallel.broadcast import (
+from meshserve.parallel.comm.broadcast import (
     RingBroadcaster,
     RingInbox,
     process_alive,
     watch_process,
 )
-from meshserve.parallel.shm_allreduce import supported
-from meshserve.parallel.shm_ring import ShmRing
+from meshserve.parallel.comm.shm_allreduce import supported
+from meshserve.parallel.comm.shm_ring import ShmRing
 
 pytestmark = pytest.mark.skipif(not supported(), reason="needs x86-64 and /dev/shm")
 

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshserve.parallel.calibrate import (
+from meshserve.parallel.planner.calibration import (
     Calibration,
     CollectiveTimes,
     allreduce_link,
     fit_line,
     preset_yaml,
 )
-from meshserve.parallel.cluster import ClusterConfig
-from meshserve.parallel.cost_model import p2p_s, ring_allreduce_s
+from meshserve.parallel.planner.cluster import ClusterConfig
+from meshserve.parallel.planner.cost_model import p2p_s, ring_allreduce_s
 
 SIZES = [4096, 1 << 16, 1 << 20, 1 << 23]
 
@@ -119,7 +119,7 @@ def test_priced_math_of_the_wide_calibration_models(tmp_path) -> None:
 def test_matmul_half_rows_is_measured_against_the_square_rate() -> None:
     import torch
 
-    from meshserve.parallel.calibrate import matmul_half_rows
+    from meshserve.parallel.planner.calibration import matmul_half_rows
 
     # Against an impossible peak every size is far below it: a positive half point.
     assert matmul_half_rows(64, "float32", torch.device("cpu"), 2, peak_tflops=1e3,

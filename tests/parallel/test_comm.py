@@ -14,9 +14,9 @@ import glob, sys, time
 from datetime import timedelta
 import torch
 import torch.distributed as dist
-from meshserve.parallel.broadcast import BroadcastInbox, ObjectBroadcaster
-from meshserve.parallel.mesh import ParallelDims, ProcessGroups
-from meshserve.parallel.p2p import ObjectChannel, StageLink
+from meshserve.parallel.comm.broadcast import BroadcastInbox, ObjectBroadcaster
+from meshserve.parallel.comm.mesh import ParallelDims, ProcessGroups
+from meshserve.parallel.comm.p2p import ObjectChannel, StageLink
 
 rank, store_path = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,

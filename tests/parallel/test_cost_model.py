@@ -9,8 +9,8 @@ import pytest
 
 from meshserve.launch.config import load_config
 from meshserve.models.arch import ModelArch
-from meshserve.parallel.cluster import ClusterConfig
-from meshserve.parallel.cost_model import (
+from meshserve.parallel.planner.cluster import ClusterConfig
+from meshserve.parallel.planner.cost_model import (
     CostModel,
     Layout,
     StepWork,
@@ -19,7 +19,7 @@ from meshserve.parallel.cost_model import (
     ring_allgather_s,
     ring_allreduce_s,
 )
-from meshserve.parallel.model_shape import ModelShape
+from meshserve.parallel.planner.model_shape import ModelShape
 
 
 def shape(model: str, dtype: str = "bfloat16") -> ModelShape:

@@ -6,9 +6,9 @@ import pytest
 
 from meshserve.launch.config import load_config
 from meshserve.models.arch import ModelArch
-from meshserve.parallel.cost_model import CostModel, Layout, StepWork
-from meshserve.parallel.diagnose import CAUSES, StepRecord, diagnose, split_step
-from meshserve.parallel.model_shape import ModelShape
+from meshserve.parallel.planner.cost_model import CostModel, Layout, StepWork
+from meshserve.parallel.planner.diagnosis import CAUSES, StepRecord, diagnose, split_step
+from meshserve.parallel.planner.model_shape import ModelShape
 
 CFG = load_config(["model=llama-3-8b", "cluster=dgx-h100"])
 SHAPE = ModelShape.from_arch(ModelArch.from_hf_dict(CFG.model.arch), "bfloat16")

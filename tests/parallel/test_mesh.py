@@ -7,8 +7,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from meshserve.parallel.comm.mesh import ParallelDims, ProcessGroups, place_ranks
 from meshserve.parallel.config import ParallelConfig
-from meshserve.parallel.mesh import ParallelDims, ProcessGroups, place_ranks
 
 LLAMA = dict(num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=5,
              intermediate_size=112)

@@ -9,11 +9,12 @@ import pytest
 
 from meshserve.launch.config import load_config
 from meshserve.models.arch import ModelArch
-from meshserve.parallel.cluster import ClusterConfig
 from meshserve.parallel.config import ParallelConfig
-from meshserve.parallel.model_shape import ModelShape
-from meshserve.parallel.plan import place_ranks
-from meshserve.parallel.planner import (
+from meshserve.parallel.planner.cluster import ClusterConfig
+from meshserve.parallel.planner.model_shape import ModelShape
+from meshserve.parallel.planner.placement import place_ranks
+from meshserve.parallel.planner.scenario import ScenarioConfig
+from meshserve.parallel.planner.search import (
     Candidate,
     PlannerOptions,
     enumerate_degrees,
@@ -21,7 +22,6 @@ from meshserve.parallel.planner import (
     plan_for,
     stage_ranges,
 )
-from meshserve.parallel.scenario import ScenarioConfig
 
 
 def setup(model: str, cluster: str, scenario: str) -> tuple[ModelShape, ClusterConfig,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from meshserve.parallel import shm_allreduce
+from meshserve.parallel.comm import shm_allreduce
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not shm_allreduce.supported(), reason="x86-64 only")]
@@ -18,7 +18,7 @@ import sys
 from datetime import timedelta
 import torch
 import torch.distributed as dist
-from meshserve.parallel.shm_allreduce import ShmAllReduce
+from meshserve.parallel.comm.shm_allreduce import ShmAllReduce
 
 rank, store_path = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", store=dist.FileStore(store_path, 3), rank=rank, world_size=3,

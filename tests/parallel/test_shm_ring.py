@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshserve.parallel.shm_allreduce import supported
-from meshserve.parallel.shm_ring import RingTimeout, ShmRing
+from meshserve.parallel.comm.shm_allreduce import supported
+from meshserve.parallel.comm.shm_ring import RingTimeout, ShmRing
 
 pytestmark = pytest.mark.skipif(not supported(), reason="needs x86-64 and /dev/shm")
 

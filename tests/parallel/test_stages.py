@@ -8,9 +8,9 @@ import pytest
 
 from meshserve.launch.config import load_config
 from meshserve.models.arch import ModelArch
-from meshserve.parallel.model_shape import ModelShape
-from meshserve.parallel.planner import plan_for, runtime_stage_ranges, stage_ranges
-from meshserve.parallel.stages import StageCosts, stage_layer_ranges
+from meshserve.parallel.planner.model_shape import ModelShape
+from meshserve.parallel.planner.search import plan_for, runtime_stage_ranges, stage_ranges
+from meshserve.parallel.planner.stages import StageCosts, stage_layer_ranges
 
 
 @pytest.mark.parametrize(("num_layers", "num_stages", "expected"), [

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshserve.parallel.topology import (
+from meshserve.parallel.planner.topology import (
     cluster_from_gpus,
     expand_nodelist,
     gpu_spec,

@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshserve.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
-from meshserve.parallel.linear import (
+from meshserve.parallel.comm.tp_group import TensorParallelGroup
+from meshserve.parallel.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from meshserve.parallel.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from meshserve.parallel.tp_group import TensorParallelGroup
-from meshserve.parallel.weights import InMemoryTensor, WeightShapeError
+from meshserve.parallel.layers.weights import InMemoryTensor, WeightShapeError
 
 
 def tp(rank: int, size: int) -> TensorParallelGroup:

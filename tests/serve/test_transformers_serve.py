@@ -15,8 +15,8 @@ import pytest
 
 from meshserve.bench.workloads import BenchRequest, save
 from meshserve.launch.cli import main
-from meshserve.launch.discovery import free_port
 from meshserve.models.bundled import resolve_model_dir
+from meshserve.parallel.comm.discovery import free_port
 
 
 @pytest.mark.slow

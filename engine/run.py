@@ -1,0 +1,84 @@
+"""A run resolved once at start-up: the model's directory and architecture, the launch
+environment, the device and a concrete layout, in one frozen object passed down.
+
+Nothing below this reads config.json, looks at the launcher's environment or asks the
+planner again: the engine, its executor and every rank's worker take a `Run`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from meshserve.engine.auto_layout import resolve_layout
+from meshserve.engine.runtime_config import RuntimeConfig
+from meshserve.models.arch import ModelArch
+from meshserve.models.bundled import resolve_model_dir
+from meshserve.parallel.comm.discovery import LaunchEnv, discover
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run, resolved: every rank of it holds the same one but for `env`."""
+
+    config: RuntimeConfig
+    """The runtime configuration with concrete degrees (parallel.auto resolved)."""
+    model_dir: Path
+    """The model's Hugging Face directory."""
+    arch: ModelArch
+    """Its config.json, parsed and validated."""
+    env: LaunchEnv | None
+    """This process's launcher environment (torchrun, srun, mpirun, or a self-spawned
+    rank's); None for a process started alone."""
+    device_type: str
+    """'cpu' or 'cuda': device=auto resolved."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of this run's layout (one replica: tp x pp)."""
+        return self.config.parallel.world_size
+
+    def for_rank(self, env: LaunchEnv) -> Run:
+        """The same run as seen by the rank whose environment is `env`."""
+        return dataclasses.replace(self, env=env)
+
+    def with_config(self, config: RuntimeConfig) -> Run:
+        """The same model and environment under another configuration (a replica's)."""
+        return dataclasses.replace(self, config=config)
+
+
+def resolve_device(name: str) -> str:
+    """'auto' picks CUDA when present; 'cuda' without a visible device is an error."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is visible: allowed are auto, cpu")
+    return name
+
+
+def resolve_run(config: RuntimeConfig, *, env: LaunchEnv | None | bool = True,
+                max_dp: int | None = 1, announce: bool = True) -> Run:
+    """Resolve `config` once: its model directory and architecture, the launch environment
+    (`env=True` discovers it; pass one, or None for none), the device, and the layout
+    (the planner's under parallel=auto, at most `max_dp` replicas; None: any)."""
+    config = RuntimeConfig.of(config)
+    launch_env = discover() if env is True else (env or None)
+    model_dir = resolve_model_dir(config.model.name, config.model.path)
+    arch = ModelArch.from_dir(model_dir)
+    device_type = resolve_device(config.device)
+    config = resolve_layout(config, arch, launch_env, device_type, announce=announce,
+                            max_dp=max_dp)
+    return Run(config, model_dir, arch, launch_env, device_type)
+
+
+def compute_dtype(run: Run) -> torch.dtype:
+    """The dtype the model computes in (the planner's rule: auto is float32 on CPU, the
+    checkpoint's dtype on GPU)."""
+    from meshserve.parallel.planner.search import resolve_dtype
+
+    return DTYPES[resolve_dtype(run.config.model.dtype, run.arch.dtype, run.device_type)]

@@ -1,0 +1,286 @@
+"""The one worker type: a rank's share of the model (every layer when it runs alone), its
+paged KV cache, its sampler where it samples, CUDA graphs and warm-up.
+
+Every rank runs a `Worker`, whatever the layout: the in-process executor holds one, a
+multi-rank driver holds one and so does every other rank. Executors only move
+`StepMessage`s to workers and `StepResult`s back. A step through a worker whose stage holds
+every layer goes through the ModelRunner (CUDA graphs where they are captured, async
+feeds); a pipeline stage receives activations, runs its layers and passes them on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from meshserve.engine.run import Run, compute_dtype
+from meshserve.engine.sampling_params import SamplingParams
+from meshserve.engine.scheduler_output import ScheduledSeq
+from meshserve.engine.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
+from meshserve.engine.worker.model_runner import ModelRunner
+from meshserve.engine.worker.sampled_tokens import SampledTokens
+from meshserve.engine.worker.step_inputs import build_step_inputs
+from meshserve.engine.worker.step_sampler import StepResult, StepSampler, step_result
+from meshserve.engine.worker.warmup import warm_up
+from meshserve.kernels import dispatch
+from meshserve.models.llama import LlamaForCausalLM
+from meshserve.models.loader import load_model
+from meshserve.parallel.comm.mesh import ProcessGroups
+from meshserve.parallel.comm.p2p import StageLink, TensorChannel
+from meshserve.parallel.comm.ranks import RankFailure, failure_reason
+from meshserve.parallel.comm.tp_group import SINGLE
+from meshserve.parallel.planner.search import lm_head_split
+
+
+@dataclass(slots=True)
+class StepMessage:
+    """One step (a micro-batch under a pipeline) as an executor hands it to the workers."""
+
+    step_id: int
+    scheduled: list[ScheduledSeq]
+    num_tokens: int
+    """Tokens fed this step: the rows of the activations passed between stages."""
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    new_params: dict[int, SamplingParams] = field(default_factory=dict)
+    finished: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class StatsRequest:
+    """Broadcast by the driver between steps: every rank answers with its StageStats."""
+
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class StageStats:
+    """Where one rank's time went since it started serving (seconds, summed)."""
+
+    rank: int
+    pp_rank: int
+    tp_rank: int
+    busy_s: float = 0.0
+    """Running micro-batches: its layers, their collectives, sampling; waits excluded."""
+    input_wait_s: float = 0.0
+    """Waiting for the previous stage's activations (a pipeline bubble)."""
+    num_micro_batches: int = 0
+
+    def minus(self, earlier: StageStats) -> StageStats:
+        """The time spent between `earlier` (the same rank's) and this snapshot."""
+        assert earlier.rank == self.rank, (earlier.rank, self.rank)
+        return replace(self, busy_s=self.busy_s - earlier.busy_s,
+                       input_wait_s=self.input_wait_s - earlier.input_wait_s,
+                       num_micro_batches=self.num_micro_batches - earlier.num_micro_batches)
+
+
+class Worker:
+    """This rank's layers of the model, their KV cache and (where it samples) the samplers.
+
+    `groups` is None for a rank that runs alone. `allocate(num_blocks)` follows once every
+    rank of the replica agreed on the count (`local_num_blocks()` is this rank's share)."""
+
+    def __init__(self, run: Run, device: torch.device, *, groups: ProcessGroups | None = None,
+                 layer_range: tuple[int, int] | None = None, max_in_flight: int = 1,
+                 progress: bool = False, model: LlamaForCausalLM | None = None) -> None:
+        """`model`: weights already on the device in the run's dtype (a benchmark's random
+        model, say) instead of loading the run's model directory."""
+        self.run, self.groups, self.device = run, groups, device
+        self.dtype = compute_dtype(run)
+        arch, ec = run.arch, run.config.engine
+        self.head_split = lm_head_split(run.config, arch.vocab_size, device.type)
+        self.model = model or load_model(
+            run.model_dir, dtype=self.dtype, tp=groups.tp if groups else SINGLE,
+            layer_range=layer_range, device=device, progress=progress,
+            cpu_weight_layout=run.config.model.cpu_weight_layout, head_split=self.head_split,
+            huge_pages=ec.cpu_huge_pages, arch=arch)
+        self.hidden_size, self.vocab_size = arch.hidden_size, arch.vocab_size
+        self.is_first_stage = groups is None or groups.is_first_stage
+        self.is_last_stage = groups is None or groups.is_last_stage
+        self.link = self._stage_link(max_in_flight) if groups is not None else None
+        samples = groups is None or groups.is_sampler
+        self.sampler = StepSampler(device, ec.seed) if samples else None
+        # Split head: the last stage's rows and logits go to the driver, which samples.
+        self.logits = self._logits_channel(max_in_flight) if groups is not None else None
+        self._awaiting: deque[list[int]] = deque()  # driver: seq ids of micro-batches in flight
+        self.runner: ModelRunner | None = None
+        self.num_blocks = 0
+        self._previous: SampledTokens | None = None
+        self._busy_s = self._input_wait_s = 0.0
+        self._num_micro_batches = 0
+
+    @property
+    def whole_model(self) -> bool:
+        """Whether this stage holds every layer and the whole LM head (no pipeline)."""
+        return self.is_first_stage and self.is_last_stage and self.head_split is None
+
+    def _stage_link(self, max_in_flight: int) -> StageLink:
+        g = self.groups
+        assert g is not None
+        rank, pp = g.rank, g.dims.pp
+        prev = g.stage_rank(g.pp_rank - 1) if g.pp_rank > 0 else None
+        nxt = g.stage_rank(g.pp_rank + 1) if g.pp_rank < pp - 1 else None
+        return StageLink(g.pp_group, prev, nxt, max_pending=max_in_flight + 1,
+                         timeout=g.op_timeout,
+                         ring_in=g.rings.get(("act", prev, rank)) if prev is not None else None,
+                         ring_out=g.rings.get(("act", rank, nxt)) if nxt is not None else None,
+                         watch=g.watch)
+
+    def _logits_channel(self, max_in_flight: int) -> TensorChannel | None:
+        g = self.groups
+        assert g is not None
+        if self.head_split is None or g.rank not in (g.driver_rank, g.last_stage_rank):
+            return None
+        src, dst = g.last_stage_rank, g.driver_rank
+        peer = dst if g.rank == src else src
+        return TensorChannel(g.result_group, peer, 2 * (max_in_flight + 1), g.op_timeout,
+                             ring=g.rings.get(("result", src, dst)), alive=g.watch(peer))
+
+    def stats(self) -> StageStats:
+        """This rank's time so far."""
+        g = self.groups
+        rank, pp_rank, tp_rank = (g.rank, g.pp_rank, g.tp_rank) if g else (0, 0, 0)
+        return StageStats(rank, pp_rank, tp_rank, self._busy_s, self._input_wait_s,
+                          self._num_micro_batches)
+
+    def local_num_blocks(self) -> int:
+        """KV blocks this rank's memory budget holds for its layers."""
+        layers = self.model.attention_layers()
+        attn = layers[0]
+        block_bytes = bytes_per_block(len(layers), attn.num_kv_heads, attn.head_dim,
+                                      self.run.config.engine.block_size, self.dtype)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return num_kv_blocks(self.run.config.engine, block_bytes, self.device, weight_bytes)
+
+    def allocate(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` KV blocks (the same count on every rank) for this stage;
+        on a GPU capture the decode graphs (a stage holding every layer) and warm up."""
+        ec = self.run.config.engine
+        layers = self.model.attention_layers()
+        attn = layers[0]
+        cache = allocate_kv_cache(len(layers), num_blocks, ec.block_size, attn.num_kv_heads,
+                                  attn.head_dim, self.dtype, self.device, ec.cpu_huge_pages)
+        self.runner = ModelRunner(self.model, cache, ec.block_size, self.device)
+        self.num_blocks = num_blocks
+        if self.device.type != "cuda":
+            return
+        if ec.cuda_graphs and self.whole_model and dispatch.use_triton(self.device):
+            self.runner.enable_cuda_graphs(ec.max_num_seqs,
+                                           ec.max_model_len or self.run.arch.max_position_embeddings)
+        if self.whole_model:  # compile the kernels now, not in the first request
+            warm_up(self.runner, num_blocks)
+
+    @torch.inference_mode()
+    def execute(self, msg: StepMessage) -> StepResult | None:
+        """Run this rank's part of a step: a whole model's forward and sampling, or a
+        stage's (receive activations, run the layers, pass them on or sample). The
+        sampling rank returns the tokens, the others None."""
+        t0 = time.perf_counter()
+        waited = 0.0
+        try:
+            if self.whole_model:
+                sampled = self.launch(msg)
+                result = step_result(sampled) if sampled is not None else None
+            else:
+                result, waited = self._run_stage(msg)
+        finally:
+            self._busy_s += time.perf_counter() - t0 - waited
+            self._input_wait_s += waited
+            self._num_micro_batches += 1
+        return result
+
+    def launch(self, msg: StepMessage) -> SampledTokens | None:
+        """(A stage holding every layer) Queue the step on the device and return without
+        waiting for it: placeholder decode tokens are fed from the previous launch's
+        samples, which may still be on the device (async scheduling)."""
+        runner = self.runner
+        assert runner is not None and self.whole_model, "allocate() first, whole model only"
+        if self.sampler is not None:
+            self.sampler.track(msg.new_params, msg.finished)
+        runner.copy_blocks(msg.block_copies)
+        logits, seq_ids = runner.execute(msg.scheduled, self._previous)
+        if self.sampler is None:
+            return None
+        self._previous = self.sampler.launch(logits, seq_ids)
+        return self._previous
+
+    def _run_stage(self, msg: StepMessage) -> tuple[StepResult | None, float]:
+        """A pipeline stage's part of the step and the seconds it waited for activations."""
+        runner, link = self.runner, self.link
+        assert runner is not None and link is not None, "allocate() first"
+        waited = 0.0
+        if self.sampler is not None:
+            self.sampler.track(msg.new_params, msg.finished)
+        runner.copy_blocks(msg.block_copies)
+        inputs = build_step_inputs(msg.scheduled, runner.block_size, self.device)
+        hidden = residual = None
+        if not self.is_first_stage:
+            t0 = time.perf_counter()
+            try:
+                hidden, residual = link.recv(msg.num_tokens, self.hidden_size, self.dtype,
+                                             self.device)
+                waited = time.perf_counter() - t0
+            except RuntimeError as e:
+                assert self.groups is not None
+                prev = self.groups.describe(link.prev_rank)
+                raise RankFailure(f"no activations from {prev}: {failure_reason(e)}") from e
+        hidden, residual = self.model(inputs.input_ids, inputs.positions, inputs.meta,
+                                      hidden, residual)
+        if not self.is_last_stage:
+            assert residual is not None
+            link.send(hidden, residual)
+            if self.logits is not None:  # the driver of a split head: collect_sampled() next
+                self._awaiting.append(inputs.sample_seq_ids)
+            return None, waited
+        if self.logits is not None:  # the last stage of a split head: rows, then logits, on
+            if inputs.sample_seq_ids:  # (the driver's part runs while this one does)
+                rows = inputs.sampled_rows(hidden)
+                self.logits.send([rows])
+                part = self.model.compute_logits(rows)
+                assert part is not None
+                self.logits.send([part])
+            return None, waited
+        if not inputs.sample_seq_ids:
+            return (StepResult() if self.sampler is not None else None), waited
+        logits = self.model.compute_logits(inputs.sampled_rows(hidden))
+        if self.sampler is None:
+            return None, waited
+        assert logits is not None
+        return self.sampler.sample(logits, inputs.sample_seq_ids), waited
+
+    @torch.inference_mode()
+    def collect_sampled(self) -> StepResult:
+        """(Driver of a split LM head) Tokens of the oldest micro-batch in flight: the last
+        stage's normed rows arrive, this stage computes its part of the logits (while the
+        last stage computes the other part), adds the last stage's part and samples.
+        Waiting for either counts as input wait, the rest as busy."""
+        assert self.logits is not None and self.sampler is not None and self._awaiting
+        seq_ids = self._awaiting.popleft()
+        if not seq_ids:
+            return StepResult()
+        assert self.head_split is not None
+        t0 = time.perf_counter()
+        n = len(seq_ids)
+        rows = self.logits.recv((n, self.hidden_size), self.dtype, self.device)
+        t1 = time.perf_counter()
+        first = self.model.compute_logits(rows)
+        assert first is not None
+        t2 = time.perf_counter()
+        part = self.logits.recv((n, self.vocab_size - self.head_split), self.dtype,
+                                self.device)
+        t3 = time.perf_counter()
+        result = self.sampler.sample(torch.cat([first, part], dim=-1), seq_ids)
+        self._input_wait_s += (t1 - t0) + (t3 - t2)
+        self._busy_s += (t2 - t1) + (time.perf_counter() - t3)
+        return result
+
+    def drain(self) -> None:
+        """Wait until the next stage took every activation this rank sent (and the driver
+        every logits message)."""
+        if self.link is not None:
+            self.link.drain()
+        g = self.groups
+        if self.logits is not None and g is not None and g.rank == g.last_stage_rank:
+            self.logits.drain()

@@ -1,0 +1,1 @@
+"""Sharded layers: tensor-parallel linears, vocabulary-parallel embedding and LM head."""

@@ -1,0 +1,2 @@
+"""The sharding planner: topology, cluster, scenario, cost model, search, prediction,
+calibration and diagnosis."""

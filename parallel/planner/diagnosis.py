@@ -1,0 +1,227 @@
+"""Where a workload's step time went, by cause, against the cost model; the bottleneck and
+what to do about it.
+
+Each step's executor time (wall minus scheduler) is split with the cost model's prediction
+for the same work: the roofline time of its prefill chunks (compute-bound) and of its decodes
+(memory-bound on GPUs; on a CPU already compute-bound from a batch of ~3), in proportion to
+what each phase would cost alone; TP collectives (measured when the record has them);
+pipeline bubbles; what the roofline doesn't explain (launches, Python per layer, a stale
+calibration) is "other", except the share of it the pipeline's idle stages spend waiting
+(the predicted bubble fraction of the step), which counts as bubbles. When a step ran
+faster than predicted, the predicted parts are scaled down to the measured time.
+
+A pipelined run (pp > 1) records one micro-batch per step with the number in flight: its
+prediction is its share of a pipeline round of that many, so a lone micro-batch crossing
+every stage shows its bubble.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+
+from meshserve.parallel.planner.cost_model import CostModel, StepCost, StepWork
+from meshserve.validation import require
+
+CAUSES = ("prefill_compute", "decode_memory", "communication", "pipeline_bubbles", "scheduler",
+          "other")
+
+STRATEGIES = {
+    "prefill_compute": "prefill is compute-bound: raise prefix-cache hits (shared system "
+                       "prompts), chunk long prompts so decodes keep flowing, more TP for TTFT, "
+                       "or disaggregate prefill onto its own workers",
+    "decode_memory": "decode re-reads the weights and KV every step: put more sequences in each "
+                     "step (continuous batching, larger engine.max_num_seqs), speculative "
+                     "decoding while batches are small, or more TP to split the weight reads",
+    "communication": "collectives dominate: keep TP inside an NVLink domain, trade TP for PP "
+                     "across nodes or for DP replicas, or carry more tokens per AllReduce",
+    "pipeline_bubbles": "stages wait on each other: keep num_micro_batches >= pp with enough "
+                        "sequences in flight, rebalance the stage layer ranges, or use fewer stages",
+    "scheduler": "the scheduler's Python is on the critical path: more tokens per step, overlap "
+                 "scheduling with execution, fewer sequences rescanned per step",
+    "other": "time the roofline does not explain (kernel launches, Python per layer, syncs): "
+             "CUDA graphs for decode, fused kernels; or recalibrate with `meshserve calibrate`",
+}
+
+SCENARIO_LEVERS = {  # the scenario table of docs/architecture.md
+    "chatbot": "small batches, speculative decoding, prefix caching",
+    "codegen": "continuous batching, large batches, TP",
+    "offline": "largest batch, least TP, consider disaggregation",
+    "rag": "prefix caching, medium batches",
+}
+
+
+COUNT_FIELDS = ("num_prefill_tokens", "num_prefill_seqs", "num_prefill_cached_tokens",
+                "num_decode_seqs", "num_decode_context_tokens")
+"""StepRecord's work counts, in chunk_counts' order."""
+
+
+def chunk_counts(chunks: Iterable[tuple[int, int]]) -> tuple[int, int, int, int, int]:
+    """COUNT_FIELDS of a step's (num_tokens, start_pos) per scheduled sequence: one token is
+    a decode reading start_pos cached tokens, more is a prefill chunk after start_pos cached
+    ones."""
+    prefill_tokens = prefill_seqs = prefill_cached = decode_seqs = decode_context = 0
+    for num_tokens, start_pos in chunks:
+        if num_tokens == 1:
+            decode_seqs += 1
+            decode_context += start_pos
+        else:
+            prefill_tokens += num_tokens
+            prefill_seqs += 1
+            prefill_cached += start_pos
+    return prefill_tokens, prefill_seqs, prefill_cached, decode_seqs, decode_context
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """What one engine step did and how long it took."""
+
+    num_prefill_tokens: int = 0
+    """Prompt tokens computed (prefix-cache hits excluded)."""
+    num_prefill_seqs: int = 0
+    """Sequences with a prefill chunk in the step."""
+    num_prefill_cached_tokens: int = 0
+    """Tokens those chunks attend to from the cache (prefix hits, earlier chunks)."""
+    num_decode_seqs: int = 0
+    """Sequences decoding one token each."""
+    num_decode_context_tokens: int = 0
+    """KV tokens the decoding sequences read (the sum of their contexts)."""
+    wall_s: float
+    """The step's wall time: schedule, execute, update."""
+    scheduler_s: float = 0.0
+    """Of which the scheduler's own work."""
+    comm_s: float | None = None
+    """Of which communication, when the executor measures it."""
+    num_in_flight: int | None = None
+    """Pipelined runs (pp > 1): micro-batches in the pipeline when this one finished; the
+    record is then one micro-batch and its wall time its share of a pipeline round. Null:
+    the record is a whole round of the layout's micro-batches."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            require(v is None or v >= 0, f"step.{f.name}", v, "a number >= 0")
+        require(self.num_in_flight is None or self.num_in_flight >= 1, "step.num_in_flight",
+                self.num_in_flight, "null or an int >= 1")
+        require(self.scheduler_s <= self.wall_s, "step.scheduler_s", self.scheduler_s,
+                f"at most wall_s={self.wall_s}")
+        require((self.num_prefill_tokens > 0) == (self.num_prefill_seqs > 0),
+                "step.num_prefill_seqs", self.num_prefill_seqs,
+                "> 0 exactly when num_prefill_tokens > 0")
+
+    @classmethod
+    def from_chunks(cls, chunks: Iterable[tuple[int, int]], *, wall_s: float,
+                    scheduler_s: float = 0.0, comm_s: float | None = None,
+                    num_in_flight: int | None = None) -> StepRecord:
+        """From a step's (num_tokens, start_pos) per scheduled sequence (see chunk_counts)."""
+        return cls(**dict(zip(COUNT_FIELDS, chunk_counts(chunks))), wall_s=wall_s,
+                   scheduler_s=scheduler_s, comm_s=comm_s, num_in_flight=num_in_flight)
+
+    def decode_work(self) -> StepWork:
+        """The step's decodes as cost-model work."""
+        return StepWork.decode(self.num_decode_seqs, 0) + StepWork(
+            num_kv_read=self.num_decode_context_tokens,
+            num_attended=self.num_decode_context_tokens)
+
+    def prefill_work(self) -> StepWork:
+        """The step's prefill chunks as cost-model work (taken as equal in length)."""
+        s = self.num_prefill_seqs
+        if not s:
+            return StepWork()
+        return StepWork.prefill(self.num_prefill_tokens / s, self.num_prefill_cached_tokens / s, s)
+
+    def work(self) -> StepWork:
+        """The whole step as cost-model work."""
+        return self.decode_work() + self.prefill_work()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Diagnosis:
+    """Time by cause over all steps, the bottleneck and the strategy for it."""
+
+    seconds: dict[str, float]
+    """Seconds per cause (CAUSES), summing to the total wall time."""
+    total_s: float
+    """Wall time of all steps."""
+    predicted_s: float
+    """The cost model's executor time for the same steps."""
+    num_steps: int
+    """Steps read."""
+    bottleneck: str
+    """The cause with the most time."""
+    strategy: str
+    """What to do about it."""
+
+    @property
+    def shares(self) -> dict[str, float]:
+        """Fraction of the wall time per cause."""
+        return {k: v / self.total_s if self.total_s else 0.0 for k, v in self.seconds.items()}
+
+    @property
+    def model_accuracy(self) -> float:
+        """Predicted / measured executor time (1.0: the cost model is exact)."""
+        measured = self.total_s - self.seconds["scheduler"]
+        return self.predicted_s / measured if measured else float("nan")
+
+    def as_dict(self) -> dict[str, object]:
+        """For JSON."""
+        return {**asdict(self), "shares": self.shares, "model_accuracy": self.model_accuracy}
+
+
+def record_cost(cost: CostModel, work: StepWork, num_in_flight: int | None) -> StepCost:
+    """The predicted cost of a record's work: a whole round (num_in_flight None), or one
+    micro-batch's share of a round of num_in_flight like it (its bubble included)."""
+    if num_in_flight is None:
+        return cost.step(work)
+    k = num_in_flight
+    c = cost.step(work.scaled(k), k)
+    return StepCost(**{f.name: getattr(c, f.name) / k for f in fields(StepCost)})
+
+
+def split_step(record: StepRecord, cost: CostModel) -> tuple[dict[str, float], float]:
+    """One step's seconds per cause, and the cost model's prediction of its executor time."""
+    k = record.num_in_flight
+    c = record_cost(cost, record.work(), k)
+    executor = record.wall_s - record.scheduler_s
+    alone = [record_cost(cost, w, k) if w.num_seqs else None
+             for w in (record.prefill_work(), record.decode_work())]
+    prefill, decode = (a.compute_s + a.memory_s if a else 0.0 for a in alone)
+    share = prefill / (prefill + decode) if prefill + decode else 0.0
+    roofline = c.compute_s + c.memory_s
+    parts = {"prefill_compute": roofline * share, "decode_memory": roofline * (1 - share),
+             "communication": c.comm_s, "pipeline_bubbles": c.bubble_s, "other": c.overhead_s}
+    if record.comm_s is not None:
+        parts["communication"] = min(record.comm_s, executor)
+    predicted = sum(parts.values())
+    if predicted > executor:  # faster than predicted: shrink the modelled parts to fit
+        fixed = parts["communication"] if record.comm_s is not None else 0.0
+        scale = (executor - fixed) / (predicted - fixed) if predicted > fixed else 0.0
+        parts = {k: v if (k == "communication" and record.comm_s is not None) else v * scale
+                 for k, v in parts.items()}
+    else:  # unmodelled work stretches every stage, and idle stages wait on it alike
+        idle = c.bubble_s / c.total_s if c.total_s else 0.0
+        parts["pipeline_bubbles"] += (executor - predicted) * idle
+        parts["other"] += (executor - predicted) * (1 - idle)
+    return {**parts, "scheduler": record.scheduler_s}, c.total_s
+
+
+def diagnose(records: Iterable[StepRecord], cost: CostModel,
+             scenario: str | None = None) -> Diagnosis:
+    """Split the steps' time by cause; name the bottleneck and the strategy for it."""
+    seconds = dict.fromkeys(CAUSES, 0.0)
+    total = predicted = 0.0
+    n = 0
+    for r in records:
+        parts, pred = split_step(r, cost)
+        for k, v in parts.items():
+            seconds[k] += v
+        total += r.wall_s
+        predicted += pred
+        n += 1
+    require(n > 0, "diagnose.records", n, "at least one step record")
+    bottleneck = max(CAUSES, key=lambda k: seconds[k])
+    strategy = STRATEGIES[bottleneck]
+    if scenario in SCENARIO_LEVERS:
+        strategy += f"; for {scenario} the usual levers are {SCENARIO_LEVERS[scenario]}"
+    return Diagnosis(seconds=seconds, total_s=total, predicted_s=predicted, num_steps=n,
+                     bottleneck=bottleneck, strategy=strategy)
