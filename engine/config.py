@@ -54,8 +54,10 @@ class EngineConfig:
 
     async_scheduling: bool | None = None
     """Schedule and launch step n+1 while step n runs on the device, feeding the tokens it
-    samples from the device (the host reads them one step later); null: on for one-rank
-    CUDA runs, off elsewhere (on a CPU there is nothing to overlap)."""
+    samples from the device (the host reads them one step later). Any layout without a
+    pipeline: one rank, or a TP group (the driver broadcasts its tokens to the other TP
+    ranks on the device); true with parallel.pp > 1 is refused. null: on for one-rank CUDA
+    runs, off elsewhere (on a CPU there is nothing to overlap)."""
 
     cpu_huge_pages: bool = True
     """Put a CPU run's weights and KV cache on transparent huge pages (madvise; where the

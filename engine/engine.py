@@ -10,7 +10,7 @@ from typing import cast
 
 from meshserve.engine.micro_batch import micro_batch_budget, micro_batch_cap
 from meshserve.engine.outputs import RequestMetrics, RequestOutput
-from meshserve.engine.run import Run, resolve_run
+from meshserve.engine.run import Run, async_scheduling, resolve_run
 from meshserve.engine.runtime_config import RuntimeConfig
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler import Scheduler
@@ -56,10 +56,7 @@ class Engine:
         self.tokenizer = (Tokenizer(self.model_dir)
                           if (self.model_dir / "tokenizer.json").is_file() else None)
         self.max_model_len = self._max_model_len()
-        if config.engine.async_scheduling and config.parallel.world_size > 1:
-            raise ValueError(f"engine.async_scheduling=true with {config.parallel.world_size} "
-                             "ranks: async scheduling runs one-rank layouts; allowed are "
-                             "null, false")
+        wants_async = async_scheduling(self.run)  # a bad setting fails before ranks start
         # Opened before any rank starts, so a bad path fails at once.
         self.step_log = StepLog(config.engine.step_log) if config.engine.step_log else None
         self.executor: Executor = executor or make_executor(self.run, progress=progress)
@@ -70,7 +67,7 @@ class Engine:
         self._micro_batch_cap = micro_batch_cap(config.engine.max_num_batched_tokens,
                                                 self._max_in_flight, self.device.type,
                                                 config.parallel.micro_batch_tokens)
-        self.async_scheduling = self._async_scheduling()
+        self.async_scheduling = self._async_scheduling(wants_async)
         # Async scheduling: the step launched last, not yet resolved, with its clock.
         self._launched: tuple[SchedulerOutput, SampledTokens, StepClock] | None = None
         self.num_blocks = self.executor.num_blocks
@@ -89,16 +86,15 @@ class Engine:
             self.step_log.comm = self._measured_comm()
             self.step_log.write_run(self._run_header())
 
-    def _async_scheduling(self) -> bool:
-        """engine.async_scheduling, resolved: it needs an executor that can launch a step
-        without waiting, and one step in flight (a pipeline keeps its own)."""
-        asked = self.config.engine.async_scheduling
+    def _async_scheduling(self, wanted: bool) -> bool:
+        """async_scheduling(run) where the executor can launch a step without waiting and
+        keeps one step in flight (a pipeline keeps its own)."""
         able = hasattr(self.executor, "launch") and self._max_in_flight == 1
-        if asked and not able:
-            raise ValueError("engine.async_scheduling=true needs a one-rank layout (this "
-                             f"executor is {type(self.executor).__name__}, "
-                             f"{self._max_in_flight} steps in flight): allowed are null, false")
-        return able if asked is None and self.device.type == "cuda" else bool(asked)
+        if wanted and not able and self.config.engine.async_scheduling:
+            raise ValueError("engine.async_scheduling=true needs an executor that launches "
+                             f"one step at a time (this one is {type(self.executor).__name__},"
+                             f" {self._max_in_flight} steps in flight): allowed are null, false")
+        return wanted and able
 
     def _run_header(self) -> dict[str, object]:
         """What `meshserve diagnose` needs to price this run's step records."""

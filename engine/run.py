@@ -76,6 +76,21 @@ def resolve_run(config: RuntimeConfig, *, env: LaunchEnv | None | bool = True,
     return Run(config, model_dir, arch, launch_env, device_type)
 
 
+def async_scheduling(run: Run) -> bool:
+    """engine.async_scheduling for this run: schedule step n+1 while step n runs. It needs
+    every step to be one step of the whole model (no pipeline: one rank, or one TP group
+    whose driver shares the sampled tokens with the other ranks); null turns it on for
+    one-rank CUDA runs (on a CPU there is nothing to overlap)."""
+    asked = run.config.engine.async_scheduling
+    pp = run.config.parallel.pp
+    if asked and pp > 1:
+        raise ValueError(f"engine.async_scheduling=true with parallel.pp={pp}: a pipeline "
+                         "keeps micro-batches in flight instead; allowed are null, false")
+    if asked is None:
+        return run.device_type == "cuda" and run.world_size == 1
+    return asked
+
+
 def compute_dtype(run: Run) -> torch.dtype:
     """The dtype the model computes in (the planner's rule: auto is float32 on CPU, the
     checkpoint's dtype on GPU)."""

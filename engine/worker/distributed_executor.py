@@ -35,7 +35,8 @@ from meshserve.engine.worker.rank import (
     start_rank,
     stats_key,
 )
-from meshserve.engine.worker.step_sampler import StepResult
+from meshserve.engine.worker.sampled_tokens import SampledTokens
+from meshserve.engine.worker.step_sampler import StepResult, step_result
 from meshserve.engine.worker.worker import StageStats, StatsRequest
 from meshserve.parallel.comm.broadcast import ObjectBroadcaster, RingBroadcaster
 from meshserve.parallel.comm.p2p import ObjectChannel
@@ -171,6 +172,27 @@ class DistributedExecutor:
             raise self._fail(e) from e
         assert isinstance(result, StepResult), result
         return result
+
+    def launch(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
+               finished: Sequence[int]) -> SampledTokens:
+        """(No pipeline) Queue one step on every rank and return without waiting for its
+        tokens (async scheduling): the driver samples, and shares the tokens with the
+        other TP ranks on the device, where the next step's placeholders read them."""
+        self._check()
+        msg = step_message(self._step_id, out, new_params, finished)
+        self._step_id += 1
+        try:
+            self._broadcaster.send(msg)
+            return self.worker.launch(msg)
+        except Exception as e:
+            raise self._fail(e) from e
+
+    def resolve(self, sampled: SampledTokens) -> StepResult:
+        """The tokens of a launched step (waits for the device)."""
+        try:
+            return step_result(sampled)
+        except Exception as e:
+            raise self._fail(e) from e
 
     def execute(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
                 finished: Sequence[int]) -> StepResult:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from meshserve.engine.run import Run, compute_dtype
+from meshserve.engine.run import Run, async_scheduling, compute_dtype
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler_output import ScheduledSeq
 from meshserve.engine.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
@@ -108,6 +108,10 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
         self._previous: SampledTokens | None = None
+        # Async scheduling in a TP group: the driver samples, and every rank feeds the
+        # next step's placeholder tokens from the tokens it broadcasts.
+        self._share_tokens = (groups is not None and groups.tp.size > 1 and self.whole_model
+                              and async_scheduling(run))
         self._busy_s = self._input_wait_s = 0.0
         self._num_micro_batches = 0
 
@@ -181,30 +185,50 @@ class Worker:
         waited = 0.0
         try:
             if self.whole_model:
-                sampled = self.launch(msg)
-                result = step_result(sampled) if sampled is not None else None
+                sampled = self._launch(msg)
+                result = step_result(sampled) if self.sampler is not None else None
             else:
                 result, waited = self._run_stage(msg)
         finally:
-            self._busy_s += time.perf_counter() - t0 - waited
-            self._input_wait_s += waited
-            self._num_micro_batches += 1
+            self._account(t0, waited)
         return result
 
-    def launch(self, msg: StepMessage) -> SampledTokens | None:
-        """(A stage holding every layer) Queue the step on the device and return without
-        waiting for it: placeholder decode tokens are fed from the previous launch's
-        samples, which may still be on the device (async scheduling)."""
+    @torch.inference_mode()
+    def launch(self, msg: StepMessage) -> SampledTokens:
+        """(A stage holding every layer, on the sampling rank) Queue the step on the device
+        and return without waiting for it: placeholder decode tokens are fed from the
+        previous launch's samples, which may still be on the device (async scheduling)."""
+        assert self.sampler is not None, "launch() runs on the sampling rank"
+        t0 = time.perf_counter()
+        try:
+            return self._launch(msg)
+        finally:
+            self._account(t0, 0.0)
+
+    def _account(self, t0: float, waited: float) -> None:
+        self._busy_s += time.perf_counter() - t0 - waited
+        self._input_wait_s += waited
+        self._num_micro_batches += 1
+
+    def _launch(self, msg: StepMessage) -> SampledTokens:
+        """The whole model's step, sampled on the device; on a TP group under async
+        scheduling every rank ends with the driver's tokens for the next step's feeds."""
         runner = self.runner
         assert runner is not None and self.whole_model, "allocate() first, whole model only"
         if self.sampler is not None:
             self.sampler.track(msg.new_params, msg.finished)
         runner.copy_blocks(msg.block_copies)
         logits, seq_ids = runner.execute(msg.scheduled, self._previous)
-        if self.sampler is None:
-            return None
-        self._previous = self.sampler.launch(logits, seq_ids)
-        return self._previous
+        if self.sampler is not None:
+            sampled = self.sampler.launch(logits, seq_ids)
+        else:  # the driver's tokens arrive below, or are never needed here
+            sampled = SampledTokens(seq_ids, torch.empty(len(seq_ids), dtype=torch.long,
+                                                         device=self.device))
+        if self._share_tokens and seq_ids:
+            assert self.groups is not None
+            self.groups.tp.broadcast(sampled.tokens, src=0)
+        self._previous = sampled
+        return sampled
 
     def _run_stage(self, msg: StepMessage) -> tuple[StepResult | None, float]:
         """A pipeline stage's part of the step and the seconds it waited for activations."""

@@ -96,6 +96,13 @@ class TensorParallelGroup:
         self.counters.comm_s += time.perf_counter() - t0
         return out
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """TP rank `src`'s `x` into every rank's `x`, in place (no-op at size 1). On NCCL the
+        current stream waits for it, not the host."""
+        if self.size > 1:
+            self._wait(dist.broadcast(x, group=self.group, group_src=src, async_op=True))
+        return x
+
     def _wait(self, work: dist.Work | None) -> None:
         assert work is not None
         if self.timeout is None:

@@ -3,7 +3,8 @@
 One spawn per layout, several checks per spawn: greedy tokens identical to the
 one-process run on a mixed-length batch under chunked prefill, prefix hits and forced
 preemption; log-probabilities close to transformers; TP collectives per decode step as
-theory says; every rank gone and the rendezvous port free after shutdown.
+theory says; every rank gone and the rendezvous port free after shutdown. Under async
+scheduling a TP group's ranks feed their placeholders from the driver's broadcast tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs
 
 LAYOUTS = {
     "tp2": ["parallel.tp=2"],
+    "tp2-async": ["parallel.tp=2", "engine.async_scheduling=true"],  # tokens broadcast
     "tp4-kv-replicated": ["parallel.tp=4"],  # 2 KV heads, 4 ranks: each KV head on 2 ranks
     "pp2": ["parallel.pp=2"],
     "pp3-uneven": ["parallel.pp=3"],  # 5 layers: stages of 2, 2, 1
@@ -115,7 +117,8 @@ def test_layout_matches_one_process(checkpoint: Path, prompts: list[list[int]],
         assert llm.engine.executor.stage_stats()[-1].minus(ranks[-1]).num_micro_batches == 0  # type: ignore[attr-defined]
 
         tp, pp = llm.config.parallel.tp, llm.config.parallel.pp
-        if tp > 1:  # the driver runs stage 0: two AllReduces per layer, one for the embedding
+        assert llm.engine.async_scheduling == ("async" in layout)
+        if tp > 1 and not llm.engine.async_scheduling:  # the driver runs stage 0: two AllReduces per layer, one for the embedding
             num_layers = len(llm.engine.executor.worker.model.model.layers)  # type: ignore[attr-defined]
             num_ar = 2 * num_layers + 1
             expected = dict(num_all_reduce=num_ar, all_reduce_bytes=num_ar * 64 * 4,

@@ -133,9 +133,9 @@ def test_abort_frees_blocks(make_checkpoint, prompts, sched) -> None:
     assert keep not in engine._by_request_id
 
 
-def test_async_scheduling_needs_one_rank(make_checkpoint) -> None:
-    with pytest.raises(ValueError, match=r"^engine.async_scheduling=true with 2 ranks"):
-        LLM(str(make_checkpoint("llama")), overrides=["parallel.tp=2",
+def test_async_scheduling_refuses_a_pipeline(make_checkpoint) -> None:
+    with pytest.raises(ValueError, match=r"^engine.async_scheduling=true with parallel.pp=2"):
+        LLM(str(make_checkpoint("llama")), overrides=["parallel.pp=2",
                                                       "engine.async_scheduling=true"],
             progress=False)
 
