@@ -18,6 +18,7 @@ from meshserve.engine.scheduler_output import SchedulerOutput, SchedulerStats
 from meshserve.engine.sequence import Sequence, SequenceStatus
 from meshserve.engine.step_clock import StepClock, StepRecorder, StepTiming
 from meshserve.engine.step_log import StepLog
+from meshserve.engine.stop_strings import StopStrings
 from meshserve.engine.worker.executor import (
     AsyncExecutor,
     Executor,
@@ -39,7 +40,7 @@ class _Request:
     params: SamplingParams
     metrics: RequestMetrics
     detok: IncrementalDetokenizer | None
-    text: str = ""
+    stops: StopStrings
     logprobs: list[Logprob] = field(default_factory=list)
 
 
@@ -99,7 +100,9 @@ class Engine:
     def _run_header(self) -> dict[str, object]:
         """What `meshserve diagnose` needs to price this run's step records."""
         c = self.config
-        return {"model_name": c.model.name, "model_path": str(self.model_dir),
+        # A bundled model is named, a directory given is recorded (and named by it).
+        path = str(self.model_dir) if c.model.path else None
+        return {"model_name": c.model.name, "model_path": path,
                 "dtype": c.model.dtype, "tp": c.parallel.tp, "pp": c.parallel.pp,
                 "dp": c.parallel.dp, "scenario": c.scenario.name, "cluster": c.cluster.name}
 
@@ -142,7 +145,8 @@ class Engine:
         self._new_params[seq_id] = params
         detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
         self._requests[seq_id] = _Request(request_id, seq, params,
-                                          RequestMetrics(now, num_prompt_tokens=len(ids)), detok)
+                                          RequestMetrics(now, num_prompt_tokens=len(ids)), detok,
+                                          StopStrings(params.stop))
         self._by_request_id[request_id] = seq_id
         return request_id
 
@@ -347,7 +351,12 @@ class Engine:
         delta = req.detok.add(token) if req.detok else ""
         if seq.is_finished and req.detok:
             delta += req.detok.flush()
-        delta = self._apply_stop_strings(req, delta)
+        delta = req.stops.add(delta, final=seq.is_finished)
+        if req.stops.stopped:  # a stop string in the last token still reads as a stop
+            if seq.is_finished:
+                seq.set_finished(SequenceStatus.FINISHED_STOPPED)
+            else:
+                self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
         if seq.is_finished:
             m.finish_time = now
             self._requests.pop(seq.seq_id, None)
@@ -355,24 +364,9 @@ class Engine:
             self._forget(seq.seq_id)
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids), text=req.text, new_token_ids=[token],
+            token_ids=list(seq.output_token_ids), text=req.stops.released, new_token_ids=[token],
             new_text=delta, finished=seq.is_finished, finish_reason=seq.finish_reason,
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None, metrics=m)
-
-    def _apply_stop_strings(self, req: _Request, delta: str) -> str:
-        """Append `delta` to the text; on a stop string, cut there and finish the request."""
-        before = len(req.text)
-        req.text += delta
-        if not req.params.stop or not delta:
-            return delta
-        window_start = max(0, before - max(len(s) for s in req.params.stop))
-        hits = [i for s in req.params.stop if (i := req.text.find(s, window_start)) != -1]
-        if not hits:
-            return delta
-        req.text = req.text[:min(hits)]
-        if not req.seq.is_finished:
-            self.scheduler.finish(req.seq.seq_id, SequenceStatus.FINISHED_STOPPED)
-        return req.text[before:]
 
     @property
     def stats(self) -> SchedulerStats:

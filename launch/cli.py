@@ -1,10 +1,11 @@
-"""The `meshserve` command: `meshserve <verb> [hydra overrides...]`."""
+"""The `meshserve` command: `meshserve <verb> [MODEL] [hydra overrides...]`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from meshserve.launch.config import GROUPS, ConfigError, presets
 
@@ -34,8 +35,24 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("-m", "--multirun", action="store_true",
                         help="sweep: run every combination of comma-separated values "
                              "(key=a,b), one process each, and summarize")
-        sp.add_argument("overrides", nargs="*", help="Hydra overrides (key=value)")
+        sp.add_argument("overrides", nargs="*", help="a model directory or preset first "
+                        "(optional), then Hydra overrides (key=value)")
     return p
+
+
+def model_argument(args: list[str]) -> list[str]:
+    """`meshserve serve DIR ...` as `vllm serve DIR`: a first argument without '=' names the
+    model, a directory (kept as given: it is the name the server answers to) or a preset."""
+    if not args or "=" in args[0]:
+        return args
+    model, rest = args[0], args[1:]
+    if Path(model).expanduser().is_dir():
+        return [f"model.path='{model}'", f"model.name='{Path(model).name}'", *rest]
+    if model in presets("model"):
+        return [f"model={model}", *rest]
+    raise ConfigError(f"{model}: neither a model directory nor a model preset; allowed: a "
+                      f"Hugging Face model directory, one of {', '.join(presets('model'))}, "
+                      "or key=value overrides")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,11 +67,12 @@ def main(argv: list[str] | None = None) -> int:
 
     run: Callable[[list[str]], int] = importlib.import_module(module_name).run
     try:
+        overrides = model_argument(list(args.overrides))
         if args.multirun:
             from meshserve.launch.sweep import run_sweep
 
-            return run_sweep(args.verb, list(args.overrides))
-        return run(list(args.overrides))
+            return run_sweep(args.verb, overrides)
+        return run(overrides)
     except ConfigError as e:
         print(f"meshserve {args.verb}: config error: {e}", file=sys.stderr)
         return 2

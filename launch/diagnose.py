@@ -127,10 +127,10 @@ def run(overrides: list[str]) -> int:
                                                     plan.num_micro_batches, cfg.cluster, split))
     d = diagnose(records.steps, cost, cfg.scenario.name)
     if cfg.diagnose.format == "json":
-        print(json.dumps({"model": cfg.model.name, "cluster": cfg.cluster.name, "tp": plan.tp,
+        print(json.dumps({"model": cfg.model.label, "cluster": cfg.cluster.name, "tp": plan.tp,
                           "pp": plan.pp, "dp": plan.dp, **d.as_dict()}, indent=1))
         return 0
-    print(f"{d.num_steps} steps, {d.total_s:.3f} s: {cfg.model.name} ({shape.dtype}) on "
+    print(f"{d.num_steps} steps, {d.total_s:.3f} s: {cfg.model.label} ({shape.dtype}) on "
           f"{cfg.cluster.name}, tp={plan.tp} pp={plan.pp} dp={plan.dp}")
     for cause, secs in d.seconds.items():
         print(f"  {cause.replace('_', ' '):18s} {secs:10.4f} s  {d.shares[cause]:6.1%}")

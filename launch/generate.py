@@ -42,7 +42,7 @@ def run(overrides: list[str]) -> int:
     for prompt, out in zip(g.prompts, outs):
         print(f"--- prompt: {prompt!r}  ({out.finish_reason}, {len(out.token_ids)} tokens)")
         print(prompt + out.text)
-    print(speed_line(outs, wall, load_s, cfg.model.name, llm.engine.device.type))
+    print(speed_line(outs, wall, load_s, cfg.model.label, llm.engine.device.type))
     return 0
 
 

@@ -95,7 +95,7 @@ def plan_json(p: Plan, cfg: CliConfig, cluster: ClusterConfig, shape: ModelShape
     """The plan as JSON: chosen degrees and predictions first, then candidates and ranks."""
     best = p.candidates[0]
     return {
-        "model": cfg.model.name, "num_params": shape.num_params, "dtype": shape.dtype,
+        "model": cfg.model.label, "num_params": shape.num_params, "dtype": shape.dtype,
         "cluster": cluster.name, "scenario": cfg.scenario.name,
         "objective": cfg.scenario.objective,
         "tp": p.tp, "pp": p.pp, "dp": p.dp, "num_micro_batches": p.num_micro_batches,
@@ -142,7 +142,7 @@ def plan_table(p: Plan, cfg: CliConfig, cluster: ClusterConfig, shape: ModelShap
     sc = cfg.scenario
     shown = p.candidates if not cfg.plan.top else p.candidates[:cfg.plan.top]
     lines = [
-        f"model {cfg.model.name} ({shape.num_params / 1e9:.1f}B params, {shape.dtype}) on "
+        f"model {cfg.model.label} ({shape.num_params / 1e9:.1f}B params, {shape.dtype}) on "
         f"{cluster.name} ({cluster.num_nodes} x {cluster.devices_per_node} "
         f"{cluster.device_name or cluster.device_type}, NVLink domain "
         f"{cluster.nvlink_domain_size}, {cluster.source})",

@@ -46,8 +46,8 @@ def run(overrides: list[str]) -> int:
     metrics = ServerMetrics(lambda: async_engine.stats, engine.num_blocks,
                             lambda: async_engine.num_routes)
     async_engine.on_outputs = metrics.on_outputs
-    model_name = sc.served_model_name or cfg.model.name
-    app = create_app(async_engine, metrics, sc, model_name,
+    model_names = sc.model_names(cfg.model.label)
+    app = create_app(async_engine, metrics, sc, model_names,
                      api_key=sc.api_key or os.environ.get(API_KEY_ENV) or None)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=sc.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
@@ -61,7 +61,7 @@ def run(overrides: list[str]) -> int:
         raise ValueError(f"serve.host/serve.port={sc.host}:{sc.port}: cannot bind ({e})") \
             from None
     host, port = sock.getsockname()[:2]
-    print(f"meshserve serve: listening on http://{host}:{port} (model {model_name!r}, "
+    print(f"meshserve serve: listening on http://{host}:{port} (model {', '.join(repr(n) for n in model_names)}, "
           f"{engine.num_blocks} KV blocks, max_model_len {engine.max_model_len})", flush=True)
     server.run(sockets=[sock])
     if async_engine.failure not in (None, SHUTTING_DOWN):

@@ -37,6 +37,11 @@ class ModelConfig:
     the C kernels built); column stores wide ones column-major (faster MKL GEMMs); row keeps
     every weight as loaded; auto is packed where it applies, else column. No effect on GPU."""
 
+    @property
+    def label(self) -> str:
+        """The model as its user named it: the directory given, else its preset's name."""
+        return self.path or self.name
+
     def __post_init__(self) -> None:
         require(self.cpu_weight_layout in CPU_WEIGHT_LAYOUTS, "model.cpu_weight_layout",
                 self.cpu_weight_layout, f"one of {CPU_WEIGHT_LAYOUTS}")

@@ -74,7 +74,8 @@ def _auth(api_key: str | None) -> list[Any]:
     return [] if api_key is None else [Depends(_APIKeyCheck(api_key))]
 
 
-def create_app(engine: AsyncEngine, metrics: ServerMetrics, cfg: ServeConfig, model_name: str,
+def create_app(engine: AsyncEngine, metrics: ServerMetrics, cfg: ServeConfig,
+               model_names: list[str],
                api_key: str | None = None) -> FastAPI:
     """The server's app. Its lifespan starts the engine thread and the metric log line,
     and shuts the engine (and its ranks) down at the end."""
@@ -92,7 +93,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, cfg: ServeConfig, mo
     app = FastAPI(title="meshserve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible completions and chat over meshserve's engine.")
     install(app, lambda status: metrics.errors.labels(str(status)).inc())
-    serving = OpenAIServing(engine, model_name, cfg, metrics)
+    serving = OpenAIServing(engine, model_names, cfg, metrics)
     v1 = APIRouter(prefix="/v1", route_class=_CheckedBodyRoute, dependencies=_auth(api_key))
 
     @v1.post("/completions")
@@ -107,10 +108,11 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, cfg: ServeConfig, mo
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
-        """The served model."""
+        """The served model, once under each of its names."""
+        created = int(time.time())
         return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "meshserve", "max_model_len": serving.max_model_len}]}
+            "id": name, "object": "model", "created": created, "owned_by": "meshserve",
+            "max_model_len": serving.max_model_len} for name in model_names]}
 
     app.include_router(v1)
 
@@ -134,19 +136,20 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, cfg: ServeConfig, mo
         """Prometheus text format."""
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    app.openapi = lambda: _openapi(app, model_name, cfg)  # type: ignore[method-assign]
+    app.openapi = lambda: _openapi(app, model_names, cfg)  # type: ignore[method-assign]
     return app
 
 
-def _openapi(app: FastAPI, model_name: str, cfg: ServeConfig) -> dict[str, Any]:
-    """FastAPI's schema with this server's limits: the one model id, n <= serve.max_n."""
+def _openapi(app: FastAPI, model_names: list[str], cfg: ServeConfig) -> dict[str, Any]:
+    """FastAPI's schema with this server's limits: the model's names, n <= serve.max_n."""
     if app.openapi_schema:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, description=app.description,
                          routes=app.routes)
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = schema["components"]["schemas"][name]["properties"]
-        props["model"]["anyOf"] = [{"type": "string", "enum": [model_name]}, {"type": "null"}]
+        props["model"]["anyOf"] = [{"type": "string", "enum": list(model_names)},
+                                   {"type": "null"}]
         props["n"]["maximum"] = cfg.max_n
     app.openapi_schema = schema
     return schema

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from meshserve.validation import require
 
@@ -20,8 +21,10 @@ class ServeConfig:
     """TCP port; 0 picks a free one (printed on the 'listening on' line)."""
     api_key: str | None = None
     """Bearer token required on /v1/*; null reads $MESHSERVE_API_KEY, unset means open."""
-    served_model_name: str | None = None
-    """The model id clients ask for; null uses model.name."""
+    served_model_name: Any = None
+    """The model id clients ask for: one name or a list of aliases (the first is the one
+    responses carry unless a request names another); null: the model as given (model.path
+    when set, else the preset's name)."""
     max_n: int = 16
     """Most choices (n) per request."""
     max_batch_prompts: int = 64
@@ -42,6 +45,11 @@ class ServeConfig:
         require(0 <= self.port <= 65535, "serve.port", self.port, "0..65535 (0: any free port)")
         require(self.api_key is None or bool(self.api_key), "serve.api_key", self.api_key,
                 "null or a non-empty string")
+        names = self.served_model_name
+        require(names is None or (isinstance(names, str) and bool(names))
+                or (isinstance(names, list | tuple) and bool(names)
+                    and all(isinstance(n, str) and n for n in names)),
+                "serve.served_model_name", names, "null, a name, or a list of names")
         require(1 <= self.max_n <= 1024, "serve.max_n", self.max_n, "an int in [1, 1024]")
         require(self.max_batch_prompts >= 1, "serve.max_batch_prompts", self.max_batch_prompts,
                 "an int >= 1")
@@ -55,3 +63,10 @@ class ServeConfig:
                 "seconds >= 0")
         levels = ("critical", "error", "warning", "info", "debug", "trace")
         require(self.log_level in levels, "serve.log_level", self.log_level, f"one of {levels}")
+
+    def model_names(self, default: str) -> list[str]:
+        """The names the model is served under: served_model_name, else `default`."""
+        names = self.served_model_name
+        if names is None:
+            return [default]
+        return [names] if isinstance(names, str) else list(names)

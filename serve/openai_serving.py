@@ -74,10 +74,10 @@ async def _disconnected(request: Request) -> None:
 class OpenAIServing:
     """The completions and chat endpoints over one AsyncEngine."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, cfg: ServeConfig,
+    def __init__(self, engine: AsyncEngine, model_names: list[str], cfg: ServeConfig,
                  metrics: ServerMetrics) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.model_names = model_names
         self.cfg = cfg
         self.metrics = metrics
         self.tokenizer: Tokenizer | None = engine.engine.tokenizer
@@ -129,9 +129,10 @@ class OpenAIServing:
                  ) -> list[Choice]:
         """One engine request per prompt and n; max_tokens (None: the context left) is
         clipped to the context left."""
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(404, f"model: {body.model!r} is not served; allowed is "
-                                f"{self.model_name!r}", "model")
+        if body.model is not None and body.model not in self.model_names:
+            allowed = ", ".join(repr(n) for n in self.model_names)
+            raise APIError(404, f"model: {body.model!r} is not served; allowed: {allowed}",
+                           "model")
         if body.n > self.cfg.max_n:
             raise APIError(400, f"n: {body.n}; allowed is at most serve.max_n={self.cfg.max_n}",
                            "n")
@@ -163,7 +164,7 @@ class OpenAIServing:
             raise from_value_error(e) from None
         except (OverloadedError, EngineDeadError) as e:
             raise APIError(503, str(e)) from None
-        meta = ResponseMeta(request_id, int(time.time()), self.model_name, chat,
+        meta = ResponseMeta(request_id, int(time.time()), body.model or self.model_names[0], chat,
                             body.return_token_ids)
         builder = ResponseBuilder(meta, self.formatter)
         ids = [c.request_id for c in choices]

@@ -98,3 +98,7 @@ def text_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Llama checkpoint with a real (tiny) BPE tokenizer, for text in / text out."""
     path = build_checkpoint(tmp_path_factory.mktemp("text"), "llama", seed=5)
     return add_tokenizer(path, BASE_SHAPE["vocab_size"])
+
+
+# Under CI=true a skip the CI machine should not need fails the run (tests/helpers/ci_skips.py).
+from helpers.ci_skips import pytest_runtest_makereport  # noqa: E402, F401

@@ -12,6 +12,8 @@ RankFailure naming it. A rank silent for `parallel.timeout_s` counts as failed.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import pickle
 import subprocess
 import sys
@@ -93,6 +95,10 @@ class DistributedExecutor:
         self._num_stats_requests = 0
         # Runs at interpreter exit too: no spawned rank outlives its driver.
         self._finalizer = weakref.finalize(self, _stop_ranks, self._spawned)
+        # A script that ends without shutdown() still ends its ranks cleanly: under a
+        # launcher they then exit 0 instead of noticing their driver gone.
+        self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
         try:
             self.groups, self.worker = start_rank(
                 run, env, store, progress=progress,
@@ -272,6 +278,7 @@ class DistributedExecutor:
         self.groups.destroy()
         torch.set_num_threads(self._threads)
         self._finalizer.detach()
+        atexit.unregister(self._at_exit)
 
     def _drop_oldest(self) -> None:
         """Receive and drop the oldest in-flight result (shutdown)."""
@@ -282,6 +289,13 @@ class DistributedExecutor:
             self.worker.collect_sampled()
         elif self._results is not None:
             self._results.recv(src=self.groups.sampler_rank)
+
+
+def _shutdown_at_exit(executor: weakref.ref[DistributedExecutor]) -> None:
+    """At interpreter exit: shut a still running executor down as shutdown() would."""
+    live = executor()
+    if live is not None:
+        live.shutdown()
 
 
 def _stop_ranks(spawned: SpawnedRanks | None) -> None:

@@ -25,11 +25,14 @@ class ServerProcess:
     """`meshserve serve` in its own process group; `stop()` kills and reaps all of it."""
 
     def __init__(self, overrides: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 startup_s: float = 120.0) -> None:
+                 startup_s: float = 120.0, model: list[str] | None = None) -> None:
+        """`model`: the arguments naming the model, right after the verb (a directory or
+        a preset as the first argument, or overrides); the bundled preset by default."""
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "meshserve.launch.cli", "serve", "serve.port=0",
-               f"model={MODEL}", *overrides]
+        cmd = [sys.executable, "-m", "meshserve.launch.cli", "serve",
+               *(model if model is not None else [f"model={MODEL}"]), "serve.port=0",
+               *overrides]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True, env={**os.environ, **(env or {})})
         try:
@@ -141,11 +144,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
-    """start_server(overrides, env=None) -> a server of its own; stopped and reaped at the end."""
+    """start_server(overrides, env=None, model=None) -> a server of its own; stopped and
+    reaped at the end."""
     started: list[ServerProcess] = []
 
-    def start(overrides: list[str], env: dict[str, str] | None = None) -> ServerProcess:
-        srv = ServerProcess(overrides, tmp_path / f"server{len(started)}.log", env)
+    def start(overrides: list[str], env: dict[str, str] | None = None,
+              model: list[str] | None = None) -> ServerProcess:
+        srv = ServerProcess(overrides, tmp_path / f"server{len(started)}.log", env,
+                            model=model)
         started.append(srv)
         return srv
 

@@ -23,7 +23,7 @@ async def with_app(offline: LLM, cfg: ServeConfig, api_key: str | None, check) -
     metrics = ServerMetrics(lambda: engine.stats, offline.engine.num_blocks,
                             lambda: engine.num_routes)
     engine.on_outputs = metrics.on_outputs
-    app = create_app(engine, metrics, cfg, "meshcoder", api_key=api_key)
+    app = create_app(engine, metrics, cfg, ["meshcoder"], api_key=api_key)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

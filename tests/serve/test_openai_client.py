@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import openai
 import pytest
 
@@ -93,3 +95,20 @@ def test_stop_n_seed_and_logprobs(client: openai.OpenAI, offline: LLM) -> None:
     assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
     assert len(lp.token_logprobs) == 8 and all(len(t) <= 2 for t in lp.top_logprobs)
     assert all(x <= 0.0 for x in lp.token_logprobs)
+
+
+def test_streamed_text_equals_non_streamed_for_multi_token_stops(client: openai.OpenAI,
+                                                                 offline: LLM) -> None:
+    """A stop string spanning several tokens never leaks its start into the stream."""
+    full = offline.generate([PROMPTS[1]], greedy(32, ignore_eos=True))[0].text
+    rng = random.Random(1)
+    for _ in range(12):
+        a = rng.randrange(1, len(full) - 8)
+        stop = full[a:a + rng.randint(3, 8)]
+        kw: dict = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=32, temperature=0,
+                        stop=[stop], extra_body={"ignore_eos": True})
+        whole = client.completions.create(**kw).choices[0]
+        streamed = "".join(c.choices[0].text for c in client.completions.create(**kw,
+                                                                                 stream=True))
+        assert whole.text == streamed == full[:full.index(stop)], stop
+        assert whole.finish_reason == "stop"
