@@ -40,18 +40,40 @@ def from_value_error(e: ValueError) -> APIError:
     return APIError(400, text, match.group(0) if match else None)
 
 
+TYPE_MISMATCH = ("_type", "_parsing", "literal_error", "union_tag")
+"""Endings of pydantic error types that say 'not this kind of value': for a union field one
+comes from every member the value is not, so they explain less than a value error does."""
+
+
 def _describe(errors: list[Any]) -> tuple[str, str | None]:
-    """One message from pydantic's errors: the first error, its field first."""
+    """One message from pydantic's errors: the field first, then the most telling error.
+
+    A union field (a prompt may be text, token ids or a batch of either) fails once per
+    member; the error that explains most is a value error (a negative token id) over a
+    type mismatch, and the deepest one (an index inside the list) over a shallow one."""
     first = errors[0] if errors else {"loc": ("body",), "msg": "invalid body"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return f"body: malformed JSON ({first.get('ctx', {}).get('error', 'parse error')})", \
             "body"
-    param = loc[0] if loc else "body"
-    # Union members appear in the location as type names; keep fields and indices only.
-    where = ".".join(p for p in loc if p.isidentifier() or p.isdigit())
-    extra = f" ({len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{where or param}: {first.get('msg', 'invalid')}{extra}", param
+    param = _where(first).split(".")[0] or "body"
+    same = [e for e in errors if (_where(e).split(".")[0] or "body") == param] or [first]
+    best = max(same, key=lambda e: (not str(e.get("type", "")).endswith(TYPE_MISMATCH),
+                                    len(e.get("loc", ()))))
+    got = f" (got {best['input']!r})" if "input" in best and _short(best["input"]) else ""
+    others = len({_where(e).split(".")[0] for e in errors} - {param})
+    extra = f" ({others} more field{'s' * (others > 1)})" if others else ""
+    return f"{_where(best) or param}: {best.get('msg', 'invalid')}{got}{extra}", param
+
+
+def _where(error: Any) -> str:
+    """The error's location as fields and indices (union members' type names left out)."""
+    loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+    return ".".join(p for p in loc if p.isidentifier() or p.isdigit())
+
+
+def _short(value: Any) -> bool:
+    """Whether `value` is small enough to quote back in a message."""
+    return isinstance(value, int | float | bool | str) and len(repr(value)) <= 40
 
 
 def install(app: FastAPI, on_error: Callable[[int], None]) -> None:

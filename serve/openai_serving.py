@@ -12,6 +12,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -71,6 +72,16 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+@dataclass(frozen=True)
+class TokenLimit:
+    """A request's limit on generated tokens: the value it asked for under which field
+    (None: not asked), and the default when it asked for none (None: the context left)."""
+
+    asked: int | None
+    field: str
+    default: int | None
+
+
 class OpenAIServing:
     """The completions and chat endpoints over one AsyncEngine."""
 
@@ -88,9 +99,8 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         """POST /v1/completions."""
         prompts = self._prompts(body.prompt)
-        max_tokens = body.max_tokens or DEFAULT_COMPLETION_TOKENS
-        return await self._serve(body, request, prompts, "prompt", body.logprobs, max_tokens,
-                                 False)
+        limit = TokenLimit(body.max_tokens, "max_tokens", DEFAULT_COMPLETION_TOKENS)
+        return await self._serve(body, request, prompts, "prompt", body.logprobs, limit, False)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         """POST /v1/chat/completions."""
@@ -107,9 +117,11 @@ class OpenAIServing:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: allowed only with logprobs=true", "top_logprobs")
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        limit = (TokenLimit(body.max_completion_tokens, "max_completion_tokens", None)
+                 if body.max_completion_tokens is not None
+                 else TokenLimit(body.max_tokens, "max_tokens", None))
         return await self._serve(body, request, [self.tokenizer.encode(text)], "messages",
-                                 logprobs, max_tokens, True)
+                                 logprobs, limit, True)
 
     def _prompts(self, prompt: Any) -> list[list[int]]:
         """Token ids of each prompt of a completions request."""
@@ -125,10 +137,11 @@ class OpenAIServing:
                 for p in prompt]
 
     def _choices(self, body: SamplingBody, prompts: list[list[int]], field: str,
-                 logprobs: int | None, max_tokens: int | None, request_id: str
+                 logprobs: int | None, limit: TokenLimit, request_id: str
                  ) -> list[Choice]:
-        """One engine request per prompt and n; max_tokens (None: the context left) is
-        clipped to the context left."""
+        """One engine request per prompt and n. A token limit asked for beyond the context
+        left is a 400 with the numbers, as OpenAI answers; the default one (the context
+        left, or completions' 16) is clipped to it."""
         if body.model is not None and body.model not in self.model_names:
             allowed = ", ".join(repr(n) for n in self.model_names)
             raise APIError(404, f"model: {body.model!r} is not served; allowed: {allowed}",
@@ -146,19 +159,25 @@ class OpenAIServing:
                 raise APIError(400, f"{field}: token ids {bad[:5]} outside the vocabulary; "
                                     f"allowed are ints in [0, {self.vocab_size})", field)
             room = self.max_model_len - len(ids)
+            if limit.asked is not None and limit.asked > room:
+                raise APIError(400, f"{limit.field}: {limit.asked} with a {len(ids)}-token "
+                                    f"prompt exceeds the context length max_model_len="
+                                    f"{self.max_model_len}; allowed is at most {room}",
+                               limit.field)
+            max_tokens = limit.asked or min(limit.default or room, room)
             for j in range(body.n):
-                params = body.sampling_params(min(max_tokens or room, room), logprobs)
+                params = body.sampling_params(max_tokens, logprobs)
                 if body.seed is not None and j:  # distinct but reproducible choices
                     params = dataclasses.replace(params, seed=(body.seed + j) % (MAX_SEED + 1))
                 choices.append(Choice(f"{request_id}-{p * body.n + j}", ids, params))
         return choices
 
     async def _serve(self, body: SamplingBody, request: Request, prompts: list[list[int]],
-                     field: str, logprobs: int | None, max_tokens: int | None,
+                     field: str, logprobs: int | None, limit: TokenLimit,
                      chat: bool) -> Response:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            choices = self._choices(body, prompts, field, logprobs, max_tokens, request_id)
+            choices = self._choices(body, prompts, field, logprobs, limit, request_id)
             stream = await self.engine.add(choices)
         except ValueError as e:
             raise from_value_error(e) from None

@@ -100,3 +100,26 @@ def test_server_still_serves_after_bad_input(server) -> None:
     resp = post(server, "/v1/completions", json=GOOD)
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_max_tokens_beyond_the_context_is_a_400_with_the_numbers(server) -> None:
+    ids = [5] * 200  # max_model_len=256: 56 tokens left
+    resp = post(server, "/v1/completions", json={**GOOD, "prompt": ids, "max_tokens": 57})
+    assert_error(resp, 400, "max_tokens")
+    assert resp.json()["error"]["message"] == (
+        "max_tokens: 57 with a 200-token prompt exceeds the context length "
+        "max_model_len=256; allowed is at most 56")
+    fits = post(server, "/v1/completions", json={**GOOD, "prompt": ids, "max_tokens": 56})
+    assert fits.status_code == 200, fits.text
+    default = post(server, "/v1/completions",  # the default 16 is clipped to the 6 left
+                   json={k: v for k, v in {**GOOD, "prompt": [5] * 250}.items()
+                         if k != "max_tokens"})
+    assert default.status_code == 200, default.text
+    chat = post(server, "/v1/chat/completions", json={**CHAT, "max_completion_tokens": 10**6})
+    assert_error(chat, 400, "max_completion_tokens")
+
+
+def test_a_union_field_names_the_real_problem(server) -> None:
+    resp = post(server, "/v1/completions", json={**GOOD, "prompt": [1, -1]})
+    assert resp.json()["error"]["message"] == (
+        "prompt.1: Input should be greater than or equal to 0 (got -1)")
