@@ -18,6 +18,7 @@ from meshserve.engine.runtime_config import RuntimeConfig
 from meshserve.models.arch import ModelArch
 from meshserve.models.bundled import resolve_model_dir
 from meshserve.parallel.comm.discovery import LaunchEnv, discover
+from meshserve.parallel.planner.search import resolve_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -94,6 +95,4 @@ def async_scheduling(run: Run) -> bool:
 def compute_dtype(run: Run) -> torch.dtype:
     """The dtype the model computes in (the planner's rule: auto is float32 on CPU, the
     checkpoint's dtype on GPU)."""
-    from meshserve.parallel.planner.search import resolve_dtype
-
     return DTYPES[resolve_dtype(run.config.model.dtype, run.arch.dtype, run.device_type)]

@@ -186,7 +186,7 @@ class Worker:
         try:
             if self.whole_model:
                 sampled = self._launch(msg)
-                result = step_result(sampled) if self.sampler is not None else None
+                result = step_result(sampled) if sampled is not None else None
             else:
                 result, waited = self._run_stage(msg)
         finally:
@@ -201,7 +201,9 @@ class Worker:
         assert self.sampler is not None, "launch() runs on the sampling rank"
         t0 = time.perf_counter()
         try:
-            return self._launch(msg)
+            sampled = self._launch(msg)
+            assert sampled is not None
+            return sampled
         finally:
             self._account(t0, 0.0)
 
@@ -210,9 +212,10 @@ class Worker:
         self._input_wait_s += waited
         self._num_micro_batches += 1
 
-    def _launch(self, msg: StepMessage) -> SampledTokens:
-        """The whole model's step, sampled on the device; on a TP group under async
-        scheduling every rank ends with the driver's tokens for the next step's feeds."""
+    def _launch(self, msg: StepMessage) -> SampledTokens | None:
+        """The whole model's step, sampled on the device (None on a rank that does not
+        sample); on a TP group under async scheduling every rank ends with the driver's
+        tokens for the next step's feeds."""
         runner = self.runner
         assert runner is not None and self.whole_model, "allocate() first, whole model only"
         if self.sampler is not None:
@@ -220,12 +223,14 @@ class Worker:
         runner.copy_blocks(msg.block_copies)
         logits, seq_ids = runner.execute(msg.scheduled, self._previous)
         if self.sampler is not None:
-            sampled = self.sampler.launch(logits, seq_ids)
-        else:  # the driver's tokens arrive below, or are never needed here
+            sampled: SampledTokens | None = self.sampler.launch(logits, seq_ids)
+        elif self._share_tokens:  # the driver's tokens arrive below
             sampled = SampledTokens(seq_ids, torch.empty(len(seq_ids), dtype=torch.long,
                                                          device=self.device))
+        else:  # nothing here feeds from them
+            return None
         if self._share_tokens and seq_ids:
-            assert self.groups is not None
+            assert self.groups is not None and sampled is not None
             self.groups.tp.broadcast(sampled.tokens, src=0)
         self._previous = sampled
         return sampled
