@@ -12,7 +12,7 @@ from meshserve.engine.micro_batch import micro_batch_budget, micro_batch_cap
 from meshserve.engine.outputs import RequestMetrics, RequestOutput
 from meshserve.engine.run import Run, async_scheduling, resolve_run
 from meshserve.engine.runtime_config import RuntimeConfig
-from meshserve.engine.sampling_params import SamplingParams
+from meshserve.engine.sampling_params import SamplingParams, SequenceSampling
 from meshserve.engine.scheduler import Scheduler
 from meshserve.engine.scheduler_output import SchedulerOutput, SchedulerStats
 from meshserve.engine.sequence import Sequence, SequenceStatus
@@ -73,7 +73,7 @@ class Engine:
         self._launched: tuple[SchedulerOutput, SampledTokens, StepClock] | None = None
         self.num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(config.engine, self.num_blocks, self.max_model_len)
-        self._new_params: dict[int, SamplingParams] = {}
+        self._new_seqs: dict[int, SequenceSampling] = {}
         self.recorder = StepRecorder(self.step_log)
         self.timing = self.recorder.timing
         self._finished: list[int] = []
@@ -142,7 +142,8 @@ class Engine:
         seq = Sequence(seq_id, ids, max_tokens=params.max_tokens, stop_token_ids=stop_ids,
                        min_tokens=params.min_tokens, arrival_time=now)
         self.scheduler.add(seq)
-        self._new_params[seq_id] = params
+        self._new_seqs[seq_id] = SequenceSampling(
+            params, tuple(ids) if params.repetition_penalty != 1.0 else ())
         detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
         self._requests[seq_id] = _Request(request_id, seq, params,
                                           RequestMetrics(now, num_prompt_tokens=len(ids)), detok,
@@ -160,6 +161,11 @@ class Engine:
                              "allowed is a SamplingParams")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(ids)
+        vocab = self.arch.vocab_size
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary; allowed "
+                             f"are ints in [0, {vocab})")
         return ids, params
 
     def _check_prompt(self, ids: list[int]) -> None:
@@ -192,7 +198,7 @@ class Engine:
 
     def _forget(self, seq_id: int) -> None:
         """Tell the executor (at the next step) that this sequence's state can go."""
-        if self._new_params.pop(seq_id, None) is None:
+        if self._new_seqs.pop(seq_id, None) is None:
             self._finished.append(seq_id)
 
     def has_unfinished(self) -> bool:
@@ -301,16 +307,16 @@ class Engine:
         return [self._advance(requests[i], t, result.logprobs.get(i), now)
                 for i, t in result.tokens.items() if i in requests]
 
-    def _admit_to_executor(self, out: SchedulerOutput) -> dict[int, SamplingParams]:
-        """Stamp first-scheduled times; the sampling params of sequences the executor
+    def _admit_to_executor(self, out: SchedulerOutput) -> dict[int, SequenceSampling]:
+        """Stamp first-scheduled times; the sampling state of sequences the executor
         sees for the first time."""
         now = time.monotonic()
         for s in out.scheduled:
             m = self._requests[s.seq_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        return {s.seq_id: self._new_params.pop(s.seq_id) for s in out.scheduled
-                if s.seq_id in self._new_params}
+        return {s.seq_id: self._new_seqs.pop(s.seq_id) for s in out.scheduled
+                if s.seq_id in self._new_seqs}
 
     def _micro_batch_budget(self) -> int:
         """An even share, over the pipeline's slots, of the tokens the next micro-batches

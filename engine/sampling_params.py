@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from meshserve.validation import require
+
+MAX_LOGIT_BIAS = 100.0
+"""OpenAI's bound on a logit_bias value (either sign)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +45,23 @@ class SamplingParams:
     min_tokens: int = 0
     """Generate at least this many tokens before any stop condition applies."""
 
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one (after temperature)."""
+
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated (OpenAI's semantics)."""
+
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was already generated."""
+
+    repetition_penalty: float = 1.0
+    """Divides positive logits (multiplies negative ones) of tokens in the prompt or the
+    output so far (the CTRL paper's and transformers' semantics); 1 is off."""
+
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    """Token id -> a bias added to its logit before sampling, in [-100, 100]; stored as
+    sorted (id, bias) pairs."""
+
     extra: dict[str, object] = field(default_factory=dict, compare=False)
     """Unused by the engine; carried through for callers."""
 
@@ -49,6 +70,11 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, Mapping) else bias
+        require(all(isinstance(kv, (tuple, list)) and len(kv) == 2 for kv in pairs),
+                "logit_bias", bias, "a mapping of token id to bias")
+        object.__setattr__(self, "logit_bias", tuple(tuple(kv) for kv in pairs))
         require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
                 "an int >= 1")
         require(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
@@ -66,6 +92,25 @@ class SamplingParams:
                 "logprobs", self.logprobs, "null or an int in [0, 20]")
         require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                 "min_tokens", self.min_tokens, f"an int in [0, max_tokens={self.max_tokens}]")
+        require(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p,
+                "a number in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            require(_is_num(value) and -2.0 <= value <= 2.0, name, value, "a number in [-2, 2]")
+        require(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+                "repetition_penalty", self.repetition_penalty, "a number in (0, 2]")
+        for token, value in self.logit_bias:
+            require(_is_int(token) and token >= 0, "logit_bias", token,
+                    "non-negative int token ids as keys")
+            require(_is_num(value) and abs(value) <= MAX_LOGIT_BIAS, f"logit_bias[{token}]",
+                    value, f"a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias)))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty reads the tokens this sequence has seen."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -79,3 +124,12 @@ def _is_int(x: object) -> bool:
 
 def _is_num(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceSampling:
+    """What the sampling rank learns of a sequence the first time a step carries it."""
+
+    params: SamplingParams
+    prompt_token_ids: tuple[int, ...] = ()
+    """The prompt, sent only where a penalty reads it (repetition_penalty != 1)."""

@@ -20,6 +20,16 @@ def run(overrides: list[str]) -> int:
     runs this and all but rank 0 serve it (they exit inside LLM()).
     """
     cfg = load_config(overrides)
+    g = cfg.generate
+    try:
+        params = SamplingParams(
+            max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+            min_p=g.min_p, presence_penalty=g.presence_penalty,
+            frequency_penalty=g.frequency_penalty, repetition_penalty=g.repetition_penalty,
+            seed=g.seed, ignore_eos=g.ignore_eos)
+    except ValueError as e:
+        print(f"meshserve generate: config error: generate.{e}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     try:
         llm = LLM(config=cfg.runtime)
@@ -27,9 +37,6 @@ def run(overrides: list[str]) -> int:
         print(f"meshserve generate: {e}", file=sys.stderr)
         return 1
     load_s = time.perf_counter() - t0
-    g = cfg.generate
-    params = SamplingParams(max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p,
-                            top_k=g.top_k, seed=g.seed, ignore_eos=g.ignore_eos)
     t1 = time.perf_counter()
     try:
         outs = llm.generate(list(g.prompts), params)

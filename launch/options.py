@@ -27,6 +27,14 @@ class GenerateConfig:
     """Nucleus sampling mass."""
     top_k: int = -1
     """Top-k sampling; -1 is off."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of each token already generated."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit per time it was generated."""
+    repetition_penalty: float = 1.0
+    """Divides positive logits of tokens in the prompt or output; 1 is off."""
     seed: int | None = None
     """Per-request seed."""
     ignore_eos: bool = False

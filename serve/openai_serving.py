@@ -146,9 +146,13 @@ class OpenAIServing:
             allowed = ", ".join(repr(n) for n in self.model_names)
             raise APIError(404, f"model: {body.model!r} is not served; allowed: {allowed}",
                            "model")
-        if body.n > self.cfg.max_n:
-            raise APIError(400, f"n: {body.n}; allowed is at most serve.max_n={self.cfg.max_n}",
-                           "n")
+        count = _candidates(body)
+        if count > self.cfg.max_n:
+            field = "best_of" if count > body.n else "n"
+            raise APIError(400, f"{field}: {count}; allowed is at most serve.max_n="
+                                f"{self.cfg.max_n}", field)
+        if count > body.n and logprobs is None:
+            logprobs = 0  # candidates are ranked by their sampled tokens' logprobs
         choices = []
         for p, ids in enumerate(prompts):
             if len(ids) >= self.max_model_len:
@@ -165,11 +169,11 @@ class OpenAIServing:
                                     f"{self.max_model_len}; allowed is at most {room}",
                                limit.field)
             max_tokens = limit.asked or min(limit.default or room, room)
-            for j in range(body.n):
+            for j in range(count):
                 params = body.sampling_params(max_tokens, logprobs)
                 if body.seed is not None and j:  # distinct but reproducible choices
                     params = dataclasses.replace(params, seed=(body.seed + j) % (MAX_SEED + 1))
-                choices.append(Choice(f"{request_id}-{p * body.n + j}", ids, params))
+                choices.append(Choice(f"{request_id}-{p * count + j}", ids, params))
         return choices
 
     async def _serve(self, body: SamplingBody, request: Request, prompts: list[list[int]],
@@ -192,11 +196,11 @@ class OpenAIServing:
             return _SSEResponse(self._events(stream, ids, builder, prompt_lens,
                                              body.include_usage),
                                 media_type="text/event-stream")
-        return await self._respond(request, stream, ids, builder, prompt_lens)
+        return await self._respond(body, request, stream, ids, builder, prompt_lens)
 
-    async def _respond(self, request: Request, stream: asyncio.Queue[StreamItem],
-                       ids: list[str], builder: ResponseBuilder,
-                       prompt_lens: list[int]) -> Response:
+    async def _respond(self, body: SamplingBody, request: Request,
+                       stream: asyncio.Queue[StreamItem], ids: list[str],
+                       builder: ResponseBuilder, prompt_lens: list[int]) -> Response:
         finals: dict[int, RequestOutput] = {}
         collect = asyncio.ensure_future(_collect(stream, len(ids), finals))
         gone = asyncio.ensure_future(_disconnected(request))
@@ -214,6 +218,8 @@ class OpenAIServing:
             self.metrics.errors.labels("503").inc()
             return JSONResponse(error_body(503, failure.message), status_code=503)
         outs = [finals[i] for i in range(len(ids))]
+        if isinstance(body, CompletionRequest) and _candidates(body) > body.n:
+            return JSONResponse(builder.body(_best(outs, body), prompt_lens, usage_of=outs))
         return JSONResponse(builder.body(outs, prompt_lens))
 
     async def _events(self, stream: asyncio.Queue[StreamItem], ids: list[str],
@@ -245,6 +251,32 @@ class OpenAIServing:
         if left and self.engine.failure is None:
             self.engine.abort(left)
             self.metrics.aborted.inc(len(left))
+
+
+def _candidates(body: SamplingBody) -> int:
+    """Engine requests per prompt: best_of (at least n; not streamed) or n."""
+    if not isinstance(body, CompletionRequest) or body.best_of is None:
+        return body.n
+    if body.best_of < body.n:
+        raise APIError(400, f"best_of: {body.best_of}; allowed is at least n={body.n}",
+                       "best_of")
+    if body.stream and body.best_of > body.n:
+        raise APIError(400, f"best_of: {body.best_of} with stream=true; allowed is best_of "
+                            f"equal to n={body.n} when streaming", "best_of")
+    return body.best_of
+
+
+def _best(outs: list[RequestOutput], body: CompletionRequest) -> list[RequestOutput]:
+    """Each prompt's n candidates with the highest cumulative logprob, best first (logprobs
+    dropped where the request did not ask for them)."""
+    count = _candidates(body)
+    kept = []
+    for start in range(0, len(outs), count):
+        group = outs[start:start + count]
+        group.sort(key=lambda o: -sum(lp for lp, _ in o.logprobs or []))
+        kept += [o if body.logprobs is not None else dataclasses.replace(o, logprobs=None)
+                 for o in group[:body.n]]
+    return kept
 
 
 async def _collect(stream: asyncio.Queue[StreamItem], n: int,

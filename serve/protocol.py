@@ -1,23 +1,44 @@
 """OpenAI request bodies (/v1/completions, /v1/chat/completions) as strict pydantic models.
 
-Strict: a string is no number and a bool is no int, as in OpenAI's API. Fields OpenAI
-has and meshserve does not implement are ignored (as vLLM does). `ignore_eos`, `top_k`,
-`min_tokens` and `return_token_ids` are meshserve extensions.
+Strict: a string is no number and a bool is no int, as in OpenAI's API. Every field of
+OpenAI's two request schemas is declared: it works, it is a hint that changes nothing
+(`user`, `metadata`, `prompt_cache_key`, `safety_identifier`, `service_tier`), or a value
+other than its default is a 400 naming it as unsupported. Fields OpenAI does not have are
+ignored (as vLLM does), except meshserve's extensions: `ignore_eos`, `top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `return_token_ids`, `add_generation_prompt`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
-from meshserve.engine.sampling_params import SamplingParams
+from meshserve.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 MAX_SEED = 2**63 - 1
 MAX_STOP = 4
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 Stop = str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)]
+
+
+def unsupported(why: str, allowed: tuple[Any, ...] = (None,)) -> Any:
+    """A field accepted only at its default values `allowed`: anything else is a 400 that
+    names it as unsupported and says `why`."""
+    def check(value: Any) -> Any:
+        if not any(value == a and type(value) is type(a) for a in allowed):
+            ok = " or ".join(repr(a) for a in allowed).replace("None", "null")
+            raise PydanticCustomError("unsupported", "unsupported by meshserve: {why}; "
+                                      "allowed is {ok}", {"why": why, "ok": ok})
+        return value
+    return Annotated[Any, AfterValidator(check)]
+
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+LogitBias = dict[Annotated[str, Field(pattern=r"^\d+$")],
+                 Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]]
 
 
 class _Body(BaseModel):
@@ -60,8 +81,19 @@ class SamplingBody(_Body):
     """Generate at least this many tokens before any stop applies (extension)."""
     return_token_ids: bool = False
     """Add each choice's generated token ids as `token_ids` (extension)."""
+    presence_penalty: Penalty | None = None
+    """Subtracted from the logit of each token already generated; null is 0."""
+    frequency_penalty: Penalty | None = None
+    """Subtracted from a token's logit per time it was generated; null is 0."""
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
+    """Divides positive (multiplies negative) logits of tokens in the prompt or the output;
+    null is 1 (extension)."""
+    logit_bias: LogitBias | None = None
+    """Token id (a string of digits, as in OpenAI's API) -> a bias in [-100, 100]."""
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    """Drop tokens less likely than min_p times the most likely one; null is 0 (extension)."""
     user: str | None = None
-    """Ignored."""
+    """An end-user id: a hint, ignored."""
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's params; ValueError names the field."""
@@ -70,7 +102,11 @@ class SamplingBody(_Body):
             max_tokens=max_tokens, temperature=1.0 if self.temperature is None
             else self.temperature, top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k, seed=self.seed, stop=stop,
-            ignore_eos=self.ignore_eos, logprobs=logprobs, min_tokens=self.min_tokens)
+            ignore_eos=self.ignore_eos, logprobs=logprobs, min_tokens=self.min_tokens,
+            min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
 
     @property
     def include_usage(self) -> bool:
@@ -86,10 +122,11 @@ class CompletionRequest(SamplingBody):
     """A prompt, token ids, or a batch of either (choices are per prompt, then per n)."""
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     """Return each sampled token's logprob and this many top alternatives."""
-    echo: Literal[False] = False
-    """Echoing the prompt is not supported."""
-    suffix: None = None
-    """Insertion (suffix) is not supported."""
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    """Generate this many candidates per prompt (at least n) and return the n with the
+    highest cumulative logprob; not with stream."""
+    echo: unsupported("echoing the prompt", (False,)) = False
+    suffix: unsupported("insertion after a suffix") = None
 
 
 class TextPart(_Body):
@@ -128,3 +165,24 @@ class ChatCompletionRequest(SamplingBody):
     """With logprobs: this many top alternatives per token."""
     add_generation_prompt: bool = True
     """End the rendered prompt with the assistant's turn (extension)."""
+    response_format: unsupported("structured outputs", (None, {"type": "text"})) = None
+    tools: unsupported("tool calling") = None
+    tool_choice: unsupported("tool calling", (None, "none")) = None
+    parallel_tool_calls: unsupported("tool calling", (None, True)) = None
+    functions: unsupported("function calling (deprecated by tools)") = None
+    function_call: unsupported("function calling (deprecated by tools)", (None, "none")) = None
+    audio: unsupported("audio output") = None
+    modalities: unsupported("output modalities besides text", (None, ["text"])) = None
+    prediction: unsupported("predicted outputs") = None
+    web_search_options: unsupported("web search") = None
+    reasoning_effort: unsupported("reasoning effort (no reasoning model)") = None
+    verbosity: unsupported("verbosity (no reasoning model)") = None
+    store: unsupported("stored completions", (None, False)) = None
+    metadata: dict[str, str] | None = None
+    """Tags for stored completions: a hint, ignored."""
+    service_tier: Literal["auto", "default"] | None = None
+    """A hint, ignored: every request gets the same service."""
+    prompt_cache_key: str | None = None
+    """A hint, ignored: prefix caching finds shared prefixes itself."""
+    safety_identifier: str | None = None
+    """An end-user id: a hint, ignored."""

@@ -94,8 +94,10 @@ class ResponseBuilder:
         self._text_offsets[index] = offset + sum(len(t) for t in out["tokens"])
         return out
 
-    def body(self, outs: list[RequestOutput], prompt_lens: list[int]) -> dict[str, Any]:
-        """The non-streaming response: one choice per output, in order."""
+    def body(self, outs: list[RequestOutput], prompt_lens: list[int],
+             usage_of: list[RequestOutput] | None = None) -> dict[str, Any]:
+        """The non-streaming response: one choice per output, in order; usage counts
+        `usage_of` (every candidate generated, where best_of kept only some) or `outs`."""
         choices = []
         for i, o in enumerate(outs):
             lps = self._logprobs(o.token_ids, o.logprobs, i)
@@ -107,7 +109,8 @@ class ResponseBuilder:
             if self.meta.return_token_ids:
                 c["token_ids"] = list(o.token_ids)
             choices.append(c)
-        return {**self._head(False), "choices": choices, "usage": usage(prompt_lens, outs)}
+        return {**self._head(False), "choices": choices,
+                "usage": usage(prompt_lens, usage_of if usage_of is not None else outs)}
 
     def role_chunk(self, index: int) -> dict[str, Any]:
         """A chat stream's first chunk of a choice: the assistant role."""

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from meshserve.engine.run import Run
-from meshserve.engine.sampling_params import SamplingParams
+from meshserve.engine.sampling_params import SequenceSampling
 from meshserve.engine.scheduler_output import SchedulerOutput
 from meshserve.engine.worker.executor import step_message
 from meshserve.engine.worker.rank import (
@@ -146,11 +146,11 @@ class DistributedExecutor:
         """TP collectives this rank (stage 0, TP rank 0) has issued."""
         return self.groups.tp.counters
 
-    def submit(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
+    def submit(self, out: SchedulerOutput, new_seqs: Mapping[int, SequenceSampling],
                finished: Sequence[int]) -> None:
         """Send a micro-batch into the pipeline and run stage 0 on it."""
         self._check()
-        msg = step_message(self._step_id, out, new_params, finished)
+        msg = step_message(self._step_id, out, new_seqs, finished)
         self._step_id += 1
         try:
             self._broadcaster.send(msg)
@@ -179,13 +179,13 @@ class DistributedExecutor:
         assert isinstance(result, StepResult), result
         return result
 
-    def launch(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
+    def launch(self, out: SchedulerOutput, new_seqs: Mapping[int, SequenceSampling],
                finished: Sequence[int]) -> SampledTokens:
         """(No pipeline) Queue one step on every rank and return without waiting for its
         tokens (async scheduling): the driver samples, and shares the tokens with the
         other TP ranks on the device, where the next step's placeholders read them."""
         self._check()
-        msg = step_message(self._step_id, out, new_params, finished)
+        msg = step_message(self._step_id, out, new_seqs, finished)
         self._step_id += 1
         try:
             self._broadcaster.send(msg)
@@ -200,10 +200,10 @@ class DistributedExecutor:
         except Exception as e:
             raise self._fail(e) from e
 
-    def execute(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
+    def execute(self, out: SchedulerOutput, new_seqs: Mapping[int, SequenceSampling],
                 finished: Sequence[int]) -> StepResult:
         """Run one step to completion (no pipelining)."""
-        self.submit(out, new_params, finished)
+        self.submit(out, new_seqs, finished)
         return self.collect()
 
     def stage_stats(self) -> list[StageStats]:

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from meshserve.engine.run import Run
-from meshserve.engine.sampling_params import SamplingParams
+from meshserve.engine.sampling_params import SequenceSampling
 from meshserve.engine.scheduler_output import SchedulerOutput
 from meshserve.engine.worker.sampled_tokens import SampledTokens
 from meshserve.engine.worker.step_sampler import StepResult, step_result
@@ -29,9 +29,9 @@ class Executor(Protocol):
     num_blocks: int
     device: torch.device
 
-    def execute(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
+    def execute(self, out: SchedulerOutput, new_seqs: Mapping[int, SequenceSampling],
                 finished: Sequence[int]) -> StepResult:
-        """Run one step. `new_params`: sampling params of sequences seen for the first time;
+        """Run one step. `new_seqs`: sampling state of sequences seen for the first time;
         `finished`: sequences whose per-request state (generators) can be dropped."""
         ...
 
@@ -47,7 +47,7 @@ class Executor(Protocol):
 class AsyncExecutor(Executor, Protocol):
     """An executor that queues a step and returns before the device has run it."""
 
-    def launch(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
+    def launch(self, out: SchedulerOutput, new_seqs: Mapping[int, SequenceSampling],
                finished: Sequence[int]) -> SampledTokens:
         """Queue a step; PLACEHOLDER_TOKEN decodes take the previous launch's tokens."""
         ...
@@ -62,7 +62,7 @@ class PipelinedExecutor(Executor, Protocol):
 
     max_in_flight: int
 
-    def submit(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
+    def submit(self, out: SchedulerOutput, new_seqs: Mapping[int, SequenceSampling],
                finished: Sequence[int]) -> None:
         """Start a step; its sequences are disjoint from every step still in flight."""
         ...
@@ -72,11 +72,11 @@ class PipelinedExecutor(Executor, Protocol):
         ...
 
 
-def step_message(step_id: int, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
+def step_message(step_id: int, out: SchedulerOutput, new_seqs: Mapping[int, SequenceSampling],
                  finished: Sequence[int]) -> StepMessage:
     """What every worker of the layout is handed for one scheduled step."""
     return StepMessage(step_id, out.scheduled, out.num_batched_tokens, out.block_copies,
-                       dict(new_params), list(finished))
+                       dict(new_seqs), list(finished))
 
 
 def rank_device(run: Run, local_rank: int = 0) -> torch.device:
@@ -109,22 +109,22 @@ class InProcessExecutor:
         """The worker's model runner (benchmarks time it directly)."""
         return self.worker.runner
 
-    def _message(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
+    def _message(self, out: SchedulerOutput, new_seqs: Mapping[int, SequenceSampling],
                  finished: Sequence[int]) -> StepMessage:
         self._step_id += 1
-        return step_message(self._step_id, out, new_params, finished)
+        return step_message(self._step_id, out, new_seqs, finished)
 
-    def execute(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
+    def execute(self, out: SchedulerOutput, new_seqs: Mapping[int, SequenceSampling],
                 finished: Sequence[int]) -> StepResult:
-        result = self.worker.execute(self._message(out, new_params, finished))
+        result = self.worker.execute(self._message(out, new_seqs, finished))
         assert result is not None
         return result
 
-    def launch(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
+    def launch(self, out: SchedulerOutput, new_seqs: Mapping[int, SequenceSampling],
                finished: Sequence[int]) -> SampledTokens:
         """Queue one step on the device and return without waiting for it (async
         scheduling). Placeholder tokens in `out` are fed from the previous launch."""
-        sampled = self.worker.launch(self._message(out, new_params, finished))
+        sampled = self.worker.launch(self._message(out, new_seqs, finished))
         assert sampled is not None
         return sampled
 

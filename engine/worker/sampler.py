@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class Sampler:
         dev = logits.device
         temp = to_device([p.temperature if not g else 1.0 for p, g in zip(params, greedy)],
                          dev, torch.float32).unsqueeze(1)
-        scaled = logits / temp
+        scaled = _min_p(logits / temp, [p.min_p for p in params])
         scaled = _top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
         probs = scaled.softmax(dim=-1)
         # Inverse CDF: one uniform draw per row from the row's own generator (an exponential
@@ -81,6 +81,16 @@ class Sampler:
             top_v, top_i = lp[j].topk(n) if n else (lp[j][:0], lp[j][:0].long())
             out[i] = (float(lp[j, tokens[i]]), list(zip(top_i.tolist(), top_v.tolist())))
         return out
+
+
+def _min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) tokens whose probability is below min_p times the row's largest."""
+    if not any(min_p):
+        return logits
+    # p(t) < m * p_max  <=>  l(t) < l_max + log(m): no softmax needed.
+    floor = logits.amax(dim=-1, keepdim=True) + torch.log(
+        to_device(min_p, logits.device, torch.float32)).unsqueeze(1)
+    return logits.masked_fill(logits < floor, float("-inf"))
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshserve.engine.sampling_params import SamplingParams
+from meshserve.engine.sampling_params import SamplingParams, SequenceSampling
+from meshserve.engine.worker.logit_adjuster import LogitAdjuster
 from meshserve.engine.worker.sampled_tokens import Logprob, SampledTokens
 from meshserve.engine.worker.sampler import Sampler
 
@@ -21,22 +22,26 @@ class StepResult:
 
 
 class StepSampler:
-    """Sampling with per-sequence generators: a seeded request gives the same tokens
-    whatever else shares its batch, and across preemptions."""
+    """Sampling with per-sequence generators and token histories: a seeded request gives
+    the same tokens whatever else shares its batch, and across preemptions."""
 
-    def __init__(self, device: torch.device, engine_seed: int) -> None:
+    def __init__(self, device: torch.device, engine_seed: int, vocab_size: int) -> None:
         self.device, self.engine_seed = device, engine_seed
         self.sampler = Sampler()
+        self.adjuster = LogitAdjuster(vocab_size, device)
         self.params: dict[int, SamplingParams] = {}
         self.generators: dict[int, torch.Generator | None] = {}
 
-    def track(self, new_params: Mapping[int, SamplingParams], finished: Sequence[int]) -> None:
+    def track(self, new_seqs: Mapping[int, SequenceSampling], finished: Sequence[int]) -> None:
         """Start tracking new sequences; forget finished ones."""
         for seq_id in finished:
             self.params.pop(seq_id, None)
             self.generators.pop(seq_id, None)
-        for seq_id, p in new_params.items():
+            self.adjuster.forget(seq_id)
+        for seq_id, seq in new_seqs.items():
+            p = seq.params
             self.params[seq_id] = p
+            self.adjuster.track(seq_id, seq)
             gen = None
             if not p.greedy:
                 gen = torch.Generator(device=self.device)
@@ -53,11 +58,15 @@ class StepSampler:
         if not seq_ids:
             return SampledTokens([], torch.empty(0, dtype=torch.long))
         params = [self.params[i] for i in seq_ids]
-        tokens = self.sampler.sample_tokens(logits, params, [self.generators[i] for i in seq_ids])
+        logits = logits.float()
+        adjusted = self.adjuster.apply(logits, seq_ids, params)
+        tokens = self.sampler.sample_tokens(adjusted, params,
+                                            [self.generators[i] for i in seq_ids])
+        self.adjuster.record(seq_ids, params, tokens)
         logprobs = None
         if any(p.logprobs is not None for p in params):
             def logprobs(token_ids: list[int]) -> list[Logprob | None]:
-                return self.sampler.logprobs(logits.float(), params, token_ids)
+                return self.sampler.logprobs(logits, params, token_ids)
         return SampledTokens(seq_ids, tokens, logprobs)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from meshserve.engine.run import Run, async_scheduling, compute_dtype
-from meshserve.engine.sampling_params import SamplingParams
+from meshserve.engine.sampling_params import SequenceSampling
 from meshserve.engine.scheduler_output import ScheduledSeq
 from meshserve.engine.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from meshserve.engine.worker.model_runner import ModelRunner
@@ -44,7 +44,7 @@ class StepMessage:
     num_tokens: int
     """Tokens fed this step: the rows of the activations passed between stages."""
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    new_params: dict[int, SamplingParams] = field(default_factory=dict)
+    new_seqs: dict[int, SequenceSampling] = field(default_factory=dict)
     finished: list[int] = field(default_factory=list)
 
 
@@ -101,7 +101,7 @@ class Worker:
         self.is_last_stage = groups is None or groups.is_last_stage
         self.link = self._stage_link(max_in_flight) if groups is not None else None
         samples = groups is None or groups.is_sampler
-        self.sampler = StepSampler(device, ec.seed) if samples else None
+        self.sampler = StepSampler(device, ec.seed, arch.vocab_size) if samples else None
         # Split head: the last stage's rows and logits go to the driver, which samples.
         self.logits = self._logits_channel(max_in_flight) if groups is not None else None
         self._awaiting: deque[list[int]] = deque()  # driver: seq ids of micro-batches in flight
@@ -219,7 +219,7 @@ class Worker:
         runner = self.runner
         assert runner is not None and self.whole_model, "allocate() first, whole model only"
         if self.sampler is not None:
-            self.sampler.track(msg.new_params, msg.finished)
+            self.sampler.track(msg.new_seqs, msg.finished)
         runner.copy_blocks(msg.block_copies)
         logits, seq_ids = runner.execute(msg.scheduled, self._previous)
         if self.sampler is not None:
@@ -241,7 +241,7 @@ class Worker:
         assert runner is not None and link is not None, "allocate() first"
         waited = 0.0
         if self.sampler is not None:
-            self.sampler.track(msg.new_params, msg.finished)
+            self.sampler.track(msg.new_seqs, msg.finished)
         runner.copy_blocks(msg.block_copies)
         inputs = build_step_inputs(msg.scheduled, runner.block_size, self.device)
         hidden = residual = None

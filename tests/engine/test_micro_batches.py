@@ -18,6 +18,7 @@ from meshserve.engine.llm import model_overrides
 from meshserve.engine.micro_batch import micro_batch_budget, micro_batch_cap
 from meshserve.engine.run import resolve_run
 from meshserve.engine.runtime_config import RuntimeConfig
+from meshserve.engine.sampling_params import SequenceSampling
 from meshserve.engine.scheduler_output import SchedulerOutput
 from meshserve.engine.worker.executor import InProcessExecutor
 from meshserve.engine.worker.step_sampler import StepResult
@@ -39,7 +40,7 @@ class InOrderPipeline:
         self.decodes: list[int] = []
         """Sequences of each decode-only micro-batch, in submission order."""
 
-    def submit(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
+    def submit(self, out: SchedulerOutput, new_seqs: Mapping[int, SequenceSampling],
                finished: Sequence[int]) -> None:
         ids = {s.seq_id for s in out.scheduled}
         assert len(ids) == len(out.scheduled)
@@ -49,16 +50,16 @@ class InOrderPipeline:
         if all(len(x.token_ids) == 1 for x in out.scheduled):
             self.decodes.append(len(out.scheduled))
         self.in_flight |= ids
-        self._results.append((ids, self.local.execute(out, new_params, finished)))
+        self._results.append((ids, self.local.execute(out, new_seqs, finished)))
 
     def collect(self) -> StepResult:
         ids, result = self._results.popleft()
         self.in_flight -= ids
         return result
 
-    def execute(self, out: SchedulerOutput, new_params: Mapping[int, SamplingParams],
+    def execute(self, out: SchedulerOutput, new_seqs: Mapping[int, SequenceSampling],
                 finished: Sequence[int]) -> StepResult:
-        self.submit(out, new_params, finished)
+        self.submit(out, new_seqs, finished)
         return self.collect()
 
     def shutdown(self) -> None:

@@ -30,7 +30,10 @@ def assert_error(resp: httpx.Response, status: int, param: str) -> None:
     ("top_k", 0), ("stop", ["a", "b", "c", "d", "e"]), ("stop", [""]), ("min_tokens", 9),
     ("temperature", "hot"), ("max_tokens", "5"), ("max_tokens", 2.5), ("stream", "yes"),
     ("n", True), ("prompt", 5), ("prompt", [[]]), ("prompt", [-1]), ("prompt", [99999]),
-    ("prompt", []), ("stop", 7), ("echo", True),
+    ("prompt", []), ("stop", 7), ("echo", True), ("suffix", "x"),
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+    ("min_p", 1.5), ("logit_bias", {"abc": 1}), ("logit_bias", {"5": 150}),
+    ("logit_bias", {"99999": 1}), ("logit_bias", [1]), ("best_of", 0),
 ])
 def test_bad_completion_fields_name_the_field(server, field: str, value: object) -> None:
     assert_error(post(server, "/v1/completions", json={**GOOD, field: value}), 400, field)
@@ -42,9 +45,52 @@ def test_bad_completion_fields_name_the_field(server, field: str, value: object)
     ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({**CHAT, "logit_bias": {"-3": 1}}, "logit_bias"),
+    ({**CHAT, "service_tier": "flex"}, "service_tier"),
 ])
 def test_bad_chat_fields_name_the_field(server, body: dict, param: str) -> None:
     assert_error(post(server, "/v1/chat/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize("path, field, value", [
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/chat/completions", "functions", [{"name": "f"}]),
+    ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
+    ("/v1/chat/completions", "modalities", ["text", "audio"]),
+    ("/v1/chat/completions", "prediction", {"type": "content", "content": "x"}),
+    ("/v1/chat/completions", "store", True),
+    ("/v1/chat/completions", "reasoning_effort", "high"),
+    ("/v1/chat/completions", "web_search_options", {}),
+    ("/v1/completions", "echo", True),
+    ("/v1/completions", "suffix", "return x"),
+])
+def test_unimplemented_fields_are_named_as_unsupported(server, path: str, field: str,
+                                                       value: object) -> None:
+    base = CHAT if "chat" in path else GOOD
+    resp = post(server, path, json={**base, field: value})
+    assert_error(resp, 400, field)
+    assert "unsupported by meshserve" in resp.json()["error"]["message"]
+
+
+def test_hints_and_defaults_of_unimplemented_fields_are_accepted(server) -> None:
+    hints = {"user": "u1", "metadata": {"k": "v"}, "service_tier": "auto",
+             "prompt_cache_key": "tenant-1", "safety_identifier": "s", "store": False,
+             "modalities": ["text"], "tool_choice": "none", "response_format": {"type": "text"},
+             "tools": None, "parallel_tool_calls": True}
+    resp = post(server, "/v1/chat/completions", json={**CHAT, **hints})
+    assert resp.status_code == 200, resp.text
+
+
+def test_best_of_below_n_or_streamed_is_a_400(server) -> None:
+    assert_error(post(server, "/v1/completions", json={**GOOD, "n": 3, "best_of": 2}), 400,
+                 "best_of")
+    streamed = post(server, "/v1/completions",
+                    json={**GOOD, "n": 1, "best_of": 2, "stream": True})
+    assert_error(streamed, 400, "best_of")
+    assert_error(post(server, "/v1/completions", json={**GOOD, "best_of": 1000}), 400,
+                 "best_of")
 
 
 def test_too_long_prompt_unknown_model_and_missing_field(server) -> None:

@@ -112,3 +112,32 @@ def test_streamed_text_equals_non_streamed_for_multi_token_stops(client: openai.
                                                                                  stream=True))
         assert whole.text == streamed == full[:full.index(stop)], stop
         assert whole.finish_reason == "stop"
+
+
+def test_penalties_and_logit_bias_match_offline(client: openai.OpenAI, offline: LLM) -> None:
+    kw = dict(presence_penalty=0.8, frequency_penalty=0.5)
+    want = offline.generate(PROMPTS, greedy(16, ignore_eos=True, repetition_penalty=1.3,
+                                            min_p=0.1, **kw))
+    got = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=16, temperature=0,
+                                    **kw, extra_body={"ignore_eos": True, "min_p": 0.1,
+                                                      "repetition_penalty": 1.3,
+                                                      "return_token_ids": True})
+    assert [c.token_ids for c in got.choices] == [w.token_ids for w in want]  # type: ignore[attr-defined]
+    plain = offline.generate(PROMPTS, greedy(16, ignore_eos=True))
+    assert [w.token_ids for w in want] != [p.token_ids for p in plain]
+    token = plain[0].token_ids[0]
+    banned = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+        logit_bias={str(token): -100}, extra_body={"return_token_ids": True})
+    assert token not in banned.choices[0].token_ids  # type: ignore[attr-defined]
+
+
+def test_best_of_returns_the_candidates_with_the_highest_logprob(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=5)
+    candidates = client.completions.create(**kw, n=4, logprobs=0)
+    totals = sorted((sum(c.logprobs.token_logprobs), c.text) for c in candidates.choices)
+    best = client.completions.create(**kw, n=2, best_of=4)
+    assert [c.text for c in best.choices] == [t for _, t in totals[::-1][:2]]
+    assert [c.index for c in best.choices] == [0, 1]
+    assert all(c.logprobs is None for c in best.choices)
+    assert best.usage.completion_tokens == candidates.usage.completion_tokens
