@@ -41,12 +41,18 @@ class BlockManager:
     until it registers them or frees its blocks.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *,
-                 enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window`: attention reads only that many latest tokens, so blocks wholly
+        behind every future query's window are given back (`release_behind_window`) or,
+        at admission, never taken from the prefix cache."""
         require(num_blocks >= 1, "num_blocks", num_blocks, "an int >= 1")
         require(block_size >= 1, "block_size", block_size, "an int >= 1")
+        require(sliding_window is None or sliding_window >= 1, "sliding_window",
+                sliding_window, "null or an int >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.prefix_cache = PrefixCache(num_blocks, block_size) if enable_prefix_caching else None
         self.pending = PendingPrefixes() if enable_prefix_caching else None
         self._ref_count = [0] * num_blocks
@@ -91,18 +97,23 @@ class BlockManager:
         num_cached_tokens = len(cached_blocks) * self.block_size
         assert num_cached_tokens + num_new_tokens <= seq.num_tokens
         num_needed = cdiv(num_cached_tokens + num_new_tokens, self.block_size) - len(cached_blocks)
+        behind = self._num_behind_window(num_cached_tokens, len(cached_blocks))
         ref_count = self._ref_count
-        num_reclaimed = sum(1 for b in cached_blocks if ref_count[b] == 0)
+        num_reclaimed = sum(1 for b in cached_blocks[behind:] if ref_count[b] == 0)
         if num_needed > self.num_free_blocks - num_reclaimed:
             return False
         cache = self.prefix_cache
-        for block in cached_blocks:
+        for block in cached_blocks[behind:]:
             if ref_count[block] == 0:
                 assert cache is not None
                 cache.take(block)
             ref_count[block] += 1
-        seq.block_table.extend(cached_blocks)
-        self._grow(seq.block_table, num_needed)
+        table = seq.block_table
+        table.extend(cached_blocks)
+        self._grow(table, num_needed)
+        for i in range(behind):  # read by no query: never taken, placeholders in the table
+            table[i] = table[-1]
+        seq.num_released_blocks = behind
         seq.num_computed_tokens = num_cached_tokens
         if cache is not None:
             last_uid = cache.uid_of(cached_blocks[-1]) if cached_blocks else ROOT_UID
@@ -181,20 +192,52 @@ class BlockManager:
             if self.num_free_blocks == 0:
                 raise NoFreeBlocksError(f"no free KV block to fork sequence {parent.seq_id}")
             copy = (table[num_full], self._take_block())
-        for block in table[:num_full]:
+        for block in table[parent.num_released_blocks:num_full]:
             self._ref_count[block] += 1
         child.block_table = table[:num_full]
+        child.num_released_blocks = min(parent.num_released_blocks, num_full)
         if copy is not None:
             child.block_table.append(copy[1])
         if self.prefix_cache is not None:
             self._progress[child.seq_id] = list(self._progress[parent.seq_id])
         return copy
 
+    def _num_behind_window(self, next_pos: int, limit: int) -> int:
+        """Leading blocks (at most `limit`) no query at `next_pos` or later reads: the
+        earliest key such a query reads is next_pos - window + 1."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, min((next_pos - self.sliding_window + 1) // self.block_size, limit))
+
+    def release_behind_window(self, seq: Sequence, next_pos: int) -> int:
+        """Give back `seq`'s leading blocks wholly behind the sliding window of every query
+        at `next_pos` or later; return how many went (0 without a window).
+
+        Released entries stay in the table as placeholders (the last block's id: any block
+        holds finite values, and attention masks those positions), so block i still covers
+        positions i*bs.. . The last block is always kept; with prefix caching a block goes
+        only once registered, so its hash stays findable until it is evicted."""
+        table = seq.block_table
+        n = self._num_behind_window(next_pos, len(table) - 1)
+        progress = self._progress.get(seq.seq_id)
+        if progress is not None and progress[0] != _NEVER:
+            n = min(n, progress[0])
+        done = seq.num_released_blocks
+        if n <= done:
+            return 0
+        placeholder = table[-1]
+        for i in range(n - 1, done - 1, -1):  # tail of the released run first
+            self._release(table[i])
+            table[i] = placeholder
+        seq.num_released_blocks = n
+        return n - done
+
     def free(self, seq: Sequence) -> None:
         """Release all of `seq`'s blocks, tail first."""
-        for block in reversed(seq.block_table):
+        for block in reversed(seq.block_table[seq.num_released_blocks:]):
             self._release(block)
         seq.block_table.clear()
+        seq.num_released_blocks = 0
         self._progress.pop(seq.seq_id, None)
         if self.pending is not None:
             self.pending.discard(seq.seq_id)

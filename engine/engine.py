@@ -72,7 +72,8 @@ class Engine:
         # Async scheduling: the step launched last, not yet resolved, with its clock.
         self._launched: tuple[SchedulerOutput, SampledTokens, StepClock] | None = None
         self.num_blocks = self.executor.num_blocks
-        self.scheduler = Scheduler(config.engine, self.num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(config.engine, self.num_blocks, self.max_model_len,
+                                   self.arch.sliding_window)
         self._new_seqs: dict[int, SequenceSampling] = {}
         self.recorder = StepRecorder(self.step_log)
         self.timing = self.recorder.timing

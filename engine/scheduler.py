@@ -38,12 +38,19 @@ class Scheduler:
     limit the placeholder reaches stays in flight until resolved.
     """
 
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window`: the model attends to that many latest tokens only, so blocks
+        wholly behind every running query's window go back to the pool."""
         require(max_model_len >= 1, "max_model_len", max_model_len, "an int >= 1")
+        require(sliding_window is None or sliding_window >= 1, "sliding_window",
+                sliding_window, "null or an int >= 1")
         self.config = config
         self.max_model_len = max_model_len
+        self.sliding_window = sliding_window
         self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          enable_prefix_caching=config.enable_prefix_caching)
+                                          enable_prefix_caching=config.enable_prefix_caching,
+                                          sliding_window=sliding_window)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -159,7 +166,7 @@ class Scheduler:
         finished: list[Sequence] = []
         seqs, in_flight, bm = self._seqs, self._in_flight, self.block_manager
         caching, bs = bm.prefix_cache is not None, bm.block_size
-        max_model_len = self.max_model_len
+        max_model_len, window = self.max_model_len, self.sliding_window
         for sched in output.scheduled:
             seq_id = sched.seq_id
             in_flight.discard(seq_id)
@@ -181,6 +188,8 @@ class Scheduler:
                         finished.append(seq)
             if caching and end // bs != start // bs:  # a block was completed
                 bm.cache_computed_blocks(seq)
+            if window is not None and not seq.is_finished:
+                bm.release_behind_window(seq, end)
         self._retire_all(finished)
         return finished
 
@@ -203,6 +212,8 @@ class Scheduler:
             # Every token fed so far is known: the previous step was resolved before this.
             if caching and end // bs != start // bs:
                 bm.cache_computed_blocks(seq)
+            if self.sliding_window is not None:  # the launched step still reads from start
+                bm.release_behind_window(seq, start)
             if sched.sample:
                 seq.append_token(PLACEHOLDER_TOKEN)
                 unresolved.add(seq_id)
@@ -429,9 +440,19 @@ class Scheduler:
         require(seq.max_tokens >= 1, "max_tokens", seq.max_tokens, "an int >= 1")
         # The last sampled token is never fed back, so KV holds at most total length - 1.
         num_kv = max(num_prompt, min(num_prompt + seq.max_tokens, self.max_model_len) - 1)
-        require(cdiv(num_kv, bm.block_size) <= bm.num_blocks, "max_tokens", seq.max_tokens,
-                f"at most {cache_tokens - num_prompt + 1} for a {num_prompt}-token prompt: "
-                f"prompt and output must fit the KV cache of {cache_tokens} tokens")
+        window = self.sliding_window
+        if window is not None and config.enable_chunked_prefill:
+            # A chunk (a recomputation's too) and the window behind it, a partial block at
+            # either end: what a sequence holds at most, however long it grows.
+            peak = cdiv(min(num_kv, config.max_num_batched_tokens + window), bm.block_size) + 1
+            require(min(cdiv(num_kv, bm.block_size), peak) <= bm.num_blocks, "max_tokens",
+                    seq.max_tokens, f"what {bm.num_blocks} KV blocks hold: a {window}-token "
+                    f"window behind a chunk of max_num_batched_tokens="
+                    f"{config.max_num_batched_tokens} needs {peak} blocks")
+        else:
+            require(cdiv(num_kv, bm.block_size) <= bm.num_blocks, "max_tokens", seq.max_tokens,
+                    f"at most {cache_tokens - num_prompt + 1} for a {num_prompt}-token prompt:"
+                    f" prompt and output must fit the KV cache of {cache_tokens} tokens")
         require(seq.seq_id not in self._seqs, "seq_id", seq.seq_id, "an id not already queued")
         require(seq.status is SequenceStatus.WAITING and not seq.block_table
                 and seq.num_computed_tokens == 0 and not seq.output_token_ids,

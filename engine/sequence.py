@@ -40,6 +40,7 @@ class Sequence:
         "seq_id", "prompt_token_ids", "max_tokens", "stop_token_ids", "min_tokens",
         "arrival_time", "output_token_ids", "status", "block_table", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "finish_reason", "block_hashes", "_token_ids",
+        "num_released_blocks",
     )
 
     def __init__(
@@ -61,6 +62,9 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.num_released_blocks = 0
+        """Leading blocks of the table given back because attention no longer reads them
+        (sliding window): their entries stay, as placeholders, so positions index as before."""
         self.num_computed_tokens = 0
         """Tokens whose KV is in the cache (prefix hits included)."""
         self.num_cached_tokens = 0
