@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
 from meshserve.models.arch import CheckpointError
+from meshserve.models.chat_template import ChatTemplate
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                  "cls_token", "mask_token")
+"""The special tokens a chat template sees by name, as transformers passes them."""
 
 
 class Tokenizer:
@@ -25,9 +31,12 @@ class Tokenizer:
             raise CheckpointError(f"{path}: cannot be parsed ({e})") from None
         cfg_path = Path(model_dir) / "tokenizer_config.json"
         cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.chat_template: str | None = cfg.get("chat_template")
+        self.chat_template = _chat_template(Path(model_dir), cfg)
+        self._compiled: ChatTemplate | None = None
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
+        self.special_tokens = {name: text for name in SPECIAL_TOKENS
+                               if (text := _token_text(cfg.get(name))) is not None}
         self.add_bos = bool(cfg.get("add_bos_token", False))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
@@ -49,18 +58,29 @@ class Tokenizer:
         """Text of `ids`."""
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]],
-                            add_generation_prompt: bool = True) -> str:
-        """Render `messages` with the model's Jinja chat template."""
-        if not self.chat_template:
-            raise ValueError("messages: this model's tokenizer_config.json has no chat_template; "
-                             "allowed is a plain prompt")
-        import jinja2  # torch's dependency; imported here so plain generation doesn't need it
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render `messages` (and `tools=`, `documents=`, ...) with the model's chat template,
+        sandboxed; ChatTemplateError (a ValueError) says why it could not."""
+        if self.chat_template is None:
+            raise ValueError("messages: this model's tokenizer has no chat_template; allowed is "
+                             "a plain prompt")
+        if self._compiled is None:
+            self._compiled = ChatTemplate(self.chat_template, self.special_tokens)
+        return self._compiled.render(messages, add_generation_prompt=add_generation_prompt,
+                                     **kwargs)
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, autoescape=False)
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+def _chat_template(model_dir: Path, cfg: Mapping[str, Any]) -> str | list[Any] | None:
+    """The chat template as transformers finds it: chat_template.jinja beside the tokenizer,
+    else chat_template.json, else tokenizer_config.json's `chat_template`."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    js = model_dir / "chat_template.json"
+    if js.is_file():
+        return json.loads(js.read_text()).get("chat_template")
+    return cfg.get("chat_template") or None
 
 
 def _token_text(tok: object) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from meshserve.serve.tool_calls import PARSERS
 from meshserve.validation import require
 
 API_KEY_ENV = "MESHSERVE_API_KEY"
@@ -39,6 +40,10 @@ class ServeConfig:
     """After the engine fails: seconds of 503 answers before the process exits non-zero."""
     log_level: str = "warning"
     """uvicorn's log level (access logs show at 'info')."""
+    tool_call_parser: str = "auto"
+    """How tool calls are read from the output: hermes (`<tool_call>` JSON blocks), none
+    (requests with tools get a 400), or auto: hermes where the chat template uses that
+    format, else none."""
 
     def __post_init__(self) -> None:
         require(bool(self.host), "serve.host", self.host, "an address such as 127.0.0.1")
@@ -61,6 +66,9 @@ class ServeConfig:
                 "seconds > 0")
         require(self.failure_exit_s >= 0, "serve.failure_exit_s", self.failure_exit_s,
                 "seconds >= 0")
+        parsers = ("auto", "none", *PARSERS)
+        require(self.tool_call_parser in parsers, "serve.tool_call_parser",
+                self.tool_call_parser, f"one of {parsers}")
         levels = ("critical", "error", "warning", "info", "debug", "trace")
         require(self.log_level in levels, "serve.log_level", self.log_level, f"one of {levels}")
 

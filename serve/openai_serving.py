@@ -37,9 +37,11 @@ from meshserve.serve.protocol import (
     MAX_SEED,
     ChatCompletionRequest,
     CompletionRequest,
+    NamedToolChoice,
     SamplingBody,
 )
 from meshserve.serve.responses import LogprobFormatter, ResponseBuilder, ResponseMeta, sse
+from meshserve.serve.tool_calls import OPEN
 
 DEFAULT_COMPLETION_TOKENS = 16
 """OpenAI's default max_tokens for /v1/completions (chat defaults to the context left)."""
@@ -95,6 +97,7 @@ class OpenAIServing:
         self.max_model_len = engine.engine.max_model_len
         self.vocab_size = engine.engine.arch.vocab_size
         self.formatter = LogprobFormatter(self.tokenizer)
+        self.tool_parser = _tool_parser(cfg.tool_call_parser, self.tokenizer)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         """POST /v1/completions."""
@@ -107,13 +110,14 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise APIError(400, "messages: this model has no tokenizer; allowed is "
                                 "/v1/completions with token ids", "messages")
-        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        tools = self._offered_tools(body)
+        messages = [m.for_template() for m in body.messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(
+                messages, body.add_generation_prompt, tools=tools, documents=body.documents,
+                **(body.chat_template_kwargs or {}))
         except ValueError as e:
-            raise APIError(400, str(e), "messages") from None
-        except Exception as e:  # noqa: BLE001 - a template that raises on these messages
-            raise APIError(400, f"messages: the chat template failed ({e})", "messages") from None
+            raise APIError(400, f"messages: {e}", "messages") from None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: allowed only with logprobs=true", "top_logprobs")
@@ -121,7 +125,32 @@ class OpenAIServing:
                  if body.max_completion_tokens is not None
                  else TokenLimit(body.max_tokens, "max_tokens", None))
         return await self._serve(body, request, [self.tokenizer.encode(text)], "messages",
-                                 logprobs, limit, True)
+                                 logprobs, limit, True, parse_tools=tools is not None)
+
+    def _offered_tools(self, body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+        """The tools the template offers the model (None: none, or tool_choice=none); a
+        400 for a choice the parser cannot honour or a model whose calls it cannot read."""
+        choice = body.tool_choice
+        if not body.tools:
+            if choice is not None and choice != "none":
+                raise APIError(400, f"tool_choice: {_choice_text(choice)} without tools; "
+                                    "allowed is 'none' or giving tools", "tool_choice")
+            return None
+        if choice == "none":
+            return None
+        if choice is not None and choice != "auto":
+            raise APIError(400, f"tool_choice: {_choice_text(choice)} is unsupported by "
+                                "meshserve (it needs the output constrained to a call); "
+                                "allowed are 'auto' and 'none'", "tool_choice")
+        if self.tool_parser is None:
+            raise APIError(400, "tools: this model's chat template asks for no tool-call "
+                                "format meshserve parses; allowed is serve.tool_call_parser="
+                                "hermes where the model writes <tool_call> blocks", "tools")
+        names = [t.function.name for t in body.tools]
+        if len(set(names)) < len(names):
+            raise APIError(400, f"tools: function names repeat ({names}); allowed are "
+                                "distinct names", "tools")
+        return [t.model_dump(exclude_none=True) for t in body.tools]
 
     def _prompts(self, prompt: Any) -> list[list[int]]:
         """Token ids of each prompt of a completions request."""
@@ -178,7 +207,7 @@ class OpenAIServing:
 
     async def _serve(self, body: SamplingBody, request: Request, prompts: list[list[int]],
                      field: str, logprobs: int | None, limit: TokenLimit,
-                     chat: bool) -> Response:
+                     chat: bool, parse_tools: bool = False) -> Response:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             choices = self._choices(body, prompts, field, logprobs, limit, request_id)
@@ -188,7 +217,7 @@ class OpenAIServing:
         except (OverloadedError, EngineDeadError) as e:
             raise APIError(503, str(e)) from None
         meta = ResponseMeta(request_id, int(time.time()), body.model or self.model_names[0], chat,
-                            body.return_token_ids)
+                            body.return_token_ids, parse_tools)
         builder = ResponseBuilder(meta, self.formatter)
         ids = [c.request_id for c in choices]
         prompt_lens = [len(p) for p in prompts]
@@ -251,6 +280,20 @@ class OpenAIServing:
         if left and self.engine.failure is None:
             self.engine.abort(left)
             self.metrics.aborted.inc(len(left))
+
+
+def _tool_parser(name: str, tokenizer: Tokenizer | None) -> str | None:
+    """serve.tool_call_parser resolved against the model's chat template."""
+    if name == "auto":
+        template = tokenizer.chat_template if tokenizer is not None else None
+        return "hermes" if template is not None and OPEN in str(template) else None
+    return None if name == "none" else name
+
+
+def _choice_text(choice: object) -> str:
+    if isinstance(choice, NamedToolChoice):
+        return f"the function {choice.function.name!r}"
+    return repr(choice)
 
 
 def _candidates(body: SamplingBody) -> int:

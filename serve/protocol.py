@@ -5,11 +5,13 @@ OpenAI's two request schemas is declared: it works, it is a hint that changes no
 (`user`, `metadata`, `prompt_cache_key`, `safety_identifier`, `service_tier`), or a value
 other than its default is a 400 naming it as unsupported. Fields OpenAI does not have are
 ignored (as vLLM does), except meshserve's extensions: `ignore_eos`, `top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `return_token_ids`, `add_generation_prompt`.
+`repetition_penalty`, `min_tokens`, `return_token_ids`, `add_generation_prompt`,
+`documents`, `chat_template_kwargs`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -136,6 +138,21 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    """A call an assistant message made: the function's name and its arguments as JSON."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallBody(_Body):
+    """One of an assistant message's `tool_calls`."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     """One message of a conversation."""
 
@@ -143,13 +160,63 @@ class ChatMessage(_Body):
     content: str | list[TextPart] | None = None
     """Text, or text parts (joined)."""
     name: str | None = None
+    tool_calls: list[ToolCallBody] | None = None
+    """The calls an assistant message made."""
+    tool_call_id: str | None = None
+    """The call a tool message answers."""
 
     @property
-    def text(self) -> str:
-        """The content as one string."""
+    def text(self) -> str | None:
+        """The content as one string (None when absent)."""
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
-        return self.content or ""
+        return self.content
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: text content, and each call's arguments
+        as an object (templates write them with `tojson`)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text, "name": self.name,
+                               "tool_call_id": self.tool_call_id}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in self.tool_calls]
+        return out
+
+
+def _arguments(text: str) -> Any:
+    """A call's JSON arguments as an object (the text itself if it is not JSON)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class FunctionDefinition(_Body):
+    """A function the model may call."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments."""
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    """One of a request's `tools`."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(_Body):
+    """tool_choice naming the function to call."""
+
+    class Name(_Body):
+        name: str
+
+    type: Literal["function"]
+    function: Name
 
 
 class ChatCompletionRequest(SamplingBody):
@@ -166,9 +233,19 @@ class ChatCompletionRequest(SamplingBody):
     add_generation_prompt: bool = True
     """End the rendered prompt with the assistant's turn (extension)."""
     response_format: unsupported("structured outputs", (None, {"type": "text"})) = None
-    tools: unsupported("tool calling") = None
-    tool_choice: unsupported("tool calling", (None, "none")) = None
-    parallel_tool_calls: unsupported("tool calling", (None, True)) = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
+    """Functions the model may call: passed to the chat template, and calls in the output
+    parsed into the message's `tool_calls` (serve.tool_call_parser)."""
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """none: tools are not offered; auto (the default with tools): the model decides.
+    required and a named function need the output constrained to a call."""
+    parallel_tool_calls: bool | None = None
+    """Whether several calls may come in one message (the parser returns all it finds)."""
+    documents: list[dict[str, Any]] | None = None
+    """Documents for templates that take them (RAG), as transformers passes them
+    (extension)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (extension, as in vLLM)."""
     functions: unsupported("function calling (deprecated by tools)") = None
     function_call: unsupported("function calling (deprecated by tools)", (None, "none")) = None
     audio: unsupported("audio output") = None

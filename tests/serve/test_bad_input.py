@@ -54,8 +54,6 @@ def test_bad_chat_fields_name_the_field(server, body: dict, param: str) -> None:
 
 @pytest.mark.parametrize("path, field, value", [
     ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
     ("/v1/chat/completions", "modalities", ["text", "audio"]),
@@ -78,7 +76,7 @@ def test_hints_and_defaults_of_unimplemented_fields_are_accepted(server) -> None
     hints = {"user": "u1", "metadata": {"k": "v"}, "service_tier": "auto",
              "prompt_cache_key": "tenant-1", "safety_identifier": "s", "store": False,
              "modalities": ["text"], "tool_choice": "none", "response_format": {"type": "text"},
-             "tools": None, "parallel_tool_calls": True}
+             "tools": None, "parallel_tool_calls": True, "chat_template_kwargs": {"x": 1}}
     resp = post(server, "/v1/chat/completions", json={**CHAT, **hints})
     assert resp.status_code == 200, resp.text
 
