@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from meshserve.validation import require as _require
 
 SCHEDULING_POLICIES = ("continuous", "static")
+GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +69,15 @@ class EngineConfig:
     """JSON-lines file the engine appends one step record to per step (parallel/planner/diagnosis.py's
     StepRecord, read by `meshserve diagnose diagnose.records=...`); null writes none."""
 
+    structured_outputs_backend: str = "auto"
+    """The grammar library behind structured outputs: xgrammar (its token masks cost least
+    per step; needs transformers), llguidance (no dependencies), or auto: xgrammar where
+    it imports, else llguidance."""
+
     def __post_init__(self) -> None:
+        _require(self.structured_outputs_backend in GRAMMAR_BACKENDS,
+                 "engine.structured_outputs_backend", self.structured_outputs_backend,
+                 f"one of {GRAMMAR_BACKENDS}")
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
                  "engine.block_size", self.block_size, "a power of two >= 1")
         _require(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1,

@@ -25,6 +25,7 @@ from meshserve.engine.worker.executor import (
     InProcessExecutor,
     PipelinedExecutor,
 )
+from meshserve.engine.worker.grammar import Grammars, make_grammars
 from meshserve.engine.worker.sampled_tokens import Logprob, SampledTokens
 from meshserve.engine.worker.step_sampler import StepResult
 from meshserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -75,6 +76,8 @@ class Engine:
         self.scheduler = Scheduler(config.engine, self.num_blocks, self.max_model_len,
                                    self.arch.sliding_window)
         self._new_seqs: dict[int, SequenceSampling] = {}
+        self._grammars: Grammars | None = None
+        """Compiles each request's grammar once at admission (the sampler caches them)."""
         self.recorder = StepRecorder(self.step_log)
         self.timing = self.recorder.timing
         self._finished: list[int] = []
@@ -167,6 +170,10 @@ class Engine:
         if bad:
             raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary; allowed "
                              f"are ints in [0, {vocab})")
+        if params.structured_outputs is not None:  # a grammar that cannot compile fails here
+            if self._grammars is None:
+                self._grammars = make_grammars(self.run)
+            self._grammars.compile(params.structured_outputs)
         return ids, params
 
     def _check_prompt(self, ids: list[int]) -> None:

@@ -2,13 +2,66 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from meshserve.validation import require
 
 MAX_LOGIT_BIAS = 100.0
 """OpenAI's bound on a logit_bias value (either sign)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StructuredOutputs:
+    """The output constrained to exactly one of: a JSON schema, any JSON object, a regular
+    expression, one of several strings, or an EBNF grammar (GBNF: `root ::= ...`)."""
+
+    json: Mapping[str, Any] | str | None = None
+    """A JSON schema (an object, or its JSON text); stored as JSON text."""
+    json_object: bool = False
+    """Any JSON object."""
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    source: str = field(default="structured_outputs", compare=False)
+    """The request field these came from, named by the errors about them."""
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] * bool(self.json_object)
+        require(len(kinds) == 1, self.source, kinds or None,
+                "exactly one of json, json_object, regex, choice, grammar")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{self.source}.json: not JSON ({e}); allowed is a JSON "
+                                     "schema") from None
+            require(isinstance(schema, Mapping), f"{self.source}.json", type(schema).__name__,
+                    "a JSON schema object")
+            object.__setattr__(self, "json", json.dumps(schema))  # key order kept: it is
+            # the order the properties are generated in
+        if self.choice is not None:
+            require(not isinstance(self.choice, str) and len(self.choice) >= 1
+                    and all(isinstance(c, str) and c for c in self.choice),
+                    f"{self.source}.choice", self.choice, "a list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            require(value is None or (isinstance(value, str) and bool(value)),
+                    f"{self.source}.{name}", value, "a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: json, json_object, regex, choice or grammar."""
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar")
+                    if getattr(self, k) is not None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +115,9 @@ class SamplingParams:
     """Token id -> a bias added to its logit before sampling, in [-100, 100]; stored as
     sorted (id, bias) pairs."""
 
+    structured_outputs: StructuredOutputs | None = None
+    """Constrain the output to a grammar (the sampler masks every other token)."""
+
     extra: dict[str, object] = field(default_factory=dict, compare=False)
     """Unused by the engine; carried through for callers."""
 
@@ -105,6 +161,9 @@ class SamplingParams:
             require(_is_num(value) and abs(value) <= MAX_LOGIT_BIAS, f"logit_bias[{token}]",
                     value, f"a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias)))
+        so = self.structured_outputs
+        require(so is None or isinstance(so, StructuredOutputs), "structured_outputs", so,
+                "null or a StructuredOutputs")
 
     @property
     def penalized(self) -> bool:

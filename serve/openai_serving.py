@@ -42,6 +42,7 @@ from meshserve.serve.protocol import (
 )
 from meshserve.serve.responses import LogprobFormatter, ResponseBuilder, ResponseMeta, sse
 from meshserve.serve.tool_calls import OPEN
+from meshserve.serve.tool_choice import ToolPlan
 
 DEFAULT_COMPLETION_TOKENS = 16
 """OpenAI's default max_tokens for /v1/completions (chat defaults to the context left)."""
@@ -110,12 +111,12 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise APIError(400, "messages: this model has no tokenizer; allowed is "
                                 "/v1/completions with token ids", "messages")
-        tools = self._offered_tools(body)
+        plan = self._tool_plan(body)
         messages = [m.for_template() for m in body.messages]
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, body.add_generation_prompt, tools=tools, documents=body.documents,
-                **(body.chat_template_kwargs or {}))
+                messages, body.add_generation_prompt, tools=plan.tools if plan else None,
+                documents=body.documents, **(body.chat_template_kwargs or {}))
         except ValueError as e:
             raise APIError(400, f"messages: {e}", "messages") from None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -125,11 +126,11 @@ class OpenAIServing:
                  if body.max_completion_tokens is not None
                  else TokenLimit(body.max_tokens, "max_tokens", None))
         return await self._serve(body, request, [self.tokenizer.encode(text)], "messages",
-                                 logprobs, limit, True, parse_tools=tools is not None)
+                                 logprobs, limit, True, plan)
 
-    def _offered_tools(self, body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-        """The tools the template offers the model (None: none, or tool_choice=none); a
-        400 for a choice the parser cannot honour or a model whose calls it cannot read."""
+    def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan | None:
+        """The tools offered and how calls are found (None: no tools, or tool_choice=none);
+        a 400 for a choice that cannot be honoured."""
         choice = body.tool_choice
         if not body.tools:
             if choice is not None and choice != "none":
@@ -138,19 +139,24 @@ class OpenAIServing:
             return None
         if choice == "none":
             return None
-        if choice is not None and choice != "auto":
-            raise APIError(400, f"tool_choice: {_choice_text(choice)} is unsupported by "
-                                "meshserve (it needs the output constrained to a call); "
-                                "allowed are 'auto' and 'none'", "tool_choice")
-        if self.tool_parser is None:
-            raise APIError(400, "tools: this model's chat template asks for no tool-call "
-                                "format meshserve parses; allowed is serve.tool_call_parser="
-                                "hermes where the model writes <tool_call> blocks", "tools")
         names = [t.function.name for t in body.tools]
         if len(set(names)) < len(names):
             raise APIError(400, f"tools: function names repeat ({names}); allowed are "
                                 "distinct names", "tools")
-        return [t.model_dump(exclude_none=True) for t in body.tools]
+        tools = [t.model_dump(exclude_none=True, by_alias=True) for t in body.tools]
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise APIError(400, f"tool_choice: the function {choice.function.name!r} is "
+                                    f"not among the tools; allowed: {names}", "tool_choice")
+            return ToolPlan(tools, "named", choice.function.name)
+        if choice == "required":
+            return ToolPlan(tools, "required", parallel=body.parallel_tool_calls is not False)
+        if self.tool_parser is None:
+            raise APIError(400, "tools: this model's chat template asks for no tool-call "
+                                "format meshserve parses; allowed is serve.tool_call_parser="
+                                "hermes where the model writes <tool_call> blocks, or "
+                                "tool_choice 'required' or a named function", "tools")
+        return ToolPlan(tools, "auto")
 
     def _prompts(self, prompt: Any) -> list[list[int]]:
         """Token ids of each prompt of a completions request."""
@@ -166,8 +172,8 @@ class OpenAIServing:
                 for p in prompt]
 
     def _choices(self, body: SamplingBody, prompts: list[list[int]], field: str,
-                 logprobs: int | None, limit: TokenLimit, request_id: str
-                 ) -> list[Choice]:
+                 logprobs: int | None, limit: TokenLimit, request_id: str,
+                 plan: ToolPlan | None = None) -> list[Choice]:
         """One engine request per prompt and n. A token limit asked for beyond the context
         left is a 400 with the numbers, as OpenAI answers; the default one (the context
         left, or completions' 16) is clipped to it."""
@@ -200,6 +206,14 @@ class OpenAIServing:
             max_tokens = limit.asked or min(limit.default or room, room)
             for j in range(count):
                 params = body.sampling_params(max_tokens, logprobs)
+                forced = plan.constraint() if plan is not None else None
+                if forced is not None:
+                    if params.structured_outputs is not None:
+                        raise APIError(400, f"tool_choice: {_choice_text(body.tool_choice)} "
+                                            f"constrains the output, and so does "
+                                            f"{params.structured_outputs.source}; allowed is "
+                                            "one", "tool_choice")
+                    params = dataclasses.replace(params, structured_outputs=forced)
                 if body.seed is not None and j:  # distinct but reproducible choices
                     params = dataclasses.replace(params, seed=(body.seed + j) % (MAX_SEED + 1))
                 choices.append(Choice(f"{request_id}-{p * count + j}", ids, params))
@@ -207,17 +221,17 @@ class OpenAIServing:
 
     async def _serve(self, body: SamplingBody, request: Request, prompts: list[list[int]],
                      field: str, logprobs: int | None, limit: TokenLimit,
-                     chat: bool, parse_tools: bool = False) -> Response:
+                     chat: bool, plan: ToolPlan | None = None) -> Response:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            choices = self._choices(body, prompts, field, logprobs, limit, request_id)
+            choices = self._choices(body, prompts, field, logprobs, limit, request_id, plan)
             stream = await self.engine.add(choices)
         except ValueError as e:
             raise from_value_error(e) from None
         except (OverloadedError, EngineDeadError) as e:
             raise APIError(503, str(e)) from None
         meta = ResponseMeta(request_id, int(time.time()), body.model or self.model_names[0], chat,
-                            body.return_token_ids, parse_tools)
+                            body.return_token_ids, plan)
         builder = ResponseBuilder(meta, self.formatter)
         ids = [c.request_id for c in choices]
         prompt_lens = [len(p) for p in prompts]

@@ -6,7 +6,7 @@ OpenAI's two request schemas is declared: it works, it is a hint that changes no
 other than its default is a 400 naming it as unsupported. Fields OpenAI does not have are
 ignored (as vLLM does), except meshserve's extensions: `ignore_eos`, `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `return_token_ids`, `add_generation_prompt`,
-`documents`, `chat_template_kwargs`.
+`documents`, `chat_template_kwargs`, `structured_outputs` and vLLM's `guided_*`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-from meshserve.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from meshserve.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputs
 
 MAX_SEED = 2**63 - 1
 MAX_STOP = 4
@@ -52,6 +52,35 @@ class StreamOptions(_Body):
 
     include_usage: bool = False
     """Send a last chunk with token usage."""
+
+
+class JsonSchemaFormat(_Body):
+    """response_format.json_schema: a named schema the output must follow."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+    """Outputs always follow the schema; the flag changes nothing."""
+
+
+class ResponseFormat(_Body):
+    """text (free), json_object (any JSON object) or json_schema (a given schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """Exactly one constraint on the output (extension, as in vLLM)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    """A JSON schema."""
+    json_object: bool = False
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    """An EBNF grammar in GBNF form (`root ::= ...`)."""
 
 
 class SamplingBody(_Body):
@@ -96,6 +125,49 @@ class SamplingBody(_Body):
     """Drop tokens less likely than min_p times the most likely one; null is 0 (extension)."""
     user: str | None = None
     """An end-user id: a hint, ignored."""
+    response_format: ResponseFormat | None = None
+    """json_object or json_schema: the output follows it (structured outputs)."""
+    structured_outputs: StructuredOutputsBody | None = None
+    """A JSON schema, a regex, a choice of strings or an EBNF grammar (extension)."""
+    guided_json: dict[str, Any] | str | None = None
+    """vLLM's older names for structured_outputs' fields (extension)."""
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+
+    def constraint(self) -> StructuredOutputs | None:
+        """The output's constraint from whichever field gave one; ValueError (a 400) when
+        several do or the one given is malformed."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise ValueError("response_format.json_schema: required with type "
+                                 "'json_schema'; allowed is {name, schema}")
+            given.append(("response_format.json_schema.schema", {"json": rf.json_schema.schema_}))
+        so = self.structured_outputs
+        if so is not None:
+            kinds = {k: v for k, v in (("json", so.json_), ("regex", so.regex),
+                                       ("choice", so.choice), ("grammar", so.grammar))
+                     if v is not None}
+            if so.json_object:
+                kinds["json_object"] = True
+            given.append(("structured_outputs", kinds))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                given.append((name, {key: value}))
+        if not given:
+            return None
+        if len(given) > 1:
+            names = ", ".join(n for n, _ in given)
+            raise ValueError(f"{given[1][0]}: a second constraint on the output ({names}); "
+                             "allowed is one")
+        source, kw = given[0]
+        return StructuredOutputs(**kw, source=source)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's params; ValueError names the field."""
@@ -108,7 +180,8 @@ class SamplingBody(_Body):
             min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
-            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            structured_outputs=self.constraint())
 
     @property
     def include_usage(self) -> bool:
@@ -232,13 +305,12 @@ class ChatCompletionRequest(SamplingBody):
     """With logprobs: this many top alternatives per token."""
     add_generation_prompt: bool = True
     """End the rendered prompt with the assistant's turn (extension)."""
-    response_format: unsupported("structured outputs", (None, {"type": "text"})) = None
     tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
     """Functions the model may call: passed to the chat template, and calls in the output
     parsed into the message's `tool_calls` (serve.tool_call_parser)."""
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    """none: tools are not offered; auto (the default with tools): the model decides.
-    required and a named function need the output constrained to a call."""
+    """none: tools are not offered; auto (the default with tools): the model decides;
+    required, or a named function: the output is constrained to calls."""
     parallel_tool_calls: bool | None = None
     """Whether several calls may come in one message (the parser returns all it finds)."""
     documents: list[dict[str, Any]] | None = None

@@ -9,7 +9,7 @@ from typing import Any
 from meshserve.engine.outputs import RequestOutput
 from meshserve.models.tokenizer import Tokenizer
 from meshserve.serve.tool_calls import ToolCallStream
-from meshserve.serve.tool_calls import parse as parse_tool_calls
+from meshserve.serve.tool_choice import ToolPlan
 
 Logprobs = list[tuple[float, list[tuple[int, float]]]]
 
@@ -23,8 +23,8 @@ class ResponseMeta:
     model: str
     chat: bool
     return_token_ids: bool
-    parse_tools: bool = False
-    """Whether tool calls in the output become the message's tool_calls (Hermes blocks)."""
+    tools: ToolPlan | None = None
+    """A chat request's tools: calls in the output become the message's tool_calls."""
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -109,8 +109,8 @@ class ResponseBuilder:
             c: dict[str, Any] = {"index": i, "logprobs": lps, "finish_reason": o.finish_reason}
             if self.meta.chat:
                 c["message"] = {"role": "assistant", "content": o.text}
-                if self.meta.parse_tools:
-                    content, calls = parse_tool_calls(o.text)
+                if self.meta.tools is not None:
+                    content, calls = self.meta.tools.parse(o.text)
                     c["message"] = {"role": "assistant", "content": content,
                                     "tool_calls": [call.as_dict() for call in calls]}
                     if calls and o.finish_reason == "stop":
@@ -134,9 +134,9 @@ class ResponseBuilder:
         lps = out.logprobs[-len(new_ids):] if out.logprobs is not None and new_ids else None
         c: dict[str, Any] = {"index": index, "logprobs": self._logprobs(new_ids, lps, index),
                              "finish_reason": out.finish_reason if out.finished else None}
-        if self.meta.chat and self.meta.parse_tools:
-            c["delta"] = self._tool_delta(index, out)
-            if out.finished and out.finish_reason == "stop" and self._tool_streams[index].num_calls:
+        if self.meta.chat and self.meta.tools is not None:
+            c["delta"], num_calls = self._tool_delta(index, out, self.meta.tools)
+            if out.finished and out.finish_reason == "stop" and num_calls:
                 c["finish_reason"] = "tool_calls"
         elif self.meta.chat:
             c["delta"] = {"content": out.new_text} if out.new_text else {}
@@ -146,18 +146,26 @@ class ResponseBuilder:
             c["token_ids"] = list(new_ids)
         return {**self._head(True), "choices": [c]}
 
-    def _tool_delta(self, index: int, out: RequestOutput) -> dict[str, Any]:
-        """A chat delta with the content around tool calls and each call once complete."""
-        stream = self._tool_streams.setdefault(index, ToolCallStream())
-        before = stream.num_calls
-        content, calls = stream.feed(out.new_text)
-        if out.finished:
-            content += stream.finish()
+    def _tool_delta(self, index: int, out: RequestOutput,
+                    plan: ToolPlan) -> tuple[dict[str, Any], int]:
+        """A chat delta with the content around tool calls and each call once complete (a
+        forced choice's calls, all at the end), and the calls sent so far."""
+        if plan.forced:
+            if not out.finished:
+                return {}, 0
+            content, calls = plan.parse(out.text)
+            before = 0
+        else:
+            stream = self._tool_streams.setdefault(index, ToolCallStream())
+            before = stream.num_calls
+            content, calls = stream.feed(out.new_text)
+            if out.finished:
+                content += stream.finish()
         delta: dict[str, Any] = {"content": content} if content else {}
         if calls:
             delta["tool_calls"] = [{"index": before + k, **call.as_dict()}
                                    for k, call in enumerate(calls)]
-        return delta
+        return delta, before + len(calls)
 
     def usage_chunk(self, outs: list[RequestOutput], prompt_lens: list[int]) -> dict[str, Any]:
         """The last chunk of a stream that asked for usage (no choices)."""

@@ -19,6 +19,7 @@ import torch
 from meshserve.engine.run import Run, async_scheduling, compute_dtype
 from meshserve.engine.sampling_params import SequenceSampling
 from meshserve.engine.scheduler_output import ScheduledSeq
+from meshserve.engine.worker.grammar import make_grammars
 from meshserve.engine.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from meshserve.engine.worker.model_runner import ModelRunner
 from meshserve.engine.worker.sampled_tokens import SampledTokens
@@ -101,7 +102,8 @@ class Worker:
         self.is_last_stage = groups is None or groups.is_last_stage
         self.link = self._stage_link(max_in_flight) if groups is not None else None
         samples = groups is None or groups.is_sampler
-        self.sampler = StepSampler(device, ec.seed, arch.vocab_size) if samples else None
+        self.sampler = StepSampler(device, ec.seed, arch.vocab_size,
+                                   grammars=lambda: make_grammars(run)) if samples else None
         # Split head: the last stage's rows and logits go to the driver, which samples.
         self.logits = self._logits_channel(max_in_flight) if groups is not None else None
         self._awaiting: deque[list[int]] = deque()  # driver: seq ids of micro-batches in flight

@@ -53,7 +53,6 @@ def test_bad_chat_fields_name_the_field(server, body: dict, param: str) -> None:
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
     ("/v1/chat/completions", "modalities", ["text", "audio"]),
