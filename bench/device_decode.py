@@ -22,7 +22,7 @@ class _Seq:
     def __init__(self, seq_id: int, token_ids: list[int], start_pos: int,
                  block_table: list[int]) -> None:
         self.seq_id, self.token_ids, self.start_pos = seq_id, token_ids, start_pos
-        self.block_table, self.sample = block_table, True
+        self.block_table, self.sample, self.num_drafts = block_table, True, 0
 
 
 def _random_model(arch: ModelArch, s: Sizes) -> torch.nn.Module:

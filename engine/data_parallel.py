@@ -32,7 +32,7 @@ from meshserve.engine.prefix_cache import PrefixCacheStats
 from meshserve.engine.replica import BEAT_S
 from meshserve.engine.run import Run
 from meshserve.engine.sampling_params import SamplingParams
-from meshserve.engine.scheduler_output import SchedulerStats
+from meshserve.engine.scheduler_output import SchedulerStats, SpecDecodeStats
 from meshserve.parallel.comm.ranks import RankFailure
 
 STARTUP_TIMEOUT_S = 300.0
@@ -82,9 +82,19 @@ def _sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
     """Counters of several replicas added up."""
     cache = PrefixCacheStats(**{f.name: sum(getattr(s.prefix_cache, f.name) for s in stats)
                                 for f in fields(PrefixCacheStats)})
+    spec = SpecDecodeStats()
+    for s in stats:
+        spec.num_drafts += s.spec.num_drafts
+        spec.num_draft_tokens += s.spec.num_draft_tokens
+        spec.num_accepted_tokens += s.spec.num_accepted_tokens
+        per = s.spec.accepted_per_position
+        spec.accepted_per_position.extend([0] * (len(per) - len(spec.accepted_per_position)))
+        for j, n in enumerate(per):
+            spec.accepted_per_position[j] += n
     return SchedulerStats(**{f.name: sum(getattr(s, f.name) for s in stats)
-                             for f in fields(SchedulerStats) if f.name != "prefix_cache"},
-                          prefix_cache=cache)
+                             for f in fields(SchedulerStats)
+                             if f.name not in ("prefix_cache", "spec")},
+                          prefix_cache=cache, spec=spec)
 
 
 class _Remote:

@@ -43,6 +43,8 @@ class _Request:
     detok: IncrementalDetokenizer | None
     stops: StopStrings
     logprobs: list[Logprob] = field(default_factory=list)
+    num_emitted: int = 0
+    """Output tokens already returned in a RequestOutput."""
 
 
 class Engine:
@@ -59,6 +61,7 @@ class Engine:
                           if (self.model_dir / "tokenizer.json").is_file() else None)
         self.max_model_len = self._max_model_len()
         wants_async = async_scheduling(self.run)  # a bad setting fails before ranks start
+        wants_async = _check_speculative(self.run, wants_async)
         # Opened before any rank starts, so a bad path fails at once.
         self.step_log = StepLog(config.engine.step_log) if config.engine.step_log else None
         self.executor: Executor = executor or make_executor(self.run, progress=progress)
@@ -74,7 +77,7 @@ class Engine:
         self._launched: tuple[SchedulerOutput, SampledTokens, StepClock] | None = None
         self.num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(config.engine, self.num_blocks, self.max_model_len,
-                                   self.arch.sliding_window)
+                                   self.arch.sliding_window, config.speculative)
         self._new_seqs: dict[int, SequenceSampling] = {}
         self._grammars: Grammars | None = None
         """Compiles each request's grammar once at admission (the sampler caches them)."""
@@ -145,6 +148,7 @@ class Engine:
         now = time.monotonic() if arrival_time is None else arrival_time
         seq = Sequence(seq_id, ids, max_tokens=params.max_tokens, stop_token_ids=stop_ids,
                        min_tokens=params.min_tokens, arrival_time=now)
+        seq.speculate = self.config.speculative.enabled and _may_speculate(params)
         self.scheduler.add(seq)
         self._new_seqs[seq_id] = SequenceSampling(
             params, tuple(ids) if params.repetition_penalty != 1.0 else ())
@@ -234,7 +238,7 @@ class Engine:
         clock.scheduled()
         result = self.executor.execute(out, new, self._take_finished())
         clock.executed()
-        self.scheduler.update(out, result.tokens)
+        self.scheduler.update(out, result.tokens, result.accepted)
         clock.scheduled()
         self.recorder.finish(out, clock, num_in_flight=1 if self.config.parallel.pp > 1 else None)
         return self._outputs(result)
@@ -315,6 +319,7 @@ class Engine:
         return [self._advance(requests[i], t, result.logprobs.get(i), now)
                 for i, t in result.tokens.items() if i in requests]
 
+
     def _admit_to_executor(self, out: SchedulerOutput) -> dict[int, SequenceSampling]:
         """Stamp first-scheduled times; the sampling state of sequences the executor
         sees for the first time."""
@@ -354,23 +359,36 @@ class Engine:
 
     def _advance(self, req: _Request, token: int,
                  logprob: Logprob | None, now: float) -> RequestOutput:
+        """The request's output after a step that gave it `token` (a speculating step may
+        have given it several: every output token not yet returned is new)."""
         seq, m = req.seq, req.metrics
         if m.first_token_time is None:
             m.first_token_time = now
-        m.num_generated_tokens = seq.num_output_tokens
-        m.num_cached_tokens = seq.num_cached_tokens
+        new = seq.output_token_ids[req.num_emitted:] if seq.num_draft_tokens else [token]
         m.num_preemptions = seq.num_preemptions
         if logprob is not None:
             req.logprobs.append(logprob)
-        delta = req.detok.add(token) if req.detok else ""
-        if seq.is_finished and req.detok:
-            delta += req.detok.flush()
-        delta = req.stops.add(delta, final=seq.is_finished)
-        if req.stops.stopped:  # a stop string in the last token still reads as a stop
-            if seq.is_finished:
-                seq.set_finished(SequenceStatus.FINISHED_STOPPED)
-            else:
-                self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
+        delta = ""
+        for j, t in enumerate(new):
+            last = j == len(new) - 1
+            piece = req.detok.add(t) if req.detok else ""
+            if last and seq.is_finished and req.detok:
+                piece += req.detok.flush()
+            delta += req.stops.add(piece, final=last and seq.is_finished)
+            if req.stops.stopped:  # a stop string in the last token still reads as a stop
+                if not last:  # ... or in an accepted draft: cut there
+                    seq.truncate_output(req.num_emitted + j + 1)
+                    new = new[:j + 1]
+                if seq.is_finished:
+                    seq.set_finished(SequenceStatus.FINISHED_STOPPED)
+                else:
+                    self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
+                break
+        req.num_emitted = seq.num_output_tokens
+        m.num_generated_tokens = seq.num_output_tokens
+        m.num_cached_tokens = seq.num_cached_tokens
+        m.num_draft_tokens = seq.num_draft_tokens
+        m.num_accepted_tokens = seq.num_accepted_tokens
         if seq.is_finished:
             m.finish_time = now
             self._requests.pop(seq.seq_id, None)
@@ -378,7 +396,7 @@ class Engine:
             self._forget(seq.seq_id)
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids), text=req.stops.released, new_token_ids=[token],
+            token_ids=list(seq.output_token_ids), text=req.stops.released, new_token_ids=new,
             new_text=delta, finished=seq.is_finished, finish_reason=seq.finish_reason,
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None, metrics=m)
 
@@ -386,6 +404,33 @@ class Engine:
     def stats(self) -> SchedulerStats:
         """Scheduler and cache counters (for logs and metrics)."""
         return self.scheduler.stats()
+
+
+def _may_speculate(params: SamplingParams) -> bool:
+    """Whether a request's decodes may carry drafts: not while it asks for logprobs, a
+    penalty, a logit bias or a grammar (those read each position's own history; such a
+    request decodes plainly in the same steps)."""
+    return (params.logprobs is None and not params.penalized and not params.logit_bias
+            and params.structured_outputs is None)
+
+
+def _check_speculative(run: Run, wants_async: bool) -> bool:
+    """Refuse what speculative decoding does not do yet, before any rank starts; returns
+    whether to schedule asynchronously (not while speculating)."""
+    spec = run.config.speculative
+    if not spec.enabled:
+        return wants_async
+    if spec.method == "draft":
+        raise ValueError("speculative.method=draft: the draft-model proposer is not built "
+                         "yet; allowed: none, ngram")
+    if run.config.parallel.pp > 1:
+        raise ValueError(f"speculative.method={spec.method} with parallel.pp="
+                         f"{run.config.parallel.pp}: the last stage does not return several "
+                         "tokens per sequence yet; allowed: pp=1 (tensor parallel works)")
+    if wants_async and run.config.engine.async_scheduling:
+        raise ValueError(f"speculative.method={spec.method} with engine.async_scheduling=true:"
+                         " drafts need the step before resolved; allowed: null or false")
+    return False
 
 
 def make_executor(run: Run, *, progress: bool = True) -> Executor:

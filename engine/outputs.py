@@ -17,6 +17,10 @@ class RequestMetrics:
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0
+    """Speculative decoding: tokens drafted for this request and verified."""
+    num_accepted_tokens: int = 0
+    """Of those, the ones accepted."""
 
     @property
     def ttft(self) -> float | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from meshserve.compose import GROUPS, compose_config
 from meshserve.engine.config import EngineConfig
+from meshserve.engine.speculative_config import SpeculativeConfig
 from meshserve.models.config import ModelConfig
 from meshserve.parallel.config import ParallelConfig
 from meshserve.parallel.planner.cluster import ClusterConfig
@@ -25,7 +26,8 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
-    """Model, engine, parallel layout, cluster, scenario, device and threads of one run."""
+    """Model, engine, parallel layout, cluster, scenario, speculation, device and threads
+    of one run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model."""
@@ -37,6 +39,8 @@ class RuntimeConfig:
     """The machines."""
     scenario: ScenarioConfig = field(default_factory=ScenarioConfig)
     """The workload the service is for."""
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    """Speculative decoding."""
     device: str = "auto"
     """auto (CUDA when present), cpu or cuda."""
     threads: int | None = None

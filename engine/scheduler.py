@@ -10,14 +10,20 @@ from itertools import islice
 
 from meshserve.engine.block_manager import BlockManager, cdiv
 from meshserve.engine.config import EngineConfig
+from meshserve.engine.ngram_proposer import NgramProposer
 from meshserve.engine.scheduler_output import (
     PLACEHOLDER_TOKEN,
     ScheduledSeq,
     SchedulerOutput,
     SchedulerStats,
+    SpecDecodeStats,
 )
 from meshserve.engine.sequence import Sequence, SequenceStatus
+from meshserve.engine.speculative_config import SpeculativeConfig
 from meshserve.validation import require
+
+PAUSE_STEPS = 32
+"""Decodes a sequence whose drafts kept failing runs plainly before it drafts again."""
 
 
 def _arrival_key(seq: Sequence) -> tuple[float, int]:
@@ -39,15 +45,24 @@ class Scheduler:
     """
 
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         """`sliding_window`: the model attends to that many latest tokens only, so blocks
-        wholly behind every running query's window go back to the pool."""
+        wholly behind every running query's window go back to the pool. `speculative`
+        (method ngram): decodes of sequences marked `speculate` carry drafts to verify."""
         require(max_model_len >= 1, "max_model_len", max_model_len, "an int >= 1")
         require(sliding_window is None or sliding_window >= 1, "sliding_window",
                 sliding_window, "null or an int >= 1")
         self.config = config
         self.max_model_len = max_model_len
         self.sliding_window = sliding_window
+        spec = speculative if speculative is not None and speculative.enabled else None
+        require(spec is None or spec.method == "ngram", "speculative.method",
+                spec.method if spec else None, "none or ngram in the scheduler")
+        self.speculative = spec
+        self.proposer = (NgramProposer(spec.num_tokens, spec.prompt_lookup_min,
+                                       spec.prompt_lookup_max) if spec is not None else None)
+        self.spec_stats = SpecDecodeStats()
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching,
                                           sliding_window=sliding_window)
@@ -90,7 +105,10 @@ class Scheduler:
             num_in_flight=len(self._in_flight), num_preemptions=self.num_preemptions,
             num_deferred_admissions=self.num_deferred_admissions,
             num_used_blocks=bm.num_used_blocks, num_free_blocks=bm.num_free_blocks,
-            prefix_cache=dataclasses.replace(bm.stats))
+            prefix_cache=dataclasses.replace(bm.stats),
+            spec=dataclasses.replace(self.spec_stats,
+                                     accepted_per_position=list(
+                                         self.spec_stats.accepted_per_position)))
 
     def reset_prefix_cache(self) -> int:
         """Uncache every unused cached KV block; return how many were freed."""
@@ -161,8 +179,10 @@ class Scheduler:
         self._in_flight.update(s.seq_id for s in out.scheduled)
         return out
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[int, int]) -> list[Sequence]:
-        """Apply a step's results (seq_id -> sampled token); return the sequences that finished."""
+    def update(self, output: SchedulerOutput, sampled: Mapping[int, int],
+               accepted: Mapping[int, list[int]] | None = None) -> list[Sequence]:
+        """Apply a step's results (seq_id -> sampled token; with drafts, the accepted ones
+        come first: `accepted[seq_id]`); return the sequences that finished."""
         finished: list[Sequence] = []
         seqs, in_flight, bm = self._seqs, self._in_flight, self.block_manager
         caching, bs = bm.prefix_cache is not None, bm.block_size
@@ -176,7 +196,10 @@ class Scheduler:
             start = sched.start_pos
             assert seq.num_computed_tokens == start, (seq, start)
             end = seq.num_computed_tokens = start + len(sched.token_ids)
-            if sched.sample:
+            if sched.num_drafts:
+                end = self._accept_drafts(seq, sched, accepted or {}, sampled[seq_id],
+                                          finished)
+            elif sched.sample:
                 token = sampled[seq_id]
                 seq.append_token(token)
                 # cheap pre-check; num_tokens == end + 1 now
@@ -192,6 +215,57 @@ class Scheduler:
                 bm.release_behind_window(seq, end)
         self._retire_all(finished)
         return finished
+
+    def _accept_drafts(self, seq: Sequence, sched: ScheduledSeq,
+                       accepted: Mapping[int, list[int]], token: int,
+                       finished: list[Sequence]) -> int:
+        """A verified step: append the accepted drafts and the token after them, up to the
+        first stop among them (the rest are dropped); only the fed tokens that were
+        accepted keep their KV. Returns the computed count."""
+        ok = accepted.get(seq.seq_id, [])
+        seq.num_draft_tokens += sched.num_drafts
+        seq.num_accepted_tokens += len(ok)
+        self.spec_stats.add(sched.num_drafts, len(ok))
+        self._pause_if_failing(seq, len(ok))
+        for t in (*ok, token):
+            seq.append_token(t)
+            status = self._stop_status(seq)
+            if status is not None:
+                seq.set_finished(status)
+                finished.append(seq)
+                break
+        # The last token fed and the accepted drafts hold KV; the newest token does not.
+        seq.num_computed_tokens = min(sched.start_pos + 1 + len(ok), seq.num_tokens - 1)
+        return seq.num_computed_tokens
+
+    def _pause_if_failing(self, seq: Sequence, num_accepted: int) -> None:
+        """Stop drafting for a sequence whose drafts keep failing: its running acceptance
+        (seeded as if its first 4 drafted tokens had half been accepted) below
+        speculative.min_acceptance pauses it for PAUSE_STEPS decodes."""
+        spec = self.speculative
+        assert spec is not None
+        rate = (seq.num_accepted_tokens + 2) / (seq.num_draft_tokens + 4)
+        if num_accepted == 0 and rate < spec.min_acceptance:
+            seq.speculate = False
+            seq.plain_steps = 0
+
+    def _drafts(self, seq: Sequence, budget: int, num_running: int) -> list[int]:
+        """Tokens to propose after `seq`'s last one this step (none when it is paused, the
+        step is too large, or nothing matches); never more than it may still emit."""
+        spec, proposer = self.speculative, self.proposer
+        if spec is None or proposer is None or not seq.speculate:
+            if spec is not None and not seq.speculate and seq.num_draft_tokens:
+                seq.plain_steps += 1  # a paused sequence tries again now and then
+                if seq.plain_steps >= PAUSE_STEPS:
+                    seq.speculate = True
+            return []
+        if spec.max_batch_size is not None and num_running > spec.max_batch_size:
+            return []
+        room = min(spec.num_tokens, seq.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.num_tokens - 1, budget - 1)
+        if room <= 0:
+            return []
+        return proposer.propose(seq.token_ids, room)
 
     def advance(self, output: SchedulerOutput) -> None:
         """Async scheduling, first half of `update`, right after `output` was launched: its
@@ -259,6 +333,7 @@ class Scheduler:
         # The hot path (one decode per sequence, every step): kept inline on purpose.
         running, in_flight, scheduled = self.running, self._in_flight, out.scheduled
         block_size = self.block_manager.block_size
+        speculating = self.speculative is not None
         num_batched = 0
         blocked = False
         i = 0
@@ -274,17 +349,23 @@ class Scheduler:
                 if end == start:
                     i += 1
                     continue
+            drafts = (self._drafts(seq, budget, len(running))
+                      if speculating and end - start == 1 else ())
+            fed = end - start + len(drafts)
             table = seq.block_table
-            if len(table) * block_size < end and (
-                    blocked or not self._allocate_or_preempt(seq, end - start, out)):
+            if len(table) * block_size < start + fed and (
+                    blocked or not self._allocate_or_preempt(seq, fed, out)):
                 if seq.status is SequenceStatus.RUNNING:
                     blocked = True
                     i += 1
                 continue  # else `seq` itself was preempted and left `running`
-            scheduled.append(ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start, table[:],
-                                          end == num_tokens))
-            num_batched += end - start
-            budget -= end - start
+            tokens = seq.token_ids[start:end]
+            if drafts:
+                tokens = [*tokens, *drafts]
+            scheduled.append(ScheduledSeq(seq.seq_id, tokens, start, table[:],
+                                          end == num_tokens, len(drafts)))
+            num_batched += fed
+            budget -= fed
             i += 1
         out.num_batched_tokens += num_batched
         return budget, blocked

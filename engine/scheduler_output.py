@@ -35,6 +35,10 @@ class ScheduledSeq:
     sample: bool
     """Whether this chunk ends the known tokens, so the model samples the next one."""
 
+    num_drafts: int = 0
+    """Speculative decoding: the last num_drafts of token_ids are proposed, not known; the
+    model gives logits at each of the last num_drafts + 1 positions to verify them."""
+
     @property
     def num_tokens(self) -> int:
         """Tokens fed this step."""
@@ -66,6 +70,27 @@ class SchedulerOutput:
         return not self.scheduled and not self.block_copies
 
 
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Drafts verified so far: verify steps of a sequence, tokens drafted and accepted, and
+    accepted tokens by their position in the draft (0 is the first drafted token)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        per = self.accepted_per_position
+        if len(per) < num_drafted:
+            per.extend([0] * (num_drafted - len(per)))
+        for j in range(num_accepted):
+            per[j] += 1
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerStats:
     """A snapshot of the scheduler's counters."""
@@ -87,11 +112,16 @@ class SchedulerStats:
 
     prefix_cache: PrefixCacheStats
 
+    spec: SpecDecodeStats = field(default_factory=lambda: SpecDecodeStats())
+    """Speculative decoding's counters (all zero without it)."""
+
     def as_dict(self) -> dict[str, float]:
         """Flat counters for logs and metrics (prefix-cache ones prefixed `prefix_cache_`)."""
         out: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)
-                                 if f.name != "prefix_cache"}
+                                 if f.name not in ("prefix_cache", "spec")}
         for f in fields(self.prefix_cache):
             out[f"prefix_cache_{f.name}"] = getattr(self.prefix_cache, f.name)
         out["prefix_cache_hit_rate"] = self.prefix_cache.hit_rate
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            out[f"spec_{name}"] = getattr(self.spec, name)
         return out

@@ -40,7 +40,8 @@ class Sequence:
         "seq_id", "prompt_token_ids", "max_tokens", "stop_token_ids", "min_tokens",
         "arrival_time", "output_token_ids", "status", "block_table", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "finish_reason", "block_hashes", "_token_ids",
-        "num_released_blocks",
+        "num_released_blocks", "speculate", "num_draft_tokens", "num_accepted_tokens",
+        "plain_steps",
     )
 
     def __init__(
@@ -63,6 +64,13 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_released_blocks = 0
+        self.speculate = False
+        """Whether the scheduler may propose drafts for this sequence's decodes."""
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        """Drafted tokens verified for this sequence, and those accepted."""
+        self.plain_steps = 0
+        """Decodes since its drafts last failed (speculation paused, retried later)."""
         """Leading blocks of the table given back because attention no longer reads them
         (sliding window): their entries stay, as placeholders, so positions index as before."""
         self.num_computed_tokens = 0
@@ -120,6 +128,14 @@ class Sequence:
         assert self.output_token_ids, self
         self._token_ids.pop()
         self.output_token_ids.pop()
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep only the first `num_output_tokens` generated tokens (a stop met inside a
+        run of accepted drafts); the sequence finishes right after."""
+        drop = len(self.output_token_ids) - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self._token_ids[len(self._token_ids) - drop:]
 
     def set_last_token(self, token_id: int) -> None:
         """Replace the newest generated token (async scheduling's placeholder, once known)."""

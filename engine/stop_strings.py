@@ -1,4 +1,4 @@
-"""A request's text against its stop strings: cut at the first stop, and hold back a tail
+"""A request's text against its stop strings: cut at the first stop to end, and hold back a tail
 that could still become one, so that streamed text never shows the start of a stop.
 
 The invariant: the released text never contains the beginning of a stop string that the
@@ -42,9 +42,11 @@ class StopStrings:
         if self.stops and delta:
             # a stop found now ends in `delta`: it starts at most longest - 1 before it
             start = max(0, before - self.longest + 1)
-            hits = [i for s in self.stops if (i := self.text.find(s, start)) != -1]
+            # The stop that ends first wins (of those, the one that starts first), as if
+            # the text came a character at a time: the cut does not depend on the deltas.
+            hits = [(i + len(s), i) for s in self.stops if (i := self.text.find(s, start)) != -1]
             if hits:
-                self.text = self.text[:min(hits)]
+                self.text = self.text[:min(hits)[1]]
                 self.stopped = True
         end = len(self.text) if final or self.stopped else len(self.text) - self._held()
         out = self.text[self.num_released:end]

@@ -29,9 +29,6 @@ class ModelConfig:
     arch: dict[str, Any] | None = None
     """Config-only shape (Hugging Face config.json keys) for planning without weights."""
 
-    draft: str | None = None
-    """A draft model (bundled name or directory) for speculative decoding."""
-
     cpu_weight_layout: str = "auto"
     """On CPU: packed stores every linear weight in panels for the C packed kernel (fp32,
     the C kernels built); column stores wide ones column-major (faster MKL GEMMs); row keeps

@@ -52,8 +52,23 @@ class _EngineCollector(Collector):
             ("num_preemptions", "Sequences preempted (KV dropped, to be recomputed).",
              s.num_preemptions),
         )
+        sd = s.spec
+        counters += (
+            ("spec_decode_num_drafts", "Speculative decoding: verify steps of a sequence.",
+             sd.num_drafts),
+            ("spec_decode_num_draft_tokens", "Speculative decoding: tokens drafted.",
+             sd.num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Speculative decoding: drafted tokens "
+             "accepted.", sd.num_accepted_tokens),
+        )
         for name, doc, value in counters:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        per = CounterMetricFamily(f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",
+                                  "Speculative decoding: accepted drafted tokens by their "
+                                  "position in the draft (0: the first).", labels=["position"])
+        for position, value in enumerate(sd.accepted_per_position):
+            per.add_metric([str(position)], value)
+        yield per
 
 
 class ServerMetrics:

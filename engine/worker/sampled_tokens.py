@@ -21,10 +21,13 @@ class SampledTokens:
     """Tokens [N] sampled on the device for `seq_ids`, copied to the host without a sync."""
 
     def __init__(self, seq_ids: list[int], tokens: torch.Tensor,
-                 logprobs: Callable[[list[int]], list[Logprob | None]] | None = None) -> None:
+                 logprobs: Callable[[list[int]], list[Logprob | None]] | None = None,
+                 accepted: dict[int, list[int]] | None = None) -> None:
         self.seq_ids = seq_ids
         self.tokens = tokens
         """[N] long on the device (row i is seq_ids[i]'s)."""
+        self.accepted = accepted or {}
+        """Speculating sequences: the drafts accepted, which come before their token."""
         self._logprobs = logprobs
         self._rows: dict[int, int] | None = None
         self._host: torch.Tensor | None = None

@@ -68,6 +68,15 @@ class Sampler:
         is_greedy = to_device(greedy, dev, torch.bool)
         return torch.where(is_greedy, dispatch.argmax_rows(logits), sampled)
 
+    def probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """logits [N, V] -> each row's sampling distribution (after its temperature, min-p,
+        top-k and top-p); greedy rows as at temperature 1 (their callers take the argmax)."""
+        temp = to_device([1.0 if p.greedy else p.temperature for p in params], logits.device,
+                         torch.float32).unsqueeze(1)
+        scaled = _min_p(logits / temp, [p.min_p for p in params])
+        scaled = _top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
+        return scaled.softmax(dim=-1).nan_to_num_(0.0)
+
     @staticmethod
     def logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
                   tokens: list[int]) -> list[tuple[float, list[tuple[int, float]]] | None]:

@@ -19,6 +19,7 @@ class ScheduledLike(Protocol):
     start_pos: int
     block_table: list[int]
     sample: bool
+    num_drafts: int
 
 
 @dataclass
@@ -32,9 +33,11 @@ class StepInputs:
     meta: AttentionMetadata
     """Cache slots and attention spans."""
     sample_indices: torch.Tensor
-    """Rows of the hidden states whose logits are sampled (each sequence's last token)."""
+    """Rows of the hidden states whose logits are sampled: each sequence's last token, and
+    with drafts the num_drafts before it too."""
     sample_seq_ids: list[int]
-    """The sequences those rows belong to, in the same order."""
+    """The sequences those rows belong to, in the same order (a speculating sequence once
+    per row)."""
     order: list[int]
     """Scheduled-sequence indices in token order."""
 
@@ -75,8 +78,9 @@ def build_step_inputs(seqs: Sequence[ScheduledLike], block_size: int,
         pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
         ids.extend(s.token_ids)
         if s.sample:
-            sample_rows.append(len(ids) - 1)
-            sample_ids.append(s.seq_id)
+            n = s.num_drafts + 1
+            sample_rows.extend(range(len(ids) - n, len(ids)))
+            sample_ids.extend([s.seq_id] * n)
     dec = [seqs[i] for i in decodes]
     width = max((len(s.block_table) for s in dec), default=1)
     tables = [s.block_table + [0] * (width - len(s.block_table)) for s in dec]

@@ -10,6 +10,7 @@ import torch
 from meshserve.engine.sampling_params import SamplingParams, SequenceSampling
 from meshserve.engine.worker.grammar import Grammars, apply_bitmask
 from meshserve.engine.worker.logit_adjuster import LogitAdjuster
+from meshserve.engine.worker.rejection_sampler import verify
 from meshserve.engine.worker.sampled_tokens import Logprob, SampledTokens
 from meshserve.engine.worker.sampler import Sampler
 
@@ -20,6 +21,8 @@ class StepResult:
 
     tokens: dict[int, int] = field(default_factory=dict)
     logprobs: dict[int, Logprob] = field(default_factory=dict)
+    accepted: dict[int, list[int]] = field(default_factory=dict)
+    """Speculating sequences: their accepted drafts, emitted before tokens[seq_id]."""
 
 
 class StepSampler:
@@ -71,9 +74,11 @@ class StepSampler:
                                 else hash((self.engine_seed, seq_id)) & (2**63 - 1))
             self.generators[seq_id] = gen
 
-    def sample(self, logits: torch.Tensor, seq_ids: list[int]) -> StepResult:
-        """One token per row of `logits` [N, V], row i belonging to seq_ids[i]."""
-        result = step_result(self.launch(logits, seq_ids))
+    def sample(self, logits: torch.Tensor, seq_ids: list[int],
+               drafts: Mapping[int, list[int]] | None = None) -> StepResult:
+        """One token per row of `logits` [N, V], row i belonging to seq_ids[i]; with
+        `drafts`, a speculating sequence's rows (one per draft and one more) verify them."""
+        result = step_result(self.launch(logits, seq_ids, drafts))
         self._accept_sampled()
         return result
 
@@ -83,10 +88,13 @@ class StepSampler:
         for ids, tokens in pending:
             self.grammars.accept(ids, tokens.tolist())
 
-    def launch(self, logits: torch.Tensor, seq_ids: list[int]) -> SampledTokens:
+    def launch(self, logits: torch.Tensor, seq_ids: list[int],
+               drafts: Mapping[int, list[int]] | None = None) -> SampledTokens:
         """Sample on the device; the host reads the tokens when it waits for them."""
         if not seq_ids:
             return SampledTokens([], torch.empty(0, dtype=torch.long))
+        if drafts:
+            return self._verify(logits.float(), seq_ids, drafts)
         params = [self.params[i] for i in seq_ids]
         logits = logits.float()
         adjusted = self.adjuster.apply(logits, seq_ids, params)
@@ -110,9 +118,52 @@ class StepSampler:
         return SampledTokens(seq_ids, tokens, logprobs)
 
 
+    def _verify(self, logits: torch.Tensor, seq_ids: list[int],
+                drafts: Mapping[int, list[int]]) -> SampledTokens:
+        """A step with drafts: plain rows sample as usual, each speculating sequence's
+        rows verify its drafts (rejection sampling against its processed distribution)."""
+        order: list[int] = []
+        rows: dict[int, list[int]] = {}
+        for r, s in enumerate(seq_ids):
+            if s not in rows:
+                order.append(s)
+                rows[s] = []
+            rows[s].append(r)
+        spec = [s for s in order if drafts.get(s)]
+        plain = [s for s in order if not drafts.get(s)]
+        final: dict[int, int] = {}
+        plain_logprobs: dict[int, Logprob | None] = {}
+        if plain:
+            idx = torch.tensor([rows[s][0] for s in plain], device=logits.device)
+            tokens, logprobs = self.launch(logits.index_select(0, idx), plain).wait()
+            final.update(zip(plain, tokens))
+            plain_logprobs.update(zip(plain, logprobs))
+        params = [self.params[s] for s in spec]
+        k = max(len(drafts[s]) for s in spec)
+        vocab = logits.shape[-1]
+        gathered = logits.new_full((len(spec), k + 1, vocab), float("-inf"))
+        for i, s in enumerate(spec):
+            gathered[i, :len(rows[s])] = logits[rows[s][0]:rows[s][-1] + 1]
+        flat = gathered.view(-1, vocab)
+        row_params = [p for p in params for _ in range(k + 1)]
+        probs = self.sampler.probs(flat, row_params).view(len(spec), k + 1, vocab)
+        out = verify(probs, [drafts[s] for s in spec], None, [p.greedy for p in params],
+                     [self.generators[s] for s in spec], target_argmax=gathered.argmax(-1))
+        accepted = {}
+        for s, toks in zip(spec, out.tokens):
+            accepted[s] = toks[:-1]
+            final[s] = toks[-1]
+        def logprobs(_: list[int]) -> list[Logprob | None]:  # only plain rows ask for them
+            return [plain_logprobs.get(s) for s in order]
+
+        return SampledTokens(order, torch.tensor([final[s] for s in order]),
+                             logprobs if any(plain_logprobs.values()) else None, accepted)
+
+
 def step_result(sampled: SampledTokens) -> StepResult:
     """Wait for `sampled` and key its tokens and logprobs by sequence."""
     tokens, logprobs = sampled.wait()
     ids = sampled.seq_ids
     return StepResult(dict(zip(ids, tokens)),
-                      {i: lp for i, lp in zip(ids, logprobs) if lp is not None})
+                      {i: lp for i, lp in zip(ids, logprobs) if lp is not None},
+                      dict(sampled.accepted))

@@ -225,7 +225,9 @@ class Worker:
         runner.copy_blocks(msg.block_copies)
         logits, seq_ids = runner.execute(msg.scheduled, self._previous)
         if self.sampler is not None:
-            sampled: SampledTokens | None = self.sampler.launch(logits, seq_ids)
+            drafts = {s.seq_id: s.token_ids[-s.num_drafts:] for s in msg.scheduled
+                      if s.num_drafts}
+            sampled: SampledTokens | None = self.sampler.launch(logits, seq_ids, drafts)
         elif self._share_tokens:  # the driver's tokens arrive below
             sampled = SampledTokens(seq_ids, torch.empty(len(seq_ids), dtype=torch.long,
                                                          device=self.device))

@@ -43,8 +43,8 @@ def test_streamed_equals_whole_for_any_split(text: str, stops: list[str],
     cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 8))))
     deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     out, s = stream(stops, deltas)
-    hits = [i for x in stops if (i := text.find(x)) != -1]
-    want = text[:min(hits)] if hits else text
+    ends = [(i + len(x), i) for x in stops if (i := text.find(x)) != -1]
+    want = text[:min(ends)[1]] if ends else text  # the stop that ends first
     assert "".join(out) == s.text == want
     for k in range(1, len(out)):  # nothing released yet starts a stop the text completes
         shown = "".join(out[:k])

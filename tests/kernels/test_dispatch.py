@@ -38,6 +38,7 @@ class Scheduled:
     start_pos: int
     block_table: list[int]
     sample: bool = True
+    num_drafts: int = 0
 
 
 STEPS = [

@@ -18,7 +18,7 @@ native = pytest.mark.skipif(native_cpu.library() is None, reason="needs the C ke
 class _Seq:
     def __init__(self, token_ids: list[int]) -> None:
         self.seq_id, self.token_ids, self.start_pos = 0, token_ids, 0
-        self.block_table, self.sample = [0, 1], True
+        self.block_table, self.sample, self.num_drafts = [0, 1], True, 0
 
 
 def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:

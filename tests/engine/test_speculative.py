@@ -1,0 +1,133 @@
+"""Speculative decoding with n-gram drafts: greedy output identical to plain decoding in
+every scheduling mode and under TP, stops cut inside accepted runs, and what it refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshserve import LLM, SamplingParams
+
+ONE_RANK = ["parallel=single", "threads=1"]
+SPEC = ["speculative=ngram"]
+# Code that repeats itself, so prompt lookup finds drafts the bundled model accepts.
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+    "import os\nimport sys\nimport re\nimport os\nimport sys\n",
+    "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(j)\nfor k in",
+    "x = 1\n",
+    "class A:\n    def __init__(self):\n        self.x = 1\n\nclass B:\n    def __init__(self):",
+]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+MODES = {
+    "continuous": [],
+    "chunk-7": ["engine.max_num_batched_tokens=7"],
+    "preempt": ["engine.block_size=4", "engine.num_gpu_blocks=40"],
+    "static": ["engine=static", "engine.static_batch_size=2"],
+    "no-prefix-cache": ["engine.enable_prefix_caching=false"],
+}
+
+
+@pytest.fixture(scope="module")
+def plain() -> list[list[int]]:
+    llm = LLM("meshcoder", overrides=ONE_RANK, progress=False)
+    try:
+        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_ngram_is_token_identical(plain, mode: str) -> None:
+    llm = LLM("meshcoder", overrides=[*ONE_RANK, *SPEC, *MODES[mode]], progress=False)
+    try:
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == plain
+        stats = llm.engine.stats
+        assert stats.num_free_blocks == llm.engine.num_blocks
+        assert stats.spec.num_accepted_tokens > 0  # drafts were accepted, not only made
+        assert sum(o.metrics.num_accepted_tokens for o in outs) == stats.spec.num_accepted_tokens
+        assert sum(o.metrics.num_draft_tokens for o in outs) == stats.spec.num_draft_tokens
+        assert sum(stats.spec.accepted_per_position) == stats.spec.num_accepted_tokens
+        if mode == "preempt":
+            assert stats.num_preemptions > 0
+    finally:
+        llm.shutdown()
+
+
+def test_prefix_hits_and_tensor_parallel(plain) -> None:
+    llm = LLM("meshcoder", overrides=[*SPEC, "parallel.tp=2", "engine.block_size=4"],
+              progress=False)
+    try:
+        first = llm.generate(PROMPTS, GREEDY)
+        again = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in first] == [o.token_ids for o in again] == plain
+        assert sum(o.metrics.num_cached_tokens for o in again) > 0
+        assert llm.engine.stats.spec.num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
+
+
+REPEATS = "import os\nimport sys\nimport os\nimport sys\nimport"
+"""A prompt whose continuation prompt lookup drafts almost entirely."""
+
+
+def test_stops_and_limits_inside_an_accepted_run_cut_exactly() -> None:
+    base = LLM("meshcoder", overrides=ONE_RANK, progress=False)
+    spec = LLM("meshcoder", overrides=[*ONE_RANK, *SPEC], progress=False)
+    try:
+        full = base.generate([REPEATS], GREEDY)[0]
+        cases = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                 for n in (1, 2, 5, 13)]
+        cases += [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                 stop_token_ids=[full.token_ids[i]]) for i in (3, 9)]
+        cases += [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                 stop=[full.text[8:14]]),
+                  SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                 stop=[full.text[20:23]])]
+        want = base.generate([REPEATS] * len(cases), cases)
+        got = spec.generate([REPEATS] * len(cases), cases)
+        for w, g in zip(want, got):
+            assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text,
+                                                               w.finish_reason)
+        assert spec.engine.stats.spec.num_accepted_tokens > 0
+        assert spec.engine.stats.num_free_blocks == spec.engine.num_blocks
+    finally:
+        base.shutdown()
+        spec.shutdown()
+
+
+def test_sampled_speculation_is_seeded_per_request() -> None:
+    spec = LLM("meshcoder", overrides=[*ONE_RANK, *SPEC], progress=False)
+    try:
+        sp = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=5,
+                            ignore_eos=True)
+        batch = spec.generate(PROMPTS, [sp] * len(PROMPTS))
+        alone = spec.generate(PROMPTS[2:3], sp)[0]
+        assert batch[2].token_ids == alone.token_ids
+        assert all(len(o.token_ids) == 24 for o in batch)
+    finally:
+        spec.shutdown()
+
+
+def test_requests_that_read_positions_decode_plainly_beside_speculating_ones(plain) -> None:
+    spec = LLM("meshcoder", overrides=[*ONE_RANK, *SPEC], progress=False)
+    try:
+        lp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
+        outs = spec.generate(PROMPTS[:2], [lp, GREEDY])
+        assert outs[0].metrics.num_draft_tokens == 0 and len(outs[0].logprobs) == 40
+        assert outs[1].metrics.num_draft_tokens > 0
+        assert [o.token_ids for o in outs] == plain[:2]
+    finally:
+        spec.shutdown()
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["speculative=draft"], "speculative.method=draft"),
+    (["speculative=ngram", "parallel.pp=2"], "parallel.pp=2"),
+    (["speculative=ngram", "engine.async_scheduling=true", "parallel=single"],
+     "engine.async_scheduling=true"),
+    (["speculative.method=ngram", "speculative.num_tokens=0"], "speculative.num_tokens"),
+])
+def test_what_it_does_not_do_is_refused_at_start(overrides: list[str], words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        LLM("meshcoder", overrides=["threads=1", *overrides], progress=False)
