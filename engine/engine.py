@@ -236,12 +236,26 @@ class Engine:
             return []
         new = self._admit_to_executor(out)
         clock.scheduled()
+        t0 = time.perf_counter()
         result = self.executor.execute(out, new, self._take_finished())
         clock.executed()
         self.scheduler.update(out, result.tokens, result.accepted)
+        if self.scheduler.switch is not None:
+            self._observe_speculation(out, result, time.perf_counter() - t0)
         clock.scheduled()
         self.recorder.finish(out, clock, num_in_flight=1 if self.config.parallel.pp > 1 else None)
         return self._outputs(result)
+
+    def _observe_speculation(self, out: SchedulerOutput, result: StepResult,
+                             seconds: float) -> None:
+        """Tell the switch what a decode-only step (drafts or not) delivered."""
+        if not all(s.sample and len(s.token_ids) == 1 + s.num_drafts for s in out.scheduled):
+            return  # a prompt chunk's cost is no decode's
+        num_tokens = len(result.tokens) + sum(len(a) for a in result.accepted.values())
+        drafted = any(s.num_drafts for s in out.scheduled)
+        switch = self.scheduler.switch
+        assert switch is not None
+        switch.observe(out.num_seqs, drafted, num_tokens, seconds)
 
     def _step_async(self) -> list[RequestOutput]:
         """Schedule and launch the next step, then resolve the one launched before it:
@@ -408,10 +422,13 @@ class Engine:
 
 def _may_speculate(params: SamplingParams) -> bool:
     """Whether a request's decodes may carry drafts: not while it asks for logprobs, a
-    penalty, a logit bias or a grammar (those read each position's own history; such a
-    request decodes plainly in the same steps)."""
+    penalty, a logit bias or a grammar (those read each position's own history), nor a
+    seeded sampled one (whether a step drafts depends on its batch, and a seed promises
+    the same output whatever the batch): such requests decode plainly in the same steps.
+    Greedy output is the same either way."""
     return (params.logprobs is None and not params.penalized and not params.logit_bias
-            and params.structured_outputs is None)
+            and params.structured_outputs is None
+            and (params.greedy or params.seed is None))
 
 
 def _check_speculative(run: Run, wants_async: bool) -> bool:

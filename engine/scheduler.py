@@ -19,6 +19,7 @@ from meshserve.engine.scheduler_output import (
     SpecDecodeStats,
 )
 from meshserve.engine.sequence import Sequence, SequenceStatus
+from meshserve.engine.speculation_switch import SpeculationSwitch
 from meshserve.engine.speculative_config import SpeculativeConfig
 from meshserve.validation import require
 
@@ -63,6 +64,8 @@ class Scheduler:
         self.proposer = (NgramProposer(spec.num_tokens, spec.prompt_lookup_min,
                                        spec.prompt_lookup_max) if spec is not None else None)
         self.spec_stats = SpecDecodeStats()
+        self.switch = SpeculationSwitch() if spec is not None else None
+        """Whether a step drafts, from the tokens/s drafted and plain steps delivered."""
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching,
                                           sliding_window=sliding_window)
@@ -333,7 +336,7 @@ class Scheduler:
         # The hot path (one decode per sequence, every step): kept inline on purpose.
         running, in_flight, scheduled = self.running, self._in_flight, out.scheduled
         block_size = self.block_manager.block_size
-        speculating = self.speculative is not None
+        speculating = self.switch is not None and self.switch.allow(len(running))
         num_batched = 0
         blocked = False
         i = 0

@@ -96,16 +96,25 @@ def test_stops_and_limits_inside_an_accepted_run_cut_exactly() -> None:
         spec.shutdown()
 
 
-def test_sampled_speculation_is_seeded_per_request() -> None:
+def test_seeded_requests_decode_plainly_and_unseeded_ones_speculate() -> None:
+    """Whether a step drafts depends on its batch; a seed promises the same output whatever
+    the batch, so seeded sampled requests never draft (their output is the plain one)."""
+    base = LLM("meshcoder", overrides=ONE_RANK, progress=False)
     spec = LLM("meshcoder", overrides=[*ONE_RANK, *SPEC], progress=False)
     try:
-        sp = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=5,
-                            ignore_eos=True)
-        batch = spec.generate(PROMPTS, [sp] * len(PROMPTS))
-        alone = spec.generate(PROMPTS[2:3], sp)[0]
-        assert batch[2].token_ids == alone.token_ids
-        assert all(len(o.token_ids) == 24 for o in batch)
+        seeded = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=5,
+                                ignore_eos=True)
+        want = base.generate(PROMPTS[2:3], seeded)[0]
+        batch = spec.generate(PROMPTS, [seeded] * len(PROMPTS))
+        assert batch[2].token_ids == want.token_ids
+        assert all(o.metrics.num_draft_tokens == 0 for o in batch)
+        free = SamplingParams(max_tokens=24, temperature=0.8, ignore_eos=True)
+        outs = spec.generate([REPEATS] * 4, free)
+        assert all(len(o.token_ids) == 24 for o in outs)
+        assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+        assert spec.engine.stats.num_free_blocks == spec.engine.num_blocks
     finally:
+        base.shutdown()
         spec.shutdown()
 
 
