@@ -231,12 +231,12 @@ class Engine:
         if self.async_scheduling:
             return self._step_async()
         clock = self.recorder.start()
+        t0 = time.perf_counter()  # drafting costs the scheduler's proposals too
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
         new = self._admit_to_executor(out)
         clock.scheduled()
-        t0 = time.perf_counter()
         result = self.executor.execute(out, new, self._take_finished())
         clock.executed()
         self.scheduler.update(out, result.tokens, result.accepted)

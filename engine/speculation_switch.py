@@ -6,7 +6,7 @@ costs over a plain step, and that depends on the batch (at small batches the ste
 compute idle, at large ones it is busy), the acceptance of the running requests and the
 machine. So the switch keeps, per batch-size bucket (powers of two), a running average
 of output tokens per second of steps with drafts and of steps without, and lets a step
-draft while its bucket's drafted rate is at least the plain one. Either side is measured
+draft while its bucket's drafted rate beats the plain one by a margin. Either side is measured
 again now and then (every PROBE_EVERY steps of the other), so a change of workload is
 followed. A bucket with nothing measured yet drafts: that measures it.
 """
@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 PROBE_EVERY = 32
 """Steps of one kind after which the other kind runs once, to be measured again."""
+MARGIN = 1.03
+"""Drafting must deliver this much more than plain decoding to be chosen: a step that
+drafts costs what it measures, and its measure is noisier (fewer of its kind)."""
 WEIGHT = 0.2
 """The weight of the newest step in a running average."""
 
@@ -47,7 +50,7 @@ class SpeculationSwitch:
         b = self._buckets.setdefault(self.bucket(num_seqs), _Bucket())
         if b.drafted_rate is None or b.plain_rate is None:
             return b.drafted_rate is None  # measure drafting first, then plain
-        prefer = b.drafted_rate >= b.plain_rate
+        prefer = b.drafted_rate >= MARGIN * b.plain_rate
         return prefer if b.since_other < PROBE_EVERY else not prefer
 
     def observe(self, num_seqs: int, drafted: bool, num_tokens: int, seconds: float) -> None:
@@ -65,5 +68,5 @@ class SpeculationSwitch:
             b.plain_rate = rate if b.plain_rate is None else (
                 (1 - WEIGHT) * b.plain_rate + WEIGHT * rate)
         if b.drafted_rate is not None and b.plain_rate is not None:
-            prefer = b.drafted_rate >= b.plain_rate
+            prefer = b.drafted_rate >= MARGIN * b.plain_rate
             b.since_other = b.since_other + 1 if drafted == prefer else 0
