@@ -140,3 +140,22 @@ def test_requests_that_read_positions_decode_plainly_beside_speculating_ones(pla
 def test_what_it_does_not_do_is_refused_at_start(overrides: list[str], words: str) -> None:
     with pytest.raises(ValueError, match=words):
         LLM("meshcoder", overrides=["threads=1", *overrides], progress=False)
+
+
+def test_aborts_mid_speculation_give_every_block_back() -> None:
+    spec = LLM("meshcoder", overrides=[*ONE_RANK, *SPEC, "engine.block_size=4"],
+               progress=False)
+    engine = spec.engine
+    try:
+        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        ids = [engine.add_request(REPEATS, long) for _ in range(3)]
+        for _ in range(12):
+            engine.step()
+        assert engine.stats.spec.num_draft_tokens > 0
+        for rid in ids[:2]:
+            assert engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.stats.num_free_blocks == engine.num_blocks
+    finally:
+        spec.shutdown()
