@@ -1,10 +1,11 @@
 """Prompt-lookup (n-gram) drafts: the tokens that followed the latest earlier occurrence of
 the sequence's own suffix.
 
-For n from `max_n` down to `min_n`, the last n tokens are looked for earlier in the
-sequence (prompt and output); at the first n with a match, the k tokens that followed the
-most recent match are the draft (fewer if the sequence ends sooner). No match, no draft.
-The search is vectorised over the sequence with numpy: no Python loop per token.
+The longest suffix of `min_n`..`max_n` tokens that occurred earlier in the sequence
+(prompt and output) is found, and the k tokens that followed its most recent occurrence
+are the draft (fewer if the sequence ends sooner). No match, no draft. One vectorised pass
+finds where the last token occurred; each longer n only filters those positions, so the
+cost is one comparison over the sequence, not one per n.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from meshserve.validation import require
 
@@ -36,13 +36,19 @@ class NgramProposer:
         if self.max_lookback is not None and len(tokens) > self.max_lookback:
             tokens = tokens[-self.max_lookback:]
         size = len(tokens)
-        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
-            suffix = tokens[size - n:]
-            # Window i is tokens[i:i + n], i < size - n: it starts before the suffix and a
-            # token follows it.
-            windows = sliding_window_view(tokens[:size - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return tokens[start:start + k].tolist()
-        return []
+        # ends: the positions i < size - 1 where the last n tokens occurred, ending at i;
+        # n grows from 1 while any remain, and the longest n >= min_n gives the draft.
+        ends = np.flatnonzero(tokens[:size - 1] == tokens[size - 1]) if size > 1 else tokens[:0]
+        best, n = None, 1
+        while ends.size:
+            if n >= self.min_n:
+                best = ends
+            if n == self.max_n or n == size - 1:
+                break
+            n += 1
+            ends = ends[ends >= n - 1]
+            ends = ends[tokens[ends - (n - 1)] == tokens[size - n]]
+        if best is None:
+            return []
+        start = int(best[-1]) + 1  # what followed the latest occurrence
+        return tokens[start:start + k].tolist()

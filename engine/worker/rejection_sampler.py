@@ -30,6 +30,20 @@ class Verified:
     num_accepted: list[int]
 
 
+def verify_greedy_lists(best: Sequence[Sequence[int]],
+                        drafts: Sequence[Sequence[int]]) -> Verified:
+    """Greedy rows only: accept while the draft is the target's argmax, then the argmax.
+    best[b]: the target's argmax at each of row b's len(drafts[b]) + 1 positions."""
+    tokens, accepted = [], []
+    for row, d in zip(best, drafts):
+        a = 0
+        while a < len(d) and d[a] == row[a]:
+            a += 1
+        tokens.append(list(d[:a]) + [row[a]])
+        accepted.append(a)
+    return Verified(tokens, accepted)
+
+
 def verify(target_probs: torch.Tensor, drafts: Sequence[Sequence[int]],
            draft_probs: torch.Tensor | None, greedy: Sequence[bool],
            generators: Sequence[torch.Generator | None],

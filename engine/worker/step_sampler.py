@@ -10,9 +10,10 @@ import torch
 from meshserve.engine.sampling_params import SamplingParams, SequenceSampling
 from meshserve.engine.worker.grammar import Grammars, apply_bitmask
 from meshserve.engine.worker.logit_adjuster import LogitAdjuster
-from meshserve.engine.worker.rejection_sampler import verify
+from meshserve.engine.worker.rejection_sampler import verify, verify_greedy_lists
 from meshserve.engine.worker.sampled_tokens import Logprob, SampledTokens
 from meshserve.engine.worker.sampler import Sampler
+from meshserve.kernels import dispatch
 
 
 @dataclass
@@ -141,14 +142,23 @@ class StepSampler:
         params = [self.params[s] for s in spec]
         k = max(len(drafts[s]) for s in spec)
         vocab = logits.shape[-1]
-        gathered = logits.new_full((len(spec), k + 1, vocab), float("-inf"))
-        for i, s in enumerate(spec):
-            gathered[i, :len(rows[s])] = logits[rows[s][0]:rows[s][-1] + 1]
-        flat = gathered.view(-1, vocab)
-        row_params = [p for p in params for _ in range(k + 1)]
-        probs = self.sampler.probs(flat, row_params).view(len(spec), k + 1, vocab)
-        out = verify(probs, [drafts[s] for s in spec], None, [p.greedy for p in params],
-                     [self.generators[s] for s in spec], target_argmax=gathered.argmax(-1))
+        if all(p.greedy for p in params):  # the argmax of each row is all it takes
+            idx = torch.tensor([r for s in spec for r in rows[s]], device=logits.device)
+            best = dispatch.argmax_rows(logits.index_select(0, idx)).tolist()
+            per_seq, at = [], 0
+            for s in spec:
+                per_seq.append(best[at:at + len(rows[s])])
+                at += len(rows[s])
+            out = verify_greedy_lists(per_seq, [drafts[s] for s in spec])
+        else:
+            gathered = logits.new_full((len(spec), k + 1, vocab), float("-inf"))
+            for i, s in enumerate(spec):
+                gathered[i, :len(rows[s])] = logits[rows[s][0]:rows[s][-1] + 1]
+            flat = gathered.view(-1, vocab)
+            row_params = [p for p in params for _ in range(k + 1)]
+            probs = self.sampler.probs(flat, row_params).view(len(spec), k + 1, vocab)
+            out = verify(probs, [drafts[s] for s in spec], None, [p.greedy for p in params],
+                         [self.generators[s] for s in spec], target_argmax=gathered.argmax(-1))
         accepted = {}
         for s, toks in zip(spec, out.tokens):
             accepted[s] = toks[:-1]

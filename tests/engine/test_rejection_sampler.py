@@ -89,3 +89,17 @@ def test_a_seeded_row_does_not_depend_on_its_neighbours() -> None:
     batch = verify(p.expand(3, k + 1, vocab), drafts, q.expand(3, k, vocab), [False] * 3,
                    [torch.Generator().manual_seed(s) for s in (5, 7, 9)])
     assert batch.tokens[1] == alone.tokens[0]
+
+
+def test_the_greedy_shortcut_agrees_with_the_full_verification() -> None:
+    from meshserve.engine.worker.rejection_sampler import verify_greedy_lists
+
+    g = torch.Generator().manual_seed(4)
+    probs = torch.rand(6, 4, 9, generator=g).softmax(-1)
+    best = probs.argmax(-1)
+    drafts = [best[i, :3].tolist() if i % 2 else [int(best[i, 0]), 8, 8] for i in range(6)]
+    drafts[4] = []
+    full = verify(probs, drafts, None, [True] * 6, [None] * 6)
+    short = verify_greedy_lists([best[i, :len(d) + 1].tolist() for i, d in enumerate(drafts)],
+                                drafts)
+    assert short == full
