@@ -55,10 +55,12 @@ def children(pid: int) -> dict[int, int]:
 
 @pytest.mark.parametrize(("fault", "expected"), [
     (signal.SIGKILL, "rank 1 was killed by SIGKILL; all ranks stopped"),
-    # A stopped rank: stage 2 (waiting for its activations) or the driver (waiting for
-    # tokens) gives up after parallel.timeout_s, whichever notices first.
+    # A stopped rank: stage 2 (waiting for its activations), the driver (waiting for
+    # tokens) or the driver's send into the stopped rank's full ring gives up after
+    # parallel.timeout_s, whichever notices first.
     (signal.SIGSTOP, ("no activations from rank 1 (pp stage 1 of 3, tp rank 0 of 1)",
-                      "a rank did not answer within parallel.timeout_s=4 s")),
+                      "a rank did not answer within parallel.timeout_s=4 s",
+                      "act ring from rank 0 to rank 1: the other side did not take message")),
 ], ids=["killed", "hung"])
 def test_a_failed_rank_stops_every_rank(text3: Path, fault: signal.Signals,
                                         expected: str | tuple[str, ...]) -> None:
