@@ -25,7 +25,7 @@ from meshserve.engine.worker.executor import (
     InProcessExecutor,
     PipelinedExecutor,
 )
-from meshserve.engine.worker.grammar import Grammars, make_grammars
+from meshserve.engine.worker.grammar import compiler_for
 from meshserve.engine.worker.sampled_tokens import Logprob, SampledTokens
 from meshserve.engine.worker.step_sampler import StepResult
 from meshserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -79,8 +79,6 @@ class Engine:
         self.scheduler = Scheduler(config.engine, self.num_blocks, self.max_model_len,
                                    self.arch.sliding_window, config.speculative)
         self._new_seqs: dict[int, SequenceSampling] = {}
-        self._grammars: Grammars | None = None
-        """Compiles each request's grammar once at admission (the sampler caches them)."""
         self.recorder = StepRecorder(self.step_log)
         self.timing = self.recorder.timing
         self._finished: list[int] = []
@@ -175,9 +173,7 @@ class Engine:
             raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary; allowed "
                              f"are ints in [0, {vocab})")
         if params.structured_outputs is not None:  # a grammar that cannot compile fails here
-            if self._grammars is None:
-                self._grammars = make_grammars(self.run)
-            self._grammars.compile(params.structured_outputs)
+            compiler_for(self.run)[0].compile(params.structured_outputs)  # (and is cached)
         return ids, params
 
     def _check_prompt(self, ids: list[int]) -> None:
@@ -332,7 +328,6 @@ class Engine:
         requests = self._requests
         return [self._advance(requests[i], t, result.logprobs.get(i), now)
                 for i, t in result.tokens.items() if i in requests]
-
 
     def _admit_to_executor(self, out: SchedulerOutput) -> dict[int, SequenceSampling]:
         """Stamp first-scheduled times; the sampling state of sequences the executor

@@ -52,8 +52,6 @@ class Scheduler:
         wholly behind every running query's window go back to the pool. `speculative`
         (method ngram): decodes of sequences marked `speculate` carry drafts to verify."""
         require(max_model_len >= 1, "max_model_len", max_model_len, "an int >= 1")
-        require(sliding_window is None or sliding_window >= 1, "sliding_window",
-                sliding_window, "null or an int >= 1")
         self.config = config
         self.max_model_len = max_model_len
         self.sliding_window = sliding_window
@@ -256,8 +254,9 @@ class Scheduler:
         """Tokens to propose after `seq`'s last one this step (none when it is paused, the
         step is too large, or nothing matches); never more than it may still emit."""
         spec, proposer = self.speculative, self.proposer
-        if spec is None or proposer is None or not seq.speculate:
-            if spec is not None and not seq.speculate and seq.num_draft_tokens:
+        assert spec is not None and proposer is not None  # called only while speculating
+        if not seq.speculate:
+            if seq.num_draft_tokens:
                 seq.plain_steps += 1  # a paused sequence tries again now and then
                 if seq.plain_steps >= PAUSE_STEPS:
                     seq.speculate = True

@@ -188,6 +188,7 @@ class OpenAIServing:
                                 f"{self.cfg.max_n}", field)
         if count > body.n and logprobs is None:
             logprobs = 0  # candidates are ranked by their sampled tokens' logprobs
+        forced = plan.constraint() if plan is not None else None  # tool_choice's grammar
         choices = []
         for p, ids in enumerate(prompts):
             if len(ids) >= self.max_model_len:
@@ -206,7 +207,6 @@ class OpenAIServing:
             max_tokens = limit.asked or min(limit.default or room, room)
             for j in range(count):
                 params = body.sampling_params(max_tokens, logprobs)
-                forced = plan.constraint() if plan is not None else None
                 if forced is not None:
                     if params.structured_outputs is not None:
                         raise APIError(400, f"tool_choice: {_choice_text(body.tool_choice)} "

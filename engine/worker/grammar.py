@@ -4,10 +4,9 @@ constrained sequence, and their token bitmasks applied to the batched logits.
 Both libraries take the same four kinds of constraint (a JSON schema, any JSON object, a
 regular expression, an EBNF grammar in GBNF form; a choice of strings becomes a grammar),
 compile them against the model's tokenizer, and answer, for each step, a bitmask of the
-tokens allowed next (bit t of word t // 32). Measured on the bundled model's 4,096-token
-vocabulary (2-core CPU, a 4-field JSON schema, 16 sequences): xgrammar fills a mask in
-about 2 us per sequence, llguidance in about 25 us; xgrammar needs transformers at run time,
-llguidance nothing. `auto` takes xgrammar where it imports.
+tokens allowed next (bit t of word t // 32). xgrammar's masks cost the least per step
+(docs/benchmarks/ has the measurement) but it needs transformers at run time; llguidance
+needs nothing. `auto` takes xgrammar where it imports.
 
 A matcher advances by the tokens actually sampled; it rolls back and checks drafts
 (`validate`) for speculative decoding. One that can take nothing more (terminated, or in
@@ -18,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -226,37 +226,48 @@ def make_backend(name: str, model_dir: Path, vocab_size: int,
                          "allowed: pip install llguidance") from None
 
 
-class Grammars:
-    """The compiled grammars (cached by constraint) and one matcher per constrained
-    sequence, for one sampling rank."""
+class GrammarCompiler:
+    """A backend and the grammars it compiled, cached by constraint: one per model and
+    backend in a process, so the engine's check at admission and the sampler's matchers
+    compile each grammar once."""
 
     CACHE = 64
 
-    def __init__(self, backend: GrammarBackend, vocab_size: int,
-                 eos_ids: Sequence[int]) -> None:
-        self.backend, self.vocab_size = backend, vocab_size
-        self.eos_ids = sorted(set(eos_ids))
-        self.matchers: dict[int, Matcher] = {}
+    def __init__(self, backend: GrammarBackend) -> None:
+        self.backend = backend
         self._compiled: OrderedDict[StructuredOutputs, Any] = OrderedDict()
+        self._lock = threading.Lock()  # data-parallel replicas may share it across threads
 
     def compile(self, spec: StructuredOutputs) -> Any:
         """The grammar for `spec` (a ValueError naming the request's field if it has none)."""
-        hit = self._compiled.get(spec)
-        if hit is not None:
-            self._compiled.move_to_end(spec)
-            return hit
+        with self._lock:
+            hit = self._compiled.get(spec)
+            if hit is not None:
+                self._compiled.move_to_end(spec)
+                return hit
         try:
             compiled = self.backend.compile(spec)
         except ValueError as e:
             raise ValueError(f"{spec.source}: {spec.kind} cannot be compiled by "
                              f"{self.backend.name} ({e})") from None
-        self._compiled[spec] = compiled
-        if len(self._compiled) > self.CACHE:
-            self._compiled.popitem(last=False)
+        with self._lock:
+            self._compiled[spec] = compiled
+            if len(self._compiled) > self.CACHE:
+                self._compiled.popitem(last=False)
         return compiled
 
+
+class Grammars:
+    """One matcher per constrained sequence of one sampling rank, and their bitmasks."""
+
+    def __init__(self, compiler: GrammarCompiler, vocab_size: int,
+                 eos_ids: Sequence[int]) -> None:
+        self.compiler, self.backend, self.vocab_size = compiler, compiler.backend, vocab_size
+        self.eos_ids = sorted(set(eos_ids))
+        self.matchers: dict[int, Matcher] = {}
+
     def track(self, seq_id: int, spec: StructuredOutputs) -> None:
-        self.matchers[seq_id] = self.backend.matcher(self.compile(spec))
+        self.matchers[seq_id] = self.backend.matcher(self.compiler.compile(spec))
 
     def forget(self, seq_id: int) -> None:
         self.matchers.pop(seq_id, None)
@@ -281,20 +292,33 @@ class Grammars:
                 m.accept(token)
 
 
-def make_grammars(run: Run) -> Grammars:
-    """The grammar state of a run's model: its tokenizer, its EOS tokens, the configured
-    backend."""
-    from meshserve.models.tokenizer import Tokenizer
+_COMPILERS: dict[tuple[str, str, int], tuple[GrammarCompiler, list[int]]] = {}
+_COMPILERS_LOCK = threading.Lock()
 
-    eos = set(run.arch.eos_token_ids)
-    if (run.model_dir / "tokenizer.json").is_file():
-        tok_eos = Tokenizer(run.model_dir).eos_token_id
-        if tok_eos is not None:
-            eos.add(tok_eos)
-    vocab = run.arch.vocab_size
-    backend = make_backend(run.config.engine.structured_outputs_backend, run.model_dir, vocab,
-                           sorted(eos))
-    return Grammars(backend, vocab, sorted(eos))
+
+def compiler_for(run: Run) -> tuple[GrammarCompiler, list[int]]:
+    """This process's compiler for the run's model and configured backend, and the EOS
+    tokens the grammars end with (the config's and the tokenizer's)."""
+    key = (str(run.model_dir), run.config.engine.structured_outputs_backend,
+           run.arch.vocab_size)
+    with _COMPILERS_LOCK:
+        if key not in _COMPILERS:
+            from meshserve.models.tokenizer import Tokenizer
+
+            eos = set(run.arch.eos_token_ids)
+            if (run.model_dir / "tokenizer.json").is_file():
+                tok_eos = Tokenizer(run.model_dir).eos_token_id
+                if tok_eos is not None:
+                    eos.add(tok_eos)
+            backend = make_backend(key[1], run.model_dir, key[2], sorted(eos))
+            _COMPILERS[key] = (GrammarCompiler(backend), sorted(eos))
+        return _COMPILERS[key]
+
+
+def make_grammars(run: Run) -> Grammars:
+    """A sampling rank's grammar state for the run's model (the process's compiler)."""
+    compiler, eos = compiler_for(run)
+    return Grammars(compiler, run.arch.vocab_size, eos)
 
 
 def _bit(i: int) -> int:
@@ -310,7 +334,7 @@ def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tens
     target = logits if idx is None else logits.index_select(0, idx)
     if logits.device.type == "cpu":
         # numpy unpacks the little-endian words' bytes in order (bit t of word w at column
-        # 32 w + t); adding a 0 / -inf bias costs a third of torch's masked_fill here.
+        # 32 w + t); adding a 0 / -inf bias is cheaper than torch's masked_fill on a CPU.
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
         target.add_(torch.from_numpy(np.take(_BIAS, bits[:, :vocab])))
     else:

@@ -66,18 +66,26 @@ class LogitAdjuster:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size, self.device = vocab_size, device
         self.history = TokenHistory(vocab_size, device)
+        self._adjusted: set[int] = set()
+        """Tracked sequences with a bias or a penalty: while none is, a step checks nothing."""
 
     def track(self, seq_id: int, seq: SequenceSampling) -> None:
-        if seq.params.penalized:
+        p = seq.params
+        if p.penalized:
             self.history.add(seq_id, seq.prompt_token_ids)
+        if p.penalized or p.logit_bias:
+            self._adjusted.add(seq_id)
 
     def forget(self, seq_id: int) -> None:
         self.history.remove(seq_id)
+        self._adjusted.discard(seq_id)
 
     def apply(self, logits: torch.Tensor, seq_ids: Sequence[int],
               params: Sequence[SamplingParams]) -> torch.Tensor:
         """logits [N, V] (float32) -> adjusted logits; the input is left as it is (its raw
         values give the logprobs), and returned as it is when no row asks."""
+        if not self._adjusted:
+            return logits
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         penalized = [i for i, p in enumerate(params) if p.penalized]
         if not biased and not penalized:
@@ -123,6 +131,8 @@ class LogitAdjuster:
     def record(self, seq_ids: Sequence[int], params: Sequence[SamplingParams],
                tokens: torch.Tensor) -> None:
         """Count the tokens [N] just sampled for the penalized rows (on the device)."""
+        if not self.history.slots:
+            return
         rows = [i for i, p in enumerate(params) if p.penalized]
         if not rows:
             return

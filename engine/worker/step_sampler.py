@@ -99,7 +99,8 @@ class StepSampler:
         params = [self.params[i] for i in seq_ids]
         logits = logits.float()
         adjusted = self.adjuster.apply(logits, seq_ids, params)
-        rows = [i for i, p in enumerate(params) if p.structured_outputs is not None]
+        rows = ([i for i, p in enumerate(params) if p.structured_outputs is not None]
+                if self._grammars is not None and self._grammars.matchers else [])
         if rows:
             self._accept_sampled()
             constrained = [seq_ids[i] for i in rows]
@@ -117,7 +118,6 @@ class StepSampler:
             def logprobs(token_ids: list[int]) -> list[Logprob | None]:
                 return self.sampler.logprobs(logits, params, token_ids)
         return SampledTokens(seq_ids, tokens, logprobs)
-
 
     def _verify(self, logits: torch.Tensor, seq_ids: list[int],
                 drafts: Mapping[int, list[int]]) -> SampledTokens:
@@ -140,8 +140,6 @@ class StepSampler:
             final.update(zip(plain, tokens))
             plain_logprobs.update(zip(plain, logprobs))
         params = [self.params[s] for s in spec]
-        k = max(len(drafts[s]) for s in spec)
-        vocab = logits.shape[-1]
         if all(p.greedy for p in params):  # the argmax of each row is all it takes
             idx = torch.tensor([r for s in spec for r in rows[s]], device=logits.device)
             best = dispatch.argmax_rows(logits.index_select(0, idx)).tolist()
@@ -151,6 +149,7 @@ class StepSampler:
                 at += len(rows[s])
             out = verify_greedy_lists(per_seq, [drafts[s] for s in spec])
         else:
+            k, vocab = max(len(drafts[s]) for s in spec), logits.shape[-1]
             gathered = logits.new_full((len(spec), k + 1, vocab), float("-inf"))
             for i, s in enumerate(spec):
                 gathered[i, :len(rows[s])] = logits[rows[s][0]:rows[s][-1] + 1]
@@ -163,6 +162,7 @@ class StepSampler:
         for s, toks in zip(spec, out.tokens):
             accepted[s] = toks[:-1]
             final[s] = toks[-1]
+
         def logprobs(_: list[int]) -> list[Logprob | None]:  # only plain rows ask for them
             return [plain_logprobs.get(s) for s in order]
 
