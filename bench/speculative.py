@@ -1,25 +1,32 @@
-"""Speculative decoding against none, and against transformers' prompt lookup, in one run.
+"""Speculative decoding against none, and against transformers' assisted generation and
+prompt lookup, in one run.
 
-    python -m meshserve.bench.speculative --tokens 128 --rounds 2 --batches 1 4 16 64
+    python -m meshserve.bench.speculative --method ngram --tokens 128 --rounds 2 --batches 1 4 16 64
+    python -m meshserve.bench.speculative --method draft --tokens 128 --rounds 2 --batches 1 4 16 64
 
-The workload is input-grounded: each prompt is a function from the Python standard
-library followed by its own first lines again, so the completion repeats code the
-prompt holds (what prompt lookup is for). The bundled model, greedy, EOS ignored, one
-thread. Batch 1: every prompt alone, meshserve without and with n-gram drafts, and
-transformers' `generate` without and with `prompt_lookup_num_tokens`; larger batches:
-meshserve without and with drafts. Each figure is generated tokens per second over the
-whole workload; rounds alternate which side goes first. Also the acceptance rate and the
-mean tokens a verify step emitted.
+`--method ngram` runs an input-grounded workload: each prompt is a function from the
+Python standard library followed by its own first lines again, so the completion repeats
+code the prompt holds (what prompt lookup is for). `--method draft` runs the bundled
+model's held-out standard-library files (never trained on), a window of lines from each,
+with the bundled draft. The bundled model, greedy, EOS ignored, one thread. Batch 1:
+every prompt alone, meshserve without and with drafts, and transformers' `generate`
+without drafts, with `prompt_lookup_num_tokens` and (draft) with `assistant_model=` the
+same draft; larger batches: meshserve without and with drafts. Each figure is generated
+tokens per second over the whole workload; rounds alternate which side goes first. Also
+the acceptance rate and the mean tokens a verify step emitted.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import inspect
 import json
 import statistics
+import sysconfig
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -47,6 +54,31 @@ def prompts() -> list[str]:
     return out
 
 
+SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idlelib", "lib2to3", "encodings",
+                       "pydoc_data", "__pycache__"})
+"""The directories the bundled models' training skipped (models/bundled/train.py)."""
+
+
+def heldout_prompts(num: int = 10, num_lines: int = 14) -> list[str]:
+    """Windows of `num_lines` lines from the standard-library files the bundled models
+    held out of training (sha256 of the relative path % 100 < 2): two per file, from a
+    third and two thirds of the way in, skipping files too short for them."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(part in SKIP_DIRS for part in rel.parts[:-1]) or not path.is_file():
+            continue
+        if int(hashlib.sha256(rel.as_posix().encode()).hexdigest(), 16) % 100 >= 2:
+            continue
+        lines = path.read_text(errors="replace").splitlines(keepends=True)
+        if len(lines) < 4 * num_lines:
+            continue
+        for at in (len(lines) // 3, 2 * len(lines) // 3):
+            out.append("".join(lines[at:at + num_lines]))
+    return out[:num]
+
+
 def rate(fn: Callable[[], int]) -> float:
     t0 = time.perf_counter()
     tokens = fn()
@@ -59,13 +91,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 4, 16, 64])
     ap.add_argument("--num-tokens", type=int, default=4, help="drafted tokens per step (k)")
+    ap.add_argument("--method", choices=("ngram", "draft"), default="ngram")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    texts = prompts()
+    method = args.method
+    texts = prompts() if method == "ngram" else heldout_prompts()
     sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     base = ["parallel=single", "threads=1"]
     plain = LLM("meshcoder", overrides=base, progress=False)
-    spec = LLM("meshcoder", overrides=[*base, "speculative=ngram",
+    spec = LLM("meshcoder", overrides=[*base, f"speculative={method}",
                                        f"speculative.num_tokens={args.num_tokens}"],
                progress=False)
     from transformers import AutoModelForCausalLM
@@ -75,6 +109,8 @@ def main() -> None:
     tok = Tokenizer(BUNDLED_DIR / "meshcoder")
     hf = AutoModelForCausalLM.from_pretrained(BUNDLED_DIR / "meshcoder",
                                               dtype=torch.float32).eval()
+    hf_draft = AutoModelForCausalLM.from_pretrained(BUNDLED_DIR / "meshcoder-draft",
+                                                    dtype=torch.float32).eval()
     ids = [torch.tensor([tok.encode(t)]) for t in texts]
 
     def ours(llm: LLM, batch: int) -> Callable[[], int]:
@@ -86,12 +122,11 @@ def main() -> None:
             return n
         return run
 
-    def theirs(lookup: int | None) -> Callable[[], int]:
+    def theirs(**kw: object) -> Callable[[], int]:
         def run() -> int:
             n = 0
             with torch.no_grad():
                 for x in ids:
-                    kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
                     out = hf.generate(x, max_new_tokens=args.tokens, min_new_tokens=args.tokens,
                                       do_sample=False, **kw)
                     n += out.shape[1] - x.shape[1]
@@ -101,13 +136,20 @@ def main() -> None:
     # Warm every path, then check that greedy speculation changed no token.
     assert [o.token_ids for o in plain.generate(texts, sp)] == \
         [o.token_ids for o in spec.generate(texts, sp)], "speculation changed the output"
-    theirs(args.num_tokens)()
+    lookup = theirs(prompt_lookup_num_tokens=args.num_tokens)
+    assisted = theirs(assistant_model=hf_draft, num_assistant_tokens=args.num_tokens,
+                      num_assistant_tokens_schedule="constant")
+    lookup()
+    if method == "draft":
+        assisted()
     for batch in args.batches:
         sides: dict[str, Callable[[], int]] = {"none": ours(plain, batch),
-                                               "ngram": ours(spec, batch)}
+                                               method: ours(spec, batch)}
         if batch == 1:
-            sides["transformers"] = theirs(None)
-            sides["transformers-prompt-lookup"] = theirs(args.num_tokens)
+            sides["transformers"] = theirs()
+            sides["transformers-prompt-lookup"] = lookup
+            if method == "draft":
+                sides["transformers-assisted"] = assisted
         names = list(sides)
         rates: dict[str, list[float]] = {n: [] for n in names}
         before = spec.engine.stats.spec
@@ -121,12 +163,14 @@ def main() -> None:
         mean = {n: statistics.mean(v) for n, v in rates.items()}
         row = {"batch": batch, "tokens": args.tokens, "rounds": args.rounds,
                **{f"{n}_tok_s": round(m, 1) for n, m in mean.items()},
-               "ngram_over_none": round(mean["ngram"] / mean["none"], 3),
+               f"{method}_over_none": round(mean[method] / mean["none"], 3),
                "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
                "mean_tokens_per_verify": round((accepted + steps) / steps, 2) if steps else None}
         if batch == 1:
-            row["ngram_over_transformers_prompt_lookup"] = round(
-                mean["ngram"] / mean["transformers-prompt-lookup"], 3)
+            for peer in ("transformers-prompt-lookup", "transformers-assisted"):
+                if peer in mean:
+                    row[f"{method}_over_{peer.replace('-', '_')}"] = round(
+                        mean[method] / mean[peer], 3)
         print(json.dumps(row), flush=True)
     plain.shutdown()
     spec.shutdown()

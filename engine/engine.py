@@ -237,21 +237,19 @@ class Engine:
         clock.executed()
         self.scheduler.update(out, result.tokens, result.accepted)
         if self.scheduler.switch is not None:
-            self._observe_speculation(out, result, time.perf_counter() - t0)
+            self._observe_speculation(out, time.perf_counter() - t0)
         clock.scheduled()
         self.recorder.finish(out, clock, num_in_flight=1 if self.config.parallel.pp > 1 else None)
         return self._outputs(result)
 
-    def _observe_speculation(self, out: SchedulerOutput, result: StepResult,
-                             seconds: float) -> None:
-        """Tell the switch what a decode-only step (drafts or not) delivered."""
+    def _observe_speculation(self, out: SchedulerOutput, seconds: float) -> None:
+        """Tell the switch what a decode-only step (drafts or not) cost."""
         if not all(s.sample and len(s.token_ids) == 1 + s.num_drafts for s in out.scheduled):
             return  # a prompt chunk's cost is no decode's
-        num_tokens = len(result.tokens) + sum(len(a) for a in result.accepted.values())
         drafted = any(s.num_drafts for s in out.scheduled)
         switch = self.scheduler.switch
         assert switch is not None
-        switch.observe(out.num_seqs, drafted, num_tokens, seconds)
+        switch.observe(out.num_seqs, drafted, seconds)
 
     def _step_async(self) -> list[RequestOutput]:
         """Schedule and launch the next step, then resolve the one launched before it:
@@ -432,9 +430,6 @@ def _check_speculative(run: Run, wants_async: bool) -> bool:
     spec = run.config.speculative
     if not spec.enabled:
         return wants_async
-    if spec.method == "draft":
-        raise ValueError("speculative.method=draft: the draft-model proposer is not built "
-                         "yet; allowed: none, ngram")
     if run.config.parallel.pp > 1:
         raise ValueError(f"speculative.method={spec.method} with parallel.pp="
                          f"{run.config.parallel.pp}: the last stage does not return several "

@@ -16,7 +16,7 @@ import torch
 from meshserve.engine.auto_layout import resolve_layout
 from meshserve.engine.runtime_config import RuntimeConfig
 from meshserve.models.arch import ModelArch
-from meshserve.models.bundled import resolve_model_dir
+from meshserve.models.bundled import resolve_draft_dir, resolve_model_dir
 from meshserve.parallel.comm.discovery import LaunchEnv, discover
 from meshserve.parallel.planner.search import resolve_dtype
 
@@ -38,6 +38,10 @@ class Run:
     rank's); None for a process started alone."""
     device_type: str
     """'cpu' or 'cuda': device=auto resolved."""
+    draft_dir: Path | None = None
+    """speculative.method=draft: the draft model's directory (its vocabulary checked)."""
+    draft_arch: ModelArch | None = None
+    """... and its config.json, parsed."""
 
     @property
     def world_size(self) -> int:
@@ -74,7 +78,35 @@ def resolve_run(config: RuntimeConfig, *, env: LaunchEnv | None | bool = True,
     device_type = resolve_device(config.device)
     config = resolve_layout(config, arch, launch_env, device_type, announce=announce,
                             max_dp=max_dp)
-    return Run(config, model_dir, arch, launch_env, device_type)
+    draft_dir, draft_arch = _resolve_draft(config, arch)
+    return Run(config, model_dir, arch, launch_env, device_type, draft_dir, draft_arch)
+
+
+def _resolve_draft(config: RuntimeConfig, arch: ModelArch) -> tuple[Path | None,
+                                                                     ModelArch | None]:
+    """The draft model of speculative.method=draft, checked against the target: the same
+    vocabulary, and positions for the target's whole context."""
+    spec = config.speculative
+    if spec.method != "draft":
+        return None, None
+    m = config.model
+    draft_dir = resolve_draft_dir(spec.draft_model, m.name, m.path)
+    draft = ModelArch.from_dir(draft_dir)
+    if draft.vocab_size != arch.vocab_size:
+        raise ValueError(f"speculative.draft_model={spec.draft_model or draft_dir.name!r}: its "
+                         f"vocabulary has {draft.vocab_size} tokens, the target's "
+                         f"({m.path or m.name}) {arch.vocab_size}; allowed is a draft with the "
+                         "target's vocabulary")
+    limit = config.engine.max_model_len or arch.max_position_embeddings
+    if draft.max_position_embeddings < limit:
+        raise ValueError(f"speculative.draft_model={spec.draft_model or draft_dir.name!r}: "
+                         f"{draft.max_position_embeddings} positions, fewer than the target's "
+                         f"context of {limit}; allowed is a draft covering engine.max_model_len")
+    if arch.sliding_window is not None or draft.sliding_window is not None:
+        raise ValueError("speculative.method=draft with a sliding-window model: the draft's "
+                         "KV follows the target's blocks, which that window releases; allowed:"
+                         " speculative.method=ngram or none")
+    return draft_dir, draft
 
 
 def async_scheduling(run: Run) -> bool:

@@ -25,6 +25,9 @@ from meshserve.validation import require
 
 PAUSE_STEPS = 32
 """Decodes a sequence whose drafts kept failing runs plainly before it drafts again."""
+PRIOR_STEPS = 2
+"""A request's expected accepted drafts per verify step start as the run's, weighing as
+this many of its own steps; the run's start at half of k, weighing as many."""
 
 
 def _arrival_key(seq: Sequence) -> tuple[float, int]:
@@ -50,20 +53,22 @@ class Scheduler:
                  speculative: SpeculativeConfig | None = None) -> None:
         """`sliding_window`: the model attends to that many latest tokens only, so blocks
         wholly behind every running query's window go back to the pool. `speculative`
-        (method ngram): decodes of sequences marked `speculate` carry drafts to verify."""
+        (ngram or draft): decodes of sequences marked `speculate` carry drafts to verify."""
         require(max_model_len >= 1, "max_model_len", max_model_len, "an int >= 1")
         self.config = config
         self.max_model_len = max_model_len
         self.sliding_window = sliding_window
         spec = speculative if speculative is not None and speculative.enabled else None
-        require(spec is None or spec.method == "ngram", "speculative.method",
-                spec.method if spec else None, "none or ngram in the scheduler")
         self.speculative = spec
         self.proposer = (NgramProposer(spec.num_tokens, spec.prompt_lookup_min,
-                                       spec.prompt_lookup_max) if spec is not None else None)
+                                       spec.prompt_lookup_max)
+                         if spec is not None and spec.method == "ngram" else None)
+        """method=ngram: drafts made here. method=draft: the draft model beside the target
+        makes them; the scheduler reserves their slots and says what the draft must feed."""
+        self.draft_model = spec is not None and spec.method == "draft"
         self.spec_stats = SpecDecodeStats()
         self.switch = SpeculationSwitch() if spec is not None else None
-        """Whether a step drafts, from the tokens/s drafted and plain steps delivered."""
+        """Whether a step drafts: its timed cost against the acceptance of its requests."""
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching,
                                           sliding_window=sliding_window)
@@ -197,6 +202,8 @@ class Scheduler:
             start = sched.start_pos
             assert seq.num_computed_tokens == start, (seq, start)
             end = seq.num_computed_tokens = start + len(sched.token_ids)
+            if sched.draft_context is not None and not sched.num_drafts:
+                seq.num_draft_computed = end  # the draft model ran this prompt chunk too
             if sched.num_drafts:
                 end = self._accept_drafts(seq, sched, accepted or {}, sampled[seq_id],
                                           finished)
@@ -226,6 +233,7 @@ class Scheduler:
         ok = accepted.get(seq.seq_id, [])
         seq.num_draft_tokens += sched.num_drafts
         seq.num_accepted_tokens += len(ok)
+        seq.num_verify_steps += 1
         self.spec_stats.add(sched.num_drafts, len(ok))
         self._pause_if_failing(seq, len(ok))
         for t in (*ok, token):
@@ -237,7 +245,24 @@ class Scheduler:
                 break
         # The last token fed and the accepted drafts hold KV; the newest token does not.
         seq.num_computed_tokens = min(sched.start_pos + 1 + len(ok), seq.num_tokens - 1)
+        if sched.draft_context is not None:
+            # The draft model fed the last token and its first num_drafts - 1 drafts: its KV
+            # holds those of them that were accepted.
+            seq.num_draft_computed = min(sched.start_pos + 1 + min(len(ok), sched.num_drafts - 1),
+                                         seq.num_computed_tokens)
         return seq.num_computed_tokens
+
+    def _acceptances(self) -> list[float | None]:
+        """Per running sequence, the drafts a verify step of it can expect to accept: its
+        own mean, seeded (as PRIOR_STEPS verify steps) with the run's mean so far, itself
+        seeded at half of speculative.num_tokens; None for one that would not draft."""
+        st, spec = self.spec_stats, self.speculative
+        assert spec is not None
+        run = ((st.num_accepted_tokens + spec.num_tokens / 2 * PRIOR_STEPS)
+               / (st.num_drafts + PRIOR_STEPS))
+        seed = run * PRIOR_STEPS
+        return [(s.num_accepted_tokens + seed) / (s.num_verify_steps + PRIOR_STEPS)
+                if s.speculate else None for s in self.running]
 
     def _pause_if_failing(self, seq: Sequence, num_accepted: int) -> None:
         """Stop drafting for a sequence whose drafts keep failing: its running acceptance
@@ -254,7 +279,7 @@ class Scheduler:
         """Tokens to propose after `seq`'s last one this step (none when it is paused, the
         step is too large, or nothing matches); never more than it may still emit."""
         spec, proposer = self.speculative, self.proposer
-        assert spec is not None and proposer is not None  # called only while speculating
+        assert spec is not None  # called only while speculating
         if not seq.speculate:
             if seq.num_draft_tokens:
                 seq.plain_steps += 1  # a paused sequence tries again now and then
@@ -267,7 +292,22 @@ class Scheduler:
                    self.max_model_len - seq.num_tokens - 1, budget - 1)
         if room <= 0:
             return []
+        if proposer is None:  # the draft model fills these slots on the worker
+            return [PLACEHOLDER_TOKEN] * room
         return proposer.propose(seq.token_ids, room)
+
+    @staticmethod
+    def _draft_context(seq: Sequence, start: int, end: int, drafting: bool) -> list[int] | None:
+        """What the draft model feeds of `seq` before its tokens start..end this step: its
+        lagging tokens where it drafts, nothing before a prompt chunk (blocks from the
+        prefix cache count as computed by the draft too), None where it sits out."""
+        if drafting:
+            seq.num_draft_computed = min(seq.num_draft_computed, start)
+            return seq.token_ids[seq.num_draft_computed:start]
+        if end - start > 1 or start < seq.num_prompt_tokens:
+            seq.num_draft_computed = start
+            return []
+        return None  # a plain decode: the draft catches up when it next drafts
 
     def advance(self, output: SchedulerOutput) -> None:
         """Async scheduling, first half of `update`, right after `output` was launched: its
@@ -335,7 +375,7 @@ class Scheduler:
         # The hot path (one decode per sequence, every step): kept inline on purpose.
         running, in_flight, scheduled = self.running, self._in_flight, out.scheduled
         block_size = self.block_manager.block_size
-        speculating = self.switch is not None and self.switch.allow(len(running))
+        speculating = self.switch is not None and self.switch.allow(self._acceptances())
         num_batched = 0
         blocked = False
         i = 0
@@ -364,8 +404,10 @@ class Scheduler:
             tokens = seq.token_ids[start:end]
             if drafts:
                 tokens = [*tokens, *drafts]
-            scheduled.append(ScheduledSeq(seq.seq_id, tokens, start, table[:],
-                                          end == num_tokens, len(drafts)))
+            scheduled.append(ScheduledSeq(
+                seq.seq_id, tokens, start, table[:], end == num_tokens, len(drafts),
+                self._draft_context(seq, start, end, bool(drafts)) if self.draft_model
+                else None))
             num_batched += fed
             budget -= fed
             i += 1
@@ -474,12 +516,14 @@ class Scheduler:
             return budget
         return 0
 
-    @staticmethod
-    def _emit(out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+    def _emit(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
         start = seq.num_computed_tokens
         end = start + num_new
         out.scheduled.append(ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start,
-                                          list(seq.block_table), end == seq.num_tokens))
+                                          list(seq.block_table), end == seq.num_tokens,
+                                          draft_context=self._draft_context(
+                                              seq, start, end, False) if self.draft_model
+                                          else None))
         out.num_batched_tokens += num_new
 
     def _stop_status(self, seq: Sequence) -> SequenceStatus | None:

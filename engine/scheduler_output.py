@@ -39,6 +39,12 @@ class ScheduledSeq:
     """Speculative decoding: the last num_drafts of token_ids are proposed, not known; the
     model gives logits at each of the last num_drafts + 1 positions to verify them."""
 
+    draft_context: list[int] | None = None
+    """speculative.method=draft: None where the draft model skips this sequence this step;
+    else the tokens before token_ids[0] whose KV the draft lacks (it skipped plain decodes).
+    The draft feeds them and the known tokens, from start_pos - len(draft_context), and
+    where num_drafts > 0 proposes them (the scheduler's are placeholders)."""
+
     @property
     def num_tokens(self) -> int:
         """Tokens fed this step."""

@@ -41,7 +41,7 @@ class Sequence:
         "arrival_time", "output_token_ids", "status", "block_table", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "finish_reason", "block_hashes", "_token_ids",
         "num_released_blocks", "speculate", "num_draft_tokens", "num_accepted_tokens",
-        "plain_steps",
+        "plain_steps", "num_draft_computed", "num_verify_steps",
     )
 
     def __init__(
@@ -64,15 +64,20 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_released_blocks = 0
+        """Leading blocks of the table given back because attention no longer reads them
+        (sliding window): their entries stay, as placeholders, so positions index as before."""
         self.speculate = False
         """Whether the scheduler may propose drafts for this sequence's decodes."""
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         """Drafted tokens verified for this sequence, and those accepted."""
+        self.num_verify_steps = 0
+        """Steps that verified drafts of it."""
         self.plain_steps = 0
         """Decodes since its drafts last failed (speculation paused, retried later)."""
-        """Leading blocks of the table given back because attention no longer reads them
-        (sliding window): their entries stay, as placeholders, so positions index as before."""
+        self.num_draft_computed = 0
+        """speculative.method=draft: leading tokens whose KV the draft model's cache holds
+        (it runs every prefill chunk, and decodes only when drafting)."""
         self.num_computed_tokens = 0
         """Tokens whose KV is in the cache (prefix hits included)."""
         self.num_cached_tokens = 0
@@ -159,6 +164,7 @@ class Sequence:
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
+        child.num_draft_computed = self.num_draft_computed
         child.block_hashes = list(self.block_hashes)
         return child
 

@@ -27,3 +27,25 @@ def resolve_model_dir(name: str, path: str | None) -> Path:
     raise ValueError(f"model.name={name!r} has no bundled weights and model.path is not set; "
                      f"allowed: a bundled model ({', '.join(bundled_models()) or 'none'}) or "
                      "model.path=/dir/of/a/hf/model")
+
+
+def resolve_draft_dir(draft_model: str | None, model_name: str, model_path: str | None) -> Path:
+    """The draft model's directory for speculative decoding: `draft_model` a bundled name or
+    a local Hugging Face directory; None: the target's bundled draft (`<name>-draft`)."""
+    if draft_model is None:
+        if not model_path and (BUNDLED_DIR / f"{model_name}-draft" / "config.json").is_file():
+            return BUNDLED_DIR / f"{model_name}-draft"
+        target = model_path or model_name
+        raise ValueError(f"speculative.draft_model=null: the target {target!r} has no bundled "
+                         "draft; allowed: a bundled model "
+                         f"({', '.join(bundled_models()) or 'none'}) or a local Hugging Face "
+                         "directory")
+    if (BUNDLED_DIR / draft_model / "config.json").is_file():
+        return BUNDLED_DIR / draft_model
+    p = Path(draft_model).expanduser()
+    if p.is_dir() and (p / "config.json").is_file():
+        return p
+    raise ValueError(f"speculative.draft_model={draft_model!r}: neither a bundled model nor a "
+                     "directory with a config.json; allowed: a bundled model "
+                     f"({', '.join(bundled_models()) or 'none'}) or a local Hugging Face "
+                     "directory")

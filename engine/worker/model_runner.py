@@ -48,8 +48,9 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(seqs):
             return self._execute_graph(seqs, previous)
         inputs = build_step_inputs(seqs, self.block_size, self.device)
-        decodes = [seqs[i] for i in inputs.order[:inputs.meta.num_decode_tokens]]  # rows 0..
-        feed_placeholders(inputs.input_ids, decodes, previous)
+        if inputs.meta.num_decode_tokens == inputs.num_decode_seqs:  # no drafts: row i is
+            decodes = [seqs[i] for i in inputs.order[:inputs.num_decode_seqs]]  # decode i
+            feed_placeholders(inputs.input_ids, decodes, previous)  # (drafts: never async)
         hidden = self.forward(inputs)
         if not inputs.sample_seq_ids:
             return hidden.new_empty(0, 0), []
@@ -77,9 +78,14 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states [T, hidden] of a single-stage model."""
-        if self.graphs is not None and self.graphs.can_run(inputs.meta):
-            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        return self._eager(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.forward_tokens(inputs.input_ids, inputs.positions, inputs.meta)
+
+    def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """The same from tensors already built (a captured graph where one fits)."""
+        if self.graphs is not None and self.graphs.can_run(meta):
+            return self.graphs.run(input_ids, positions, meta)
+        return self._eager(input_ids, positions, meta)
 
     def _eager(self, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:

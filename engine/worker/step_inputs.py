@@ -24,7 +24,9 @@ class ScheduledLike(Protocol):
 
 @dataclass
 class StepInputs:
-    """One forward pass: tokens ordered decodes first, then prefill chunks."""
+    """One forward pass: tokens ordered decodes first, then prefill chunks. A decode with
+    drafts is num_drafts + 1 decode rows, each attending up to its own position (the step
+    writes every row's KV before attending): a verify step is a decode step."""
 
     input_ids: torch.Tensor
     """[T] token ids."""
@@ -40,6 +42,8 @@ class StepInputs:
     per row)."""
     order: list[int]
     """Scheduled-sequence indices in token order."""
+    num_decode_seqs: int = 0
+    """The first this-many of `order` are decodes (with their drafts, if any)."""
 
     def sampled_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """The rows of `hidden` [T, ...] that sample: all of them as they are when every
@@ -62,8 +66,8 @@ def to_device(x: list[int] | list[list[int]] | list[float] | list[bool], device:
 def build_step_inputs(seqs: Sequence[ScheduledLike], block_size: int,
                       device: torch.device) -> StepInputs:
     """Flatten `seqs` into input ids, positions, slot mapping and attention metadata."""
-    decodes = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
-    prefills = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
+    decodes = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1 + s.num_drafts]
+    prefills = [i for i, s in enumerate(seqs) if len(s.token_ids) != 1 + s.num_drafts]
     order = decodes + prefills
     ids: list[int] = []
     pos: list[int] = []
@@ -83,9 +87,15 @@ def build_step_inputs(seqs: Sequence[ScheduledLike], block_size: int,
             sample_ids.extend([s.seq_id] * n)
     dec = [seqs[i] for i in decodes]
     width = max((len(s.block_table) for s in dec), default=1)
-    tables = [s.block_table + [0] * (width - len(s.block_table)) for s in dec]
+    tables: list[list[int]] = []
+    lens: list[int] = []
+    for s in dec:
+        row = s.block_table + [0] * (width - len(s.block_table))
+        for j in range(1 + s.num_drafts):
+            tables.append(row)
+            lens.append(s.start_pos + 1 + j)
     chunks = []
-    start = len(dec)
+    start = len(lens)
     for i in prefills:
         s = seqs[i]
         chunks.append(PrefillChunk(start, len(s.token_ids), s.start_pos,
@@ -96,8 +106,8 @@ def build_step_inputs(seqs: Sequence[ScheduledLike], block_size: int,
         return to_device(x, device)
 
     meta = AttentionMetadata(
-        slot_mapping=t(slots), num_decode_tokens=len(dec),
+        slot_mapping=t(slots), num_decode_tokens=len(lens),
         decode_block_tables=t(tables) if dec else torch.zeros(0, 1, dtype=torch.long,
                                                               device=device),
-        decode_context_lens=t([s.start_pos + 1 for s in dec]), prefills=chunks)
-    return StepInputs(t(ids), t(pos), meta, t(sample_rows), sample_ids, order)
+        decode_context_lens=t(lens), prefills=chunks)
+    return StepInputs(t(ids), t(pos), meta, t(sample_rows), sample_ids, order, len(dec))

@@ -90,12 +90,15 @@ class StepSampler:
             self.grammars.accept(ids, tokens.tolist())
 
     def launch(self, logits: torch.Tensor, seq_ids: list[int],
-               drafts: Mapping[int, list[int]] | None = None) -> SampledTokens:
-        """Sample on the device; the host reads the tokens when it waits for them."""
+               drafts: Mapping[int, list[int]] | None = None,
+               draft_probs: Mapping[int, torch.Tensor] | None = None) -> SampledTokens:
+        """Sample on the device; the host reads the tokens when it waits for them.
+        `draft_probs`: a draft model's distributions [n, V] for its n drafts of a sampled
+        request (n-gram drafts have none: point masses)."""
         if not seq_ids:
             return SampledTokens([], torch.empty(0, dtype=torch.long))
         if drafts:
-            return self._verify(logits.float(), seq_ids, drafts)
+            return self._verify(logits.float(), seq_ids, drafts, draft_probs or {})
         params = [self.params[i] for i in seq_ids]
         logits = logits.float()
         adjusted = self.adjuster.apply(logits, seq_ids, params)
@@ -120,7 +123,8 @@ class StepSampler:
         return SampledTokens(seq_ids, tokens, logprobs)
 
     def _verify(self, logits: torch.Tensor, seq_ids: list[int],
-                drafts: Mapping[int, list[int]]) -> SampledTokens:
+                drafts: Mapping[int, list[int]],
+                draft_probs: Mapping[int, torch.Tensor]) -> SampledTokens:
         """A step with drafts: plain rows sample as usual, each speculating sequence's
         rows verify its drafts (rejection sampling against its processed distribution)."""
         order: list[int] = []
@@ -156,7 +160,13 @@ class StepSampler:
             flat = gathered.view(-1, vocab)
             row_params = [p for p in params for _ in range(k + 1)]
             probs = self.sampler.probs(flat, row_params).view(len(spec), k + 1, vocab)
-            out = verify(probs, [drafts[s] for s in spec], None, [p.greedy for p in params],
+            q = None
+            if draft_probs:  # a draft model's; a greedy row's stays unread (ones)
+                q = probs.new_ones(len(spec), k, vocab)
+                for i, s in enumerate(spec):
+                    if s in draft_probs:
+                        q[i, :len(drafts[s])] = draft_probs[s]
+            out = verify(probs, [drafts[s] for s in spec], q, [p.greedy for p in params],
                          [self.generators[s] for s in spec], target_argmax=gathered.argmax(-1))
         accepted = {}
         for s, toks in zip(spec, out.tokens):

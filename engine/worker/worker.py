@@ -19,6 +19,7 @@ import torch
 from meshserve.engine.run import Run, async_scheduling, compute_dtype
 from meshserve.engine.sampling_params import SequenceSampling
 from meshserve.engine.scheduler_output import ScheduledSeq
+from meshserve.engine.worker.draft_proposer import DraftProposer
 from meshserve.engine.worker.grammar import make_grammars
 from meshserve.engine.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from meshserve.engine.worker.model_runner import ModelRunner
@@ -104,6 +105,11 @@ class Worker:
         samples = groups is None or groups.is_sampler
         self.sampler = StepSampler(device, ec.seed, arch.vocab_size,
                                    grammars=lambda: make_grammars(run)) if samples else None
+        drafts = run.config.speculative.method == "draft" and self.whole_model
+        self.drafter = DraftProposer(run, device, self.dtype) if drafts and samples else None
+        """speculative.method=draft: the draft model (where this rank samples)."""
+        # A TP group: the driver drafts and every rank feeds its drafts to the target.
+        self._share_drafts = drafts and groups is not None and groups.tp.size > 1
         # Split head: the last stage's rows and logits go to the driver, which samples.
         self.logits = self._logits_channel(max_in_flight) if groups is not None else None
         self._awaiting: deque[list[int]] = deque()  # driver: seq ids of micro-batches in flight
@@ -158,6 +164,9 @@ class Worker:
         block_bytes = bytes_per_block(len(layers), attn.num_kv_heads, attn.head_dim,
                                       self.run.config.engine.block_size, self.dtype)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.drafter is not None:  # its cache has as many blocks as the target's
+            block_bytes += self.drafter.block_bytes()
+            weight_bytes += self.drafter.weight_bytes()
         return num_kv_blocks(self.run.config.engine, block_bytes, self.device, weight_bytes)
 
     def allocate(self, num_blocks: int) -> None:
@@ -170,13 +179,19 @@ class Worker:
                                   attn.head_dim, self.dtype, self.device, ec.cpu_huge_pages)
         self.runner = ModelRunner(self.model, cache, ec.block_size, self.device)
         self.num_blocks = num_blocks
+        runners = [self.runner]
+        if self.drafter is not None:
+            self.drafter.allocate(num_blocks)
+            assert self.drafter.runner is not None
+            runners.append(self.drafter.runner)
         if self.device.type != "cuda":
             return
-        if ec.cuda_graphs and self.whole_model and dispatch.use_triton(self.device):
-            self.runner.enable_cuda_graphs(ec.max_num_seqs,
-                                           ec.max_model_len or self.run.arch.max_position_embeddings)
-        if self.whole_model:  # compile the kernels now, not in the first request
-            warm_up(self.runner, num_blocks)
+        max_len = ec.max_model_len or self.run.arch.max_position_embeddings
+        for runner in runners:
+            if ec.cuda_graphs and self.whole_model and dispatch.use_triton(self.device):
+                runner.enable_cuda_graphs(ec.max_num_seqs, max_len)
+            if self.whole_model:  # compile the kernels now, not in the first request
+                warm_up(runner, num_blocks)
 
     @torch.inference_mode()
     def execute(self, msg: StepMessage) -> StepResult | None:
@@ -223,11 +238,19 @@ class Worker:
         if self.sampler is not None:
             self.sampler.track(msg.new_seqs, msg.finished)
         runner.copy_blocks(msg.block_copies)
-        logits, seq_ids = runner.execute(msg.scheduled, self._previous)
+        scheduled, draft_probs = msg.scheduled, None
+        if self.drafter is not None:
+            self.drafter.track(msg.new_seqs, msg.finished)
+            self.drafter.copy_blocks(msg.block_copies)
+            made = self.drafter.propose(scheduled)
+            scheduled, draft_probs = made.scheduled, made.probs
+        if self._share_drafts:
+            scheduled = self._shared_drafts(scheduled)
+        logits, seq_ids = runner.execute(scheduled, self._previous)
         if self.sampler is not None:
-            drafts = {s.seq_id: s.token_ids[-s.num_drafts:] for s in msg.scheduled
-                      if s.num_drafts}
-            sampled: SampledTokens | None = self.sampler.launch(logits, seq_ids, drafts)
+            drafts = {s.seq_id: s.token_ids[-s.num_drafts:] for s in scheduled if s.num_drafts}
+            sampled: SampledTokens | None = self.sampler.launch(logits, seq_ids, drafts,
+                                                                draft_probs)
         elif self._share_tokens:  # the driver's tokens arrive below
             sampled = SampledTokens(seq_ids, torch.empty(len(seq_ids), dtype=torch.long,
                                                          device=self.device))
@@ -238,6 +261,29 @@ class Worker:
             self.groups.tp.broadcast(sampled.tokens, src=0)
         self._previous = sampled
         return sampled
+
+    def _shared_drafts(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """The TP driver's drafts on every rank of the group (the driver's own list is
+        returned as it is; the others get theirs filled in)."""
+        n = sum(s.num_drafts for s in scheduled)
+        if not n:
+            return scheduled
+        assert self.groups is not None
+        driver = self.drafter is not None
+        flat = (torch.tensor([t for s in scheduled if s.num_drafts
+                              for t in s.token_ids[-s.num_drafts:]], device=self.device)
+                if driver else torch.empty(n, dtype=torch.long, device=self.device))
+        self.groups.tp.broadcast(flat, src=0)
+        if driver:
+            return scheduled
+        tokens, filled, at = flat.tolist(), [], 0
+        for s in scheduled:
+            if s.num_drafts:
+                s = replace(s, token_ids=[*s.token_ids[:-s.num_drafts],
+                                          *tokens[at:at + s.num_drafts]])
+                at += s.num_drafts
+            filled.append(s)
+        return filled
 
     def _run_stage(self, msg: StepMessage) -> tuple[StepResult | None, float]:
         """A pipeline stage's part of the step and the seconds it waited for activations."""

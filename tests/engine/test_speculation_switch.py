@@ -1,34 +1,61 @@
-"""The run-time switch: drafts where drafted steps deliver more tokens/s at this batch
-size, plain steps where they do not, each side measured again now and then."""
+"""The run-time switch: drafts where a drafted step's expected tokens per second (from
+each request's accepted drafts per verify) beat a plain step's at this batch size, times
+measured as the run goes; each side timed again now and then."""
 
 from __future__ import annotations
 
-from meshserve.engine.speculation_switch import PROBE_EVERY, SpeculationSwitch
+from meshserve.engine.speculation_switch import MARGIN, PROBE_EVERY, SpeculationSwitch
 
 
-def run(switch: SpeculationSwitch, num_seqs: int, steps: int, drafted_rate: float,
-        plain_rate: float) -> list[bool]:
+def run(switch: SpeculationSwitch, accepted: list[float | None], steps: int,
+        drafted_s: float, plain_s: float) -> list[bool]:
     choices = []
     for _ in range(steps):
-        draft = switch.allow(num_seqs)
+        draft = switch.allow(accepted)
         choices.append(draft)
-        switch.observe(num_seqs, draft, 100, 100 / (drafted_rate if draft else plain_rate))
+        switch.observe(len(accepted), draft, drafted_s if draft else plain_s)
     return choices
 
 
-def test_it_keeps_the_faster_side_and_probes_the_other() -> None:
+def test_it_drafts_where_the_expected_tokens_pay_for_the_step_and_probes_the_other() -> None:
     s = SpeculationSwitch()
-    small = run(s, 1, 200, drafted_rate=300.0, plain_rate=200.0)
-    assert small[:2] == [True, False]  # each side measured once
+    # 2 accepted drafts per verify: a drafted step emits 3 tokens for 2.5x the time.
+    small = run(s, [2.0], 200, drafted_s=0.0075, plain_s=0.003)
+    assert small[:2] == [True, False]  # each side timed once
     assert sum(small[2:]) > 0.9 * len(small[2:])  # then drafting
     assert 0 < small[2:].count(False) <= len(small) // PROBE_EVERY + 1  # plain probed
-    large = run(s, 64, 200, drafted_rate=800.0, plain_rate=1000.0)  # another bucket
+    # 64 sequences: the same acceptance no longer pays for a drafted step 3.2x as long.
+    large = run(s, [2.0] * 64, 200, drafted_s=0.032, plain_s=0.01)
     assert sum(large[2:]) <= len(large) // PROBE_EVERY + 1
     assert s.num_drafted_steps + s.num_plain_steps == 400
 
 
-def test_it_follows_a_change_of_workload() -> None:
+def test_requests_that_would_not_draft_count_one_token() -> None:
+    assert SpeculationSwitch.gain([3.0, None]) == 2.5
     s = SpeculationSwitch()
-    run(s, 2, 100, drafted_rate=100.0, plain_rate=300.0)
-    after = run(s, 2, 300, drafted_rate=600.0, plain_rate=300.0)
+    # Half the batch paused: 2.5 tokens per sequence for 2.6x the time does not pay.
+    choices = run(s, [3.0, None], 100, drafted_s=0.026, plain_s=0.01)
+    assert sum(choices[2:]) <= 100 // PROBE_EVERY + 1
+    assert SpeculationSwitch.gain([3.0, 3.0]) * 0.01 >= MARGIN * 0.026  # and all of it does
+
+
+def test_a_cold_first_step_weighs_no_more_than_the_next_ones() -> None:
+    s = SpeculationSwitch()
+    s.observe(1, True, 0.05)  # the first drafted step pays one-time costs
+    for _ in range(3):
+        s.observe(1, True, 0.006)
+    s.observe(1, False, 0.003)
+    drafted, plain = s.step_seconds(1)
+    assert drafted is not None and drafted < 0.02 and plain == 0.003  # a mean of the first
+    for _ in range(8):
+        s.observe(1, True, 0.006)
+    drafted, _ = s.step_seconds(1)
+    assert drafted is not None and drafted < 0.008  # then a running average: it fades
+    assert s.allow([2.0])
+
+
+def test_it_follows_a_change_of_machine_load() -> None:
+    s = SpeculationSwitch()
+    run(s, [1.0], 100, drafted_s=0.01, plain_s=0.003)
+    after = run(s, [1.0], 300, drafted_s=0.004, plain_s=0.003)
     assert sum(after[-100:]) > 90

@@ -4,27 +4,11 @@ every scheduling mode and under TP, stops cut inside accepted runs, and what it 
 from __future__ import annotations
 
 import pytest
+from helpers.speculation import GREEDY, MODES, ONE_RANK, PROMPTS
 
 from meshserve import LLM, SamplingParams
 
-ONE_RANK = ["parallel=single", "threads=1"]
 SPEC = ["speculative=ngram"]
-# Code that repeats itself, so prompt lookup finds drafts the bundled model accepts.
-PROMPTS = [
-    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
-    "import os\nimport sys\nimport re\nimport os\nimport sys\n",
-    "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(j)\nfor k in",
-    "x = 1\n",
-    "class A:\n    def __init__(self):\n        self.x = 1\n\nclass B:\n    def __init__(self):",
-]
-GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-MODES = {
-    "continuous": [],
-    "chunk-7": ["engine.max_num_batched_tokens=7"],
-    "preempt": ["engine.block_size=4", "engine.num_gpu_blocks=40"],
-    "static": ["engine=static", "engine.static_batch_size=2"],
-    "no-prefix-cache": ["engine.enable_prefix_caching=false"],
-}
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +115,7 @@ def test_requests_that_read_positions_decode_plainly_beside_speculating_ones(pla
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["speculative=draft"], "speculative.method=draft"),
+    (["speculative=draft", "parallel.pp=2"], "parallel.pp=2"),
     (["speculative=ngram", "parallel.pp=2"], "parallel.pp=2"),
     (["speculative=ngram", "engine.async_scheduling=true", "parallel=single"],
      "engine.async_scheduling=true"),

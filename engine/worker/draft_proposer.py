@@ -1,0 +1,206 @@
+"""Drafts from a small model beside the target (speculative.method=draft), on the rank that
+samples.
+
+The draft model has its own paged KV cache, with as many blocks as the target's and the
+same block ids: a sequence's draft KV lives in the blocks of its target block table, so
+the scheduler's allocation, copy-on-write and freeing serve both. Each step the draft
+first runs, in one forward, the prompt chunks the target runs (its KV stays complete
+for every prompt) and, for each speculating sequence, the tokens it lags by (it skips
+plain decodes) and the sequence's last token. Then k - 1 lean decode steps follow, one
+token per speculating sequence, with no scheduler work in between (CUDA graphs on a GPU).
+Each draft token is picked under the request's own temperature, min-p, top-k and top-p,
+from a generator of its own, and its distribution q goes to the rejection sampler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from meshserve.engine.run import Run
+from meshserve.engine.sampling_params import SamplingParams, SequenceSampling
+from meshserve.engine.scheduler_output import ScheduledSeq
+from meshserve.engine.worker.kv_cache import allocate_kv_cache, bytes_per_block
+from meshserve.engine.worker.model_runner import ModelRunner
+from meshserve.engine.worker.sampler import Sampler
+from meshserve.engine.worker.step_inputs import to_device
+from meshserve.kernels import dispatch
+from meshserve.models.attention import AttentionMetadata
+from meshserve.models.llama import LlamaForCausalLM
+from meshserve.models.loader import load_model
+
+
+@dataclass(slots=True)
+class _Feed:
+    """What the draft runs of one sequence in its first forward (a ScheduledLike)."""
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    num_drafts: int = 0
+
+
+@dataclass
+class Drafts:
+    """The step's scheduled sequences with their draft slots filled, and per speculating
+    sequence its drafts and (sampled requests) their distributions [n, vocab]."""
+
+    scheduled: list[ScheduledSeq]
+    tokens: dict[int, list[int]]
+    probs: dict[int, torch.Tensor]
+
+
+class DraftProposer:
+    """The draft model, its KV cache and its sampling state."""
+
+    def __init__(self, run: Run, device: torch.device, dtype: torch.dtype,
+                 model: LlamaForCausalLM | None = None) -> None:
+        """`model`: weights already on the device (a test's, say) instead of the run's
+        draft directory."""
+        assert run.draft_dir is not None and run.draft_arch is not None, "method=draft"
+        self.run, self.device, self.dtype = run, device, dtype
+        ec = run.config.engine
+        self.model = model or load_model(
+            run.draft_dir, dtype=dtype, device=device, progress=False,
+            cpu_weight_layout=run.config.model.cpu_weight_layout, huge_pages=ec.cpu_huge_pages,
+            arch=run.draft_arch)
+        self.block_size = ec.block_size
+        self.engine_seed = ec.seed
+        self.sampler = Sampler()
+        self.runner: ModelRunner | None = None
+        self.params: dict[int, SamplingParams] = {}
+        self.generators: dict[int, torch.Generator | None] = {}
+
+    def block_bytes(self) -> int:
+        """Bytes of one KV block of the draft's layers."""
+        layers = self.model.attention_layers()
+        return bytes_per_block(len(layers), layers[0].num_kv_heads, layers[0].head_dim,
+                               self.block_size, self.dtype)
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def allocate(self, num_blocks: int) -> None:
+        """The draft's KV cache: `num_blocks` blocks, the target's count and ids."""
+        layers = self.model.attention_layers()
+        attn = layers[0]
+        cache = allocate_kv_cache(len(layers), num_blocks, self.block_size, attn.num_kv_heads,
+                                  attn.head_dim, self.dtype, self.device,
+                                  self.run.config.engine.cpu_huge_pages)
+        self.runner = ModelRunner(self.model, cache, self.block_size, self.device)
+
+    def track(self, new_seqs: Mapping[int, SequenceSampling], finished: Sequence[int]) -> None:
+        for seq_id in finished:
+            self.params.pop(seq_id, None)
+            self.generators.pop(seq_id, None)
+        for seq_id, seq in new_seqs.items():
+            p = seq.params
+            self.params[seq_id] = p
+            gen = None
+            if not p.greedy:  # its own stream, apart from the target's verification draws
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(hash((self.engine_seed, seq_id, "draft")) & (2**63 - 1))
+            self.generators[seq_id] = gen
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        assert self.runner is not None
+        self.runner.copy_blocks(copies)
+
+    @torch.inference_mode()
+    def propose(self, scheduled: list[ScheduledSeq]) -> Drafts:
+        """Run the draft's share of the step and fill every speculating sequence's draft
+        slots."""
+        runner = self.runner
+        assert runner is not None, "allocate() first"
+        feeds: list[_Feed] = []
+        spec: dict[int, ScheduledSeq] = {}
+        for s in scheduled:
+            if s.draft_context is None:
+                continue
+            known = s.token_ids[:len(s.token_ids) - s.num_drafts]
+            ctx = s.draft_context
+            feeds.append(_Feed(s.seq_id, [*ctx, *known], s.start_pos - len(ctx), s.block_table,
+                               s.num_drafts > 0))
+            if s.num_drafts:
+                spec[s.seq_id] = s
+        if not feeds:
+            return Drafts(scheduled, {}, {})
+        logits, seq_ids = runner.execute(feeds)
+        if not spec:
+            return Drafts(scheduled, {}, {})
+        tokens, probs = self._decode_loop(logits, [spec[i] for i in seq_ids])
+        filled = [dataclasses.replace(s, token_ids=[*s.token_ids[:-s.num_drafts],
+                                                    *tokens[s.seq_id]])
+                  if s.seq_id in tokens else s for s in scheduled]
+        return Drafts(filled, tokens, probs)
+
+    def _decode_loop(self, logits: torch.Tensor, seqs: list[ScheduledSeq]
+                     ) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
+        """From the first draft logits of `seqs` (one row each), the rest of their drafts:
+        each step feeds the token just drafted, for the sequences that want more."""
+        runner = self.runner
+        assert runner is not None
+        dev, bs = self.device, self.block_size
+        n = [s.num_drafts for s in seqs]
+        k = max(n)
+        params = [self.params[s.seq_id] for s in seqs]
+        gens = [self.generators[s.seq_id] for s in seqs]
+        width = max(len(s.block_table) for s in seqs)
+        tables = to_device([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                           dev)
+        base = to_device([s.start_pos for s in seqs], dev)  # the last known token's position
+        drafted = torch.empty(len(seqs), k, dtype=torch.long, device=dev)
+        sampled = not all(p.greedy for p in params)
+        q = torch.zeros(len(seqs), k, logits.shape[-1], device=dev) if sampled else None
+        rows = list(range(len(seqs)))  # the sequences still drafting, as rows of `seqs`
+        prev = base  # the first drafts replace it before anything reads it
+        for j in range(k):
+            if j:  # feed draft j - 1 at position base + j, for the rows that want draft j
+                keep = [r for r, i in enumerate(rows) if n[i] > j]
+                if len(keep) < len(rows):
+                    at = to_device(keep, dev)
+                    base, tables, prev = (t.index_select(0, at) for t in (base, tables, prev))
+                    rows = [rows[r] for r in keep]
+                pos = base + j
+                slot = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs
+                meta = AttentionMetadata(slot_mapping=slot, num_decode_tokens=len(rows),
+                                         decode_block_tables=tables,
+                                         decode_context_lens=pos + 1, prefills=[])
+                hidden = runner.forward_tokens(prev, pos, meta)
+                logits = self.model.compute_logits(hidden)
+                assert logits is not None
+            prev, dist = self._pick(logits.float(), [params[i] for i in rows],
+                                    [gens[i] for i in rows])
+            at = slice(None) if len(rows) == len(seqs) else to_device(rows, dev)
+            drafted[at, j] = prev
+            if q is not None and dist is not None:
+                q[at, j] = dist
+        host = drafted.tolist()
+        tokens = {s.seq_id: host[i][:n[i]] for i, s in enumerate(seqs)}
+        probs = ({s.seq_id: q[i, :n[i]] for i, s in enumerate(seqs) if not params[i].greedy}
+                 if q is not None else {})
+        return tokens, probs
+
+    def _pick(self, logits: torch.Tensor, params: list[SamplingParams],
+              gens: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft token per row, and the rows' distributions when any row samples."""
+        if all(p.greedy for p in params):
+            return dispatch.argmax_rows(logits), None
+        probs = self.sampler.probs(logits, params)
+        u = torch.zeros(len(params), 1, device=logits.device)
+        for i, gen in enumerate(gens):
+            if gen is not None:
+                u[i].uniform_(generator=gen)
+        cdf = probs.cumsum(dim=-1)
+        tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+        tok = tok.clamp_(max=logits.shape[-1] - 1)
+        greedy = [p.greedy for p in params]
+        if any(greedy):
+            tok = torch.where(to_device(greedy, logits.device, torch.bool),
+                              dispatch.argmax_rows(logits), tok)
+        return tok, probs

@@ -1,0 +1,146 @@
+"""Speculative decoding with a draft model: greedy output identical to plain decoding in
+every scheduling mode and under TP, the target as its own draft accepted throughout,
+sampled requests verified against their own distributions, and a mismatched draft refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.speculation import GREEDY, MODES, ONE_RANK, PROMPTS
+
+from meshserve import LLM, SamplingParams
+from meshserve.engine.sampling_params import SequenceSampling
+from meshserve.engine.worker.sampler import Sampler
+from meshserve.engine.worker.step_sampler import StepSampler
+from meshserve.models.bundled import BUNDLED_DIR
+
+DRAFT = ["speculative=draft"]
+
+
+@pytest.fixture(scope="module")
+def plain() -> list[list[int]]:
+    llm = LLM("meshcoder", overrides=ONE_RANK, progress=False)
+    try:
+        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.shutdown()
+
+
+def check_counts(llm: LLM, outs: list) -> None:
+    stats = llm.engine.stats
+    assert stats.num_free_blocks == llm.engine.num_blocks
+    assert stats.spec.num_accepted_tokens > 0  # drafts were accepted, not only made
+    assert sum(o.metrics.num_accepted_tokens for o in outs) == stats.spec.num_accepted_tokens
+    assert sum(o.metrics.num_draft_tokens for o in outs) == stats.spec.num_draft_tokens
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_draft_model_is_token_identical(plain, mode: str) -> None:
+    llm = LLM("meshcoder", overrides=[*ONE_RANK, *DRAFT, *MODES[mode]], progress=False)
+    try:
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == plain
+        check_counts(llm, outs)
+        if mode == "preempt":
+            assert llm.engine.stats.num_preemptions > 0
+    finally:
+        llm.shutdown()
+
+
+def test_the_target_as_its_own_draft_is_always_accepted(plain) -> None:
+    llm = LLM("meshcoder", overrides=[*ONE_RANK, *DRAFT, "speculative.draft_model=meshcoder",
+                                      "engine.max_num_batched_tokens=16"], progress=False)
+    try:
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == plain
+        spec = llm.engine.stats.spec
+        assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens == spec.num_draft_tokens
+        check_counts(llm, outs)
+    finally:
+        llm.shutdown()
+
+
+def test_prefix_hits_and_tensor_parallel(plain) -> None:
+    llm = LLM("meshcoder", overrides=[*DRAFT, "parallel.tp=2", "engine.block_size=4"],
+              progress=False)
+    try:
+        first = llm.generate(PROMPTS, GREEDY)
+        again = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in first] == [o.token_ids for o in again] == plain
+        assert sum(o.metrics.num_cached_tokens for o in again) > 0
+        assert llm.engine.stats.spec.num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
+
+
+def test_sampled_requests_speculate_and_aborts_give_every_block_back() -> None:
+    llm = LLM("meshcoder", overrides=[*ONE_RANK, *DRAFT, "engine.block_size=4"],
+              progress=False)
+    engine = llm.engine
+    try:
+        sampled = SamplingParams(max_tokens=30, temperature=0.7, top_k=20, top_p=0.9,
+                                 ignore_eos=True)
+        outs = llm.generate(PROMPTS, sampled)
+        assert all(len(o.token_ids) == 30 for o in outs)
+        assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+        ids = [engine.add_request(PROMPTS[0], SamplingParams(max_tokens=200, temperature=0.0,
+                                                             ignore_eos=True))
+               for _ in range(3)]
+        for _ in range(8):
+            engine.step()
+        for rid in ids[:2]:
+            assert engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.stats.num_free_blocks == engine.num_blocks
+    finally:
+        llm.shutdown()
+
+
+def test_a_draft_with_another_vocabulary_is_refused_naming_both(tmp_path: Path) -> None:
+    bad = tmp_path / "draft"
+    shutil.copytree(BUNDLED_DIR / "meshcoder-draft", bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["vocab_size"] = 4000
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="4000 tokens.*4096"):
+        LLM("meshcoder", overrides=[*ONE_RANK, *DRAFT, f"speculative.draft_model={bad}"],
+            progress=False)
+    with pytest.raises(ValueError, match="speculative.draft_model='nope'"):
+        LLM("meshcoder", overrides=[*ONE_RANK, *DRAFT, "speculative.draft_model=nope"],
+            progress=False)
+
+
+@pytest.mark.parametrize("draft_model", [True, False], ids=["draft-model", "ngram"])
+def test_verified_tokens_follow_the_processed_target_distribution(draft_model: bool) -> None:
+    """Through the worker's sampler: with temperature, top-k and top-p on both sides, the
+    first token a verify step emits is distributed as the target's processed
+    distribution, whatever the drafts (drawn from the draft's, or fixed)."""
+    vocab, k, n = 6, 2, 20000
+    g = torch.Generator().manual_seed(3)
+    target = torch.randn(k + 1, vocab, generator=g) * 2
+    draft = torch.randn(k, vocab, generator=g) * 2
+    params = SamplingParams(temperature=0.7, top_k=4, top_p=0.9, max_tokens=8)
+    sampler = StepSampler(torch.device("cpu"), 0, vocab)
+    sampler.track({i: SequenceSampling(params) for i in range(n)}, [])
+    q = Sampler().probs(draft, [params] * k)
+    drafts: dict[int, list[int]] = {}
+    probs: dict[int, torch.Tensor] = {}
+    for i in range(n):
+        drafts[i] = ([int(torch.multinomial(q[j], 1, generator=g)) for j in range(k)]
+                     if draft_model else [1, 2])
+        if draft_model:
+            probs[i] = q
+    logits = target.repeat(n, 1)
+    seq_ids = [i for i in range(n) for _ in range(k + 1)]
+    out = sampler.launch(logits, seq_ids, drafts, probs or None)
+    first = [out.accepted[i][0] if out.accepted[i] else t
+             for i, t in zip(out.seq_ids, out.tokens.tolist())]
+    freq = torch.bincount(torch.tensor(first), minlength=vocab) / n
+    want = Sampler().probs(target[:1], [params])[0]
+    assert torch.allclose(freq, want, atol=0.012), (freq, want)
+    assert (freq[want == 0] == 0).all()  # never a token top-k or top-p cut
