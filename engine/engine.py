@@ -235,11 +235,13 @@ class Engine:
         clock.scheduled()
         result = self.executor.execute(out, new, self._take_finished())
         clock.executed()
-        self.scheduler.update(out, result.tokens, result.accepted)
+        self.scheduler.update(out, result.tokens, result.accepted, result.num_drafted)
         if self.scheduler.switch is not None:
             self._observe_speculation(out, time.perf_counter() - t0)
         clock.scheduled()
-        self.recorder.finish(out, clock, num_in_flight=1 if self.config.parallel.pp > 1 else None)
+        self.recorder.finish(out, clock, num_in_flight=1 if self.config.parallel.pp > 1 else None,
+                             num_accepted=sum(len(a) for a in result.accepted.values()),
+                             num_drafted=sum(result.num_drafted.values()))
         return self._outputs(result)
 
     def _observe_speculation(self, out: SchedulerOutput, seconds: float) -> None:

@@ -66,6 +66,8 @@ class Scheduler:
         """method=ngram: drafts made here. method=draft: the draft model beside the target
         makes them; the scheduler reserves their slots and says what the draft must feed."""
         self.draft_model = spec is not None and spec.method == "draft"
+        self._speculating = False
+        """Whether the step being scheduled may carry drafts."""
         self.spec_stats = SpecDecodeStats()
         self.switch = SpeculationSwitch() if spec is not None else None
         """Whether a step drafts: its timed cost against the acceptance of its requests."""
@@ -186,9 +188,11 @@ class Scheduler:
         return out
 
     def update(self, output: SchedulerOutput, sampled: Mapping[int, int],
-               accepted: Mapping[int, list[int]] | None = None) -> list[Sequence]:
+               accepted: Mapping[int, list[int]] | None = None,
+               num_drafted: Mapping[int, int] | None = None) -> list[Sequence]:
         """Apply a step's results (seq_id -> sampled token; with drafts, the accepted ones
-        come first: `accepted[seq_id]`); return the sequences that finished."""
+        come first: `accepted[seq_id]`, of `num_drafted[seq_id]` verified, the slots
+        reserved where not given); return the sequences that finished."""
         finished: list[Sequence] = []
         seqs, in_flight, bm = self._seqs, self._in_flight, self.block_manager
         caching, bs = bm.prefix_cache is not None, bm.block_size
@@ -205,8 +209,9 @@ class Scheduler:
             if sched.draft_context is not None and not sched.num_drafts:
                 seq.num_draft_computed = end  # the draft model ran this prompt chunk too
             if sched.num_drafts:
-                end = self._accept_drafts(seq, sched, accepted or {}, sampled[seq_id],
-                                          finished)
+                n = num_drafted.get(seq_id, sched.num_drafts) if num_drafted else sched.num_drafts
+                end = self._accept_drafts(seq, sched, n, (accepted or {}).get(seq_id, []),
+                                          sampled[seq_id], finished)
             elif sched.sample:
                 token = sampled[seq_id]
                 seq.append_token(token)
@@ -224,17 +229,15 @@ class Scheduler:
         self._retire_all(finished)
         return finished
 
-    def _accept_drafts(self, seq: Sequence, sched: ScheduledSeq,
-                       accepted: Mapping[int, list[int]], token: int,
-                       finished: list[Sequence]) -> int:
+    def _accept_drafts(self, seq: Sequence, sched: ScheduledSeq, num_drafted: int,
+                       ok: list[int], token: int, finished: list[Sequence]) -> int:
         """A verified step: append the accepted drafts and the token after them, up to the
         first stop among them (the rest are dropped); only the fed tokens that were
         accepted keep their KV. Returns the computed count."""
-        ok = accepted.get(seq.seq_id, [])
-        seq.num_draft_tokens += sched.num_drafts
+        seq.num_draft_tokens += num_drafted
         seq.num_accepted_tokens += len(ok)
         seq.num_verify_steps += 1
-        self.spec_stats.add(sched.num_drafts, len(ok))
+        self.spec_stats.add(num_drafted, len(ok))
         self._pause_if_failing(seq, len(ok))
         for t in (*ok, token):
             seq.append_token(t)
@@ -248,9 +251,19 @@ class Scheduler:
         if sched.draft_context is not None:
             # The draft model fed the last token and its first num_drafts - 1 drafts: its KV
             # holds those of them that were accepted.
-            seq.num_draft_computed = min(sched.start_pos + 1 + min(len(ok), sched.num_drafts - 1),
+            seq.num_draft_computed = min(sched.start_pos + 1 + min(len(ok), num_drafted - 1),
                                          seq.num_computed_tokens)
         return seq.num_computed_tokens
+
+    def _may_draft(self) -> bool:
+        """Whether this step may carry drafts: not above speculative.max_batch_size
+        running sequences, and where the switch prices drafting as paying."""
+        spec, switch = self.speculative, self.switch
+        if spec is None or switch is None:
+            return False
+        if spec.max_batch_size is not None and len(self.running) > spec.max_batch_size:
+            return False
+        return switch.allow(self._acceptances())
 
     def _acceptances(self) -> list[float | None]:
         """Per running sequence, the drafts a verify step of it can expect to accept: its
@@ -275,9 +288,9 @@ class Scheduler:
             seq.speculate = False
             seq.plain_steps = 0
 
-    def _drafts(self, seq: Sequence, budget: int, num_running: int) -> list[int]:
-        """Tokens to propose after `seq`'s last one this step (none when it is paused, the
-        step is too large, or nothing matches); never more than it may still emit."""
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Tokens to propose after `seq`'s last one this step (none when it is paused or
+        nothing matches); never more than it may still emit."""
         spec, proposer = self.speculative, self.proposer
         assert spec is not None  # called only while speculating
         if not seq.speculate:
@@ -285,8 +298,6 @@ class Scheduler:
                 seq.plain_steps += 1  # a paused sequence tries again now and then
                 if seq.plain_steps >= PAUSE_STEPS:
                     seq.speculate = True
-            return []
-        if spec.max_batch_size is not None and num_running > spec.max_batch_size:
             return []
         room = min(spec.num_tokens, seq.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens - 1, budget - 1)
@@ -296,18 +307,17 @@ class Scheduler:
             return [PLACEHOLDER_TOKEN] * room
         return proposer.propose(seq.token_ids, room)
 
-    @staticmethod
-    def _draft_context(seq: Sequence, start: int, end: int, drafting: bool) -> list[int] | None:
-        """What the draft model feeds of `seq` before its tokens start..end this step: its
-        lagging tokens where it drafts, nothing before a prompt chunk (blocks from the
-        prefix cache count as computed by the draft too), None where it sits out."""
-        if drafting:
-            seq.num_draft_computed = min(seq.num_draft_computed, start)
-            return seq.token_ids[seq.num_draft_computed:start]
-        if end - start > 1 or start < seq.num_prompt_tokens:
-            seq.num_draft_computed = start
-            return []
-        return None  # a plain decode: the draft catches up when it next drafts
+    def _draft_context(self, seq: Sequence, start: int, end: int, drafting: bool
+                       ) -> list[int] | None:
+        """What the draft model feeds of `seq` before its tokens start..end this step: the
+        tokens it lags by, where it drafts or where this is a prompt chunk of a sequence
+        that may draft in a step that may; else None (it sits out, and catches up when it
+        next runs). A step that does not draft runs no draft forward at all."""
+        decode = end - start == 1 and start >= seq.num_prompt_tokens
+        if not drafting and (decode or not (self._speculating and seq.speculate)):
+            return None
+        seq.num_draft_computed = min(seq.num_draft_computed, start)
+        return seq.token_ids[seq.num_draft_computed:start]
 
     def advance(self, output: SchedulerOutput) -> None:
         """Async scheduling, first half of `update`, right after `output` was launched: its
@@ -375,7 +385,7 @@ class Scheduler:
         # The hot path (one decode per sequence, every step): kept inline on purpose.
         running, in_flight, scheduled = self.running, self._in_flight, out.scheduled
         block_size = self.block_manager.block_size
-        speculating = self.switch is not None and self.switch.allow(self._acceptances())
+        speculating = self._speculating = self._may_draft()
         num_batched = 0
         blocked = False
         i = 0
@@ -391,7 +401,7 @@ class Scheduler:
                 if end == start:
                     i += 1
                     continue
-            drafts = (self._drafts(seq, budget, len(running))
+            drafts = (self._drafts(seq, budget)
                       if speculating and end - start == 1 else ())
             fed = end - start + len(drafts)
             table = seq.block_table
@@ -519,6 +529,7 @@ class Scheduler:
     def _emit(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
         start = seq.num_computed_tokens
         end = start + num_new
+        seq.num_draft_computed = start  # prefix-cache hits count as the draft's too
         out.scheduled.append(ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start,
                                           list(seq.block_table), end == seq.num_tokens,
                                           draft_context=self._draft_context(

@@ -27,6 +27,11 @@ class SpeculativeConfig:
     """method=ngram: the longest suffix looked up (tried first)."""
     max_batch_size: int | None = None
     """Above this many running sequences a step takes the plain path; null: no limit."""
+    stop_confidence: float = 0.0
+    """method=draft: a sequence's draft run ends at a token the draft model gave less
+    than this probability (its later tokens would mostly be rejected); 0: always k. Off
+    by default: the bundled draft is unsure of most tokens it gets right (at 0.3 its runs
+    shrink to 1.5 drafts and speculation stops paying, docs/benchmarks)."""
     min_acceptance: float = 0.2
     """A request whose drafts' running acceptance rate falls below this decodes plainly
     (its proposals stop costing the verify step anything)."""
@@ -40,6 +45,8 @@ class SpeculativeConfig:
                 f"an int in [1, prompt_lookup_max={self.prompt_lookup_max}]")
         require(self.max_batch_size is None or self.max_batch_size >= 1,
                 "speculative.max_batch_size", self.max_batch_size, "null or an int >= 1")
+        require(0.0 <= self.stop_confidence < 1.0, "speculative.stop_confidence",
+                self.stop_confidence, "a probability in [0, 1)")
         require(0.0 <= self.min_acceptance <= 1.0, "speculative.min_acceptance",
                 self.min_acceptance, "a fraction in [0, 1]")
 

@@ -77,7 +77,8 @@ class StepRecorder:
         return StepClock(mark)
 
     def finish(self, out: SchedulerOutput, clock: StepClock, *, since: StepClock | None = None,
-               num_in_flight: int | None = None) -> None:
+               num_in_flight: int | None = None, num_accepted: int = 0,
+               num_drafted: int = 0) -> None:
         """Account a step whose tokens are in: its clock goes to the timing; the step record
         takes the wall, scheduler and communication time of `since` (the engine call that
         finished it, when that is not the step's own clock)."""
@@ -86,4 +87,5 @@ class StepRecorder:
             call = since or clock
             self.step_log.write(out.scheduled, wall_s=time.perf_counter() - call.start,
                                 scheduler_s=call.scheduler_s, comm_mark=call.comm_mark,
-                                num_in_flight=num_in_flight)
+                                num_in_flight=num_in_flight, num_accepted=num_accepted,
+                                num_drafted=num_drafted)

@@ -55,10 +55,14 @@ class StepLog:
         return self.comm.comm_s if self.comm is not None else None
 
     def write(self, scheduled: Sequence[ScheduledSeq], *, wall_s: float, scheduler_s: float,
-              comm_mark: float | None = None, num_in_flight: int | None = None) -> None:
+              comm_mark: float | None = None, num_in_flight: int | None = None,
+              num_accepted: int = 0, num_drafted: int = 0) -> None:
         """Record one step: the chunks it ran, its wall and scheduler seconds, the
-        communication since `comm_mark`, and (pp > 1) the micro-batches in the pipeline."""
-        counts = chunk_counts([(len(s.token_ids), s.start_pos) for s in scheduled])
+        communication since `comm_mark`, (pp > 1) the micro-batches in the pipeline, and
+        (speculative decoding) the `num_drafted` drafts verified and `num_accepted` of them
+        accepted."""
+        counts = chunk_counts([(len(s.token_ids) - s.num_drafts, s.start_pos)
+                               for s in scheduled])
         scheduler_s = min(scheduler_s, wall_s)
         line = ",".join(f'"{k}":{v}' for k, v in zip(COUNT_FIELDS, counts))
         line = f'{{{line},"wall_s":{wall_s!r},"scheduler_s":{scheduler_s!r}'
@@ -66,6 +70,8 @@ class StepLog:
             line += f',"comm_s":{min(self.comm.comm_s - comm_mark, wall_s - scheduler_s)!r}'
         if num_in_flight is not None:
             line += f',"num_in_flight":{num_in_flight}'
+        if num_drafted:
+            line += f',"num_draft_tokens":{num_drafted},"num_accepted_tokens":{num_accepted}'
         self._file.write(line + "}\n")
         now = time.monotonic()
         if now - self._last_flush >= FLUSH_INTERVAL_S:

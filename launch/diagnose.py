@@ -138,4 +138,11 @@ def run(overrides: list[str]) -> int:
     print(f"the cost model predicts {d.predicted_s:.4f} s of the {executor:.4f} s the "
           f"executor took ({d.model_accuracy:.0%})")
     print(f"bottleneck: {d.bottleneck.replace('_', ' ')}: {d.strategy}")
+    sp = d.speculation
+    if sp is not None:
+        print(f"speculative decoding: {sp.num_drafted_steps} of {d.num_steps} steps drafted "
+              f"({sp.num_decode_steps} decode-only steps in all); {sp.num_accepted_tokens} of "
+              f"{sp.num_draft_tokens} drafts accepted ({sp.acceptance_rate:.0%}), "
+              f"{sp.tokens_per_decode:.2f} tokens per decoding sequence per drafted step; "
+              f"{sp.verdict}")
     return 0

@@ -20,6 +20,7 @@ from meshserve.models.config import ModelConfig
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.model_shape import ModelShape
 from meshserve.parallel.planner.placement import Plan
+from meshserve.parallel.planner.prediction import DRAFT_STEP_FRACTION, SPEC_ACCEPTED, SPEC_TOKENS
 from meshserve.parallel.planner.search import (
     Candidate,
     PlannerOptions,
@@ -153,6 +154,18 @@ def plan_table(p: Plan, cfg: CliConfig, cluster: ClusterConfig, shape: ModelShap
     if len(shown) < len(p.candidates):
         lines.append(f"... {len(p.candidates) - len(shown)} more (plan.top=0 shows all)")
     lines += ["", textwrap.fill(p.explanation, 100)]
+    best = p.candidates[0].prediction
+    if best is not None and best.speculative_decode_ms is not None:
+        pays = best.speculative_decode_ms < best.decode_ms
+        lines += [textwrap.fill(
+            f"speculative decoding ({sc.name} speculates): the decode round at batch "
+            f"{best.batch} takes {best.speculative_decode_ms:.2f} ms per output token with "
+            f"drafts against {best.decode_ms:.2f} ms without, assuming {SPEC_ACCEPTED:g} of "
+            f"{SPEC_TOKENS} drafts accepted per verify step and a draft step at "
+            f"{DRAFT_STEP_FRACTION:.0%} of the target's; "
+            + ("it pays there, and the engine's switch would draft" if pays else
+               "it does not pay there: the engine's switch would decode plainly at this "
+               "batch"), 100)]
     lines += [f"warning: {w}" for w in p.warnings]
     stages = ", ".join(f"stage {i}: layers {a}-{b - 1}" for i, (a, b) in enumerate(p.stage_layers))
     lines += ["", f"chosen: tp={p.tp} pp={p.pp} dp={p.dp}, {p.num_micro_batches} micro-batch(es); "

@@ -47,8 +47,9 @@ class _Feed:
 
 @dataclass
 class Drafts:
-    """The step's scheduled sequences with their draft slots filled, and per speculating
-    sequence its drafts and (sampled requests) their distributions [n, vocab]."""
+    """The step's scheduled sequences with their draft slots filled (a run that ended
+    early fills fewer: the rest are not fed), and per speculating sequence its drafts and
+    (sampled requests) their distributions [n, vocab]."""
 
     scheduled: list[ScheduledSeq]
     tokens: dict[int, list[int]]
@@ -71,10 +72,13 @@ class DraftProposer:
             arch=run.draft_arch)
         self.block_size = ec.block_size
         self.engine_seed = ec.seed
+        self.stop_confidence = run.config.speculative.stop_confidence
         self.sampler = Sampler()
         self.runner: ModelRunner | None = None
         self.params: dict[int, SamplingParams] = {}
         self.generators: dict[int, torch.Generator | None] = {}
+        self.num_forwards = 0
+        """Forward passes of the draft model so far."""
 
     def block_bytes(self) -> int:
         """Bytes of one KV block of the draft's layers."""
@@ -131,18 +135,21 @@ class DraftProposer:
         if not feeds:
             return Drafts(scheduled, {}, {})
         logits, seq_ids = runner.execute(feeds)
+        self.num_forwards += 1
         if not spec:
             return Drafts(scheduled, {}, {})
         tokens, probs = self._decode_loop(logits, [spec[i] for i in seq_ids])
         filled = [dataclasses.replace(s, token_ids=[*s.token_ids[:-s.num_drafts],
-                                                    *tokens[s.seq_id]])
+                                                    *tokens[s.seq_id]],
+                                      num_drafts=len(tokens[s.seq_id]))
                   if s.seq_id in tokens else s for s in scheduled]
         return Drafts(filled, tokens, probs)
 
     def _decode_loop(self, logits: torch.Tensor, seqs: list[ScheduledSeq]
                      ) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
         """From the first draft logits of `seqs` (one row each), the rest of their drafts:
-        each step feeds the token just drafted, for the sequences that want more."""
+        each step feeds the token just drafted, for the sequences that want more; a
+        sequence's run ends early at a draft of probability below stop_confidence."""
         runner = self.runner
         assert runner is not None
         dev, bs = self.device, self.block_size
@@ -172,14 +179,18 @@ class DraftProposer:
                                          decode_block_tables=tables,
                                          decode_context_lens=pos + 1, prefills=[])
                 hidden = runner.forward_tokens(prev, pos, meta)
+                self.num_forwards += 1
                 logits = self.model.compute_logits(hidden)
                 assert logits is not None
-            prev, dist = self._pick(logits.float(), [params[i] for i in rows],
-                                    [gens[i] for i in rows])
+            prev, dist, conf = self._pick(logits.float(), [params[i] for i in rows],
+                                          [gens[i] for i in rows])
             at = slice(None) if len(rows) == len(seqs) else to_device(rows, dev)
             drafted[at, j] = prev
             if q is not None and dist is not None:
                 q[at, j] = dist
+            if self.stop_confidence > 0 and j + 1 < k:
+                for r in (conf < self.stop_confidence).nonzero().flatten().tolist():
+                    n[rows[r]] = j + 1  # this draft ends its run
         host = drafted.tolist()
         tokens = {s.seq_id: host[i][:n[i]] for i, s in enumerate(seqs)}
         probs = ({s.seq_id: q[i, :n[i]] for i, s in enumerate(seqs) if not params[i].greedy}
@@ -187,10 +198,14 @@ class DraftProposer:
         return tokens, probs
 
     def _pick(self, logits: torch.Tensor, params: list[SamplingParams],
-              gens: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One draft token per row, and the rows' distributions when any row samples."""
+              gens: list[torch.Generator | None]
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """One draft token per row, the rows' distributions when any row samples, and the
+        probability each row's token had."""
         if all(p.greedy for p in params):
-            return dispatch.argmax_rows(logits), None
+            tok = dispatch.argmax_rows(logits)
+            top = logits.gather(1, tok.unsqueeze(1)).squeeze(1)
+            return tok, None, (top - logits.logsumexp(dim=-1)).exp()
         probs = self.sampler.probs(logits, params)
         u = torch.zeros(len(params), 1, device=logits.device)
         for i, gen in enumerate(gens):
@@ -203,4 +218,4 @@ class DraftProposer:
         if any(greedy):
             tok = torch.where(to_device(greedy, logits.device, torch.bool),
                               dispatch.argmax_rows(logits), tok)
-        return tok, probs
+        return tok, probs, probs.gather(1, tok.unsqueeze(1)).squeeze(1)

@@ -22,12 +22,16 @@ class SampledTokens:
 
     def __init__(self, seq_ids: list[int], tokens: torch.Tensor,
                  logprobs: Callable[[list[int]], list[Logprob | None]] | None = None,
-                 accepted: dict[int, list[int]] | None = None) -> None:
+                 accepted: dict[int, list[int]] | None = None,
+                 num_drafted: dict[int, int] | None = None) -> None:
         self.seq_ids = seq_ids
         self.tokens = tokens
         """[N] long on the device (row i is seq_ids[i]'s)."""
         self.accepted = accepted or {}
         """Speculating sequences: the drafts accepted, which come before their token."""
+        self.num_drafted = num_drafted or {}
+        """... and how many drafts each one verified (a draft model may stop short of the
+        slots the scheduler reserved)."""
         self._logprobs = logprobs
         self._rows: dict[int, int] | None = None
         self._host: torch.Tensor | None = None

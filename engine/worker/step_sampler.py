@@ -24,6 +24,8 @@ class StepResult:
     logprobs: dict[int, Logprob] = field(default_factory=dict)
     accepted: dict[int, list[int]] = field(default_factory=dict)
     """Speculating sequences: their accepted drafts, emitted before tokens[seq_id]."""
+    num_drafted: dict[int, int] = field(default_factory=dict)
+    """... and the drafts each verified."""
 
 
 class StepSampler:
@@ -177,7 +179,8 @@ class StepSampler:
             return [plain_logprobs.get(s) for s in order]
 
         return SampledTokens(order, torch.tensor([final[s] for s in order]),
-                             logprobs if any(plain_logprobs.values()) else None, accepted)
+                             logprobs if any(plain_logprobs.values()) else None, accepted,
+                             {s: len(drafts[s]) for s in spec})
 
 
 def step_result(sampled: SampledTokens) -> StepResult:
@@ -186,4 +189,4 @@ def step_result(sampled: SampledTokens) -> StepResult:
     ids = sampled.seq_ids
     return StepResult(dict(zip(ids, tokens)),
                       {i: lp for i, lp in zip(ids, logprobs) if lp is not None},
-                      dict(sampled.accepted))
+                      dict(sampled.accepted), dict(sampled.num_drafted))

@@ -18,7 +18,7 @@ import torch
 
 from meshserve.engine.run import Run, async_scheduling, compute_dtype
 from meshserve.engine.sampling_params import SequenceSampling
-from meshserve.engine.scheduler_output import ScheduledSeq
+from meshserve.engine.scheduler_output import PLACEHOLDER_TOKEN, ScheduledSeq
 from meshserve.engine.worker.draft_proposer import DraftProposer
 from meshserve.engine.worker.grammar import make_grammars
 from meshserve.engine.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
@@ -245,7 +245,7 @@ class Worker:
             made = self.drafter.propose(scheduled)
             scheduled, draft_probs = made.scheduled, made.probs
         if self._share_drafts:
-            scheduled = self._shared_drafts(scheduled)
+            scheduled = self._shared_drafts(msg.scheduled, scheduled)
         logits, seq_ids = runner.execute(scheduled, self._previous)
         if self.sampler is not None:
             drafts = {s.seq_id: s.token_ids[-s.num_drafts:] for s in scheduled if s.num_drafts}
@@ -262,28 +262,36 @@ class Worker:
         self._previous = sampled
         return sampled
 
-    def _shared_drafts(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """The TP driver's drafts on every rank of the group (the driver's own list is
-        returned as it is; the others get theirs filled in)."""
-        n = sum(s.num_drafts for s in scheduled)
+    def _shared_drafts(self, reserved: list[ScheduledSeq],
+                       filled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """The TP driver's drafts on every rank of the group: `reserved`, the step as
+        scheduled; `filled`, the driver's with its drafts (returned as it is there; the
+        other ranks build theirs). The drafts travel in the reserved slots, a run that
+        ended early padded with PLACEHOLDER_TOKEN."""
+        n = sum(s.num_drafts for s in reserved)
         if not n:
-            return scheduled
+            return filled
         assert self.groups is not None
         driver = self.drafter is not None
-        flat = (torch.tensor([t for s in scheduled if s.num_drafts
-                              for t in s.token_ids[-s.num_drafts:]], device=self.device)
-                if driver else torch.empty(n, dtype=torch.long, device=self.device))
+        if driver:
+            flat = torch.tensor([t for r, s in zip(reserved, filled) if r.num_drafts
+                                 for t in [*s.token_ids[len(s.token_ids) - s.num_drafts:],
+                                           *[PLACEHOLDER_TOKEN] * (r.num_drafts - s.num_drafts)]],
+                                device=self.device)
+        else:
+            flat = torch.empty(n, dtype=torch.long, device=self.device)
         self.groups.tp.broadcast(flat, src=0)
         if driver:
-            return scheduled
-        tokens, filled, at = flat.tolist(), [], 0
-        for s in scheduled:
+            return filled
+        tokens, out, at = flat.tolist(), [], 0
+        for s in reserved:
             if s.num_drafts:
-                s = replace(s, token_ids=[*s.token_ids[:-s.num_drafts],
-                                          *tokens[at:at + s.num_drafts]])
+                drafts = [t for t in tokens[at:at + s.num_drafts] if t != PLACEHOLDER_TOKEN]
                 at += s.num_drafts
-            filled.append(s)
-        return filled
+                s = replace(s, token_ids=[*s.token_ids[:-s.num_drafts], *drafts],
+                            num_drafts=len(drafts))
+            out.append(s)
+        return out
 
     def _run_stage(self, msg: StepMessage) -> tuple[StepResult | None, float]:
         """A pipeline stage's part of the step and the seconds it waited for activations."""

@@ -96,6 +96,10 @@ class StepRecord:
     """Pipelined runs (pp > 1): micro-batches in the pipeline when this one finished; the
     record is then one micro-batch and its wall time its share of a pipeline round. Null:
     the record is a whole round of the layout's micro-batches."""
+    num_draft_tokens: int = 0
+    """Speculative decoding: drafted tokens the decodes verified (beyond their one each)."""
+    num_accepted_tokens: int = 0
+    """Of which accepted: output tokens the step gave beyond one per decode."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -112,10 +116,17 @@ class StepRecord:
     @classmethod
     def from_chunks(cls, chunks: Iterable[tuple[int, int]], *, wall_s: float,
                     scheduler_s: float = 0.0, comm_s: float | None = None,
-                    num_in_flight: int | None = None) -> StepRecord:
-        """From a step's (num_tokens, start_pos) per scheduled sequence (see chunk_counts)."""
+                    num_in_flight: int | None = None, num_draft_tokens: int = 0,
+                    num_accepted_tokens: int = 0) -> StepRecord:
+        """From a step's (num_tokens, start_pos) per scheduled sequence (see chunk_counts;
+        a decode's drafts not counted in its num_tokens)."""
         return cls(**dict(zip(COUNT_FIELDS, chunk_counts(chunks))), wall_s=wall_s,
-                   scheduler_s=scheduler_s, comm_s=comm_s, num_in_flight=num_in_flight)
+                   scheduler_s=scheduler_s, comm_s=comm_s, num_in_flight=num_in_flight,
+                   num_draft_tokens=num_draft_tokens, num_accepted_tokens=num_accepted_tokens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decode_seqs > 0 and self.num_prefill_seqs == 0
 
     def decode_work(self) -> StepWork:
         """The step's decodes as cost-model work."""
@@ -136,6 +147,72 @@ class StepRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Speculation:
+    """How much speculative decoding ran, and whether it paid."""
+
+    num_drafted_steps: int
+    """Steps whose decodes carried drafts."""
+    num_decode_steps: int
+    """Decode-only steps, drafted or not."""
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    tokens_per_decode: float
+    """Output tokens per decoding sequence in drafted decode-only steps (1 + accepted)."""
+    speedup: float | None
+    """Drafted decode-only steps' tokens per second over plain ones' at the same batch size
+    (power-of-two buckets with both kinds, weighted by the drafted steps' time); None
+    where no bucket has both."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def verdict(self) -> str:
+        if self.speedup is None:
+            return ("not measured: no plain decode steps at the batch sizes that drafted "
+                    "(speculative.max_batch_size or the run-time switch decides which)")
+        if self.speedup >= 1.0:
+            return f"paid: drafted decode steps delivered {self.speedup:.2f}x the tokens/s"
+        return (f"did not pay: drafted decode steps delivered {self.speedup:.2f}x the tokens/s"
+                " of plain ones; a lower speculative.num_tokens or max_batch_size may")
+
+
+def speculation(records: Iterable[StepRecord]) -> Speculation | None:
+    """The speculation summary of a run's records; None if no step drafted."""
+    drafted: dict[int, list[float]] = {}  # bucket -> [tokens, seconds]
+    plain: dict[int, list[float]] = {}
+    num_drafted = num_decode = drafts = accepted = 0
+    decode_seqs = 0
+    for r in records:
+        if r.num_draft_tokens:
+            num_drafted += 1
+            drafts += r.num_draft_tokens
+            accepted += r.num_accepted_tokens
+        if not r.is_decode_only:
+            continue
+        num_decode += 1
+        side = drafted if r.num_draft_tokens else plain
+        acc = side.setdefault(r.num_decode_seqs.bit_length(), [0.0, 0.0])
+        acc[0] += r.num_decode_seqs + r.num_accepted_tokens
+        acc[1] += r.wall_s
+        if r.num_draft_tokens:
+            decode_seqs += r.num_decode_seqs
+    if not num_drafted:
+        return None
+    both = [b for b in drafted if b in plain and plain[b][1] > 0 and drafted[b][1] > 0]
+    speedup = None
+    if both:  # the time the drafted steps' tokens would have taken at the plain rate
+        at_plain = sum(drafted[b][0] * plain[b][1] / plain[b][0] for b in both)
+        speedup = at_plain / sum(drafted[b][1] for b in both)
+    tokens = sum(v[0] for v in drafted.values())
+    return Speculation(num_drafted_steps=num_drafted, num_decode_steps=num_decode,
+                       num_draft_tokens=drafts, num_accepted_tokens=accepted,
+                       tokens_per_decode=tokens / decode_seqs if decode_seqs else 0.0,
+                       speedup=speedup)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Diagnosis:
     """Time by cause over all steps, the bottleneck and the strategy for it."""
 
@@ -151,6 +228,8 @@ class Diagnosis:
     """The cause with the most time."""
     strategy: str
     """What to do about it."""
+    speculation: Speculation | None = None
+    """Speculative decoding's share and payoff, where any step drafted."""
 
     @property
     def shares(self) -> dict[str, float]:
@@ -165,7 +244,12 @@ class Diagnosis:
 
     def as_dict(self) -> dict[str, object]:
         """For JSON."""
-        return {**asdict(self), "shares": self.shares, "model_accuracy": self.model_accuracy}
+        out = {**asdict(self), "shares": self.shares, "model_accuracy": self.model_accuracy}
+        if self.speculation is not None:
+            out["speculation"] = {**asdict(self.speculation),
+                                  "acceptance_rate": self.speculation.acceptance_rate,
+                                  "verdict": self.speculation.verdict}
+        return out
 
 
 def record_cost(cost: CostModel, work: StepWork, num_in_flight: int | None) -> StepCost:
@@ -211,6 +295,7 @@ def diagnose(records: Iterable[StepRecord], cost: CostModel,
     seconds = dict.fromkeys(CAUSES, 0.0)
     total = predicted = 0.0
     n = 0
+    records = list(records)
     for r in records:
         parts, pred = split_step(r, cost)
         for k, v in parts.items():
@@ -224,4 +309,4 @@ def diagnose(records: Iterable[StepRecord], cost: CostModel,
     if scenario in SCENARIO_LEVERS:
         strategy += f"; for {scenario} the usual levers are {SCENARIO_LEVERS[scenario]}"
     return Diagnosis(seconds=seconds, total_s=total, predicted_s=predicted, num_steps=n,
-                     bottleneck=bottleneck, strategy=strategy)
+                     bottleneck=bottleneck, strategy=strategy, speculation=speculation(records))

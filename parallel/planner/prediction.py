@@ -5,6 +5,11 @@ requests finish per step, so as many new prompts are prefilled in between; a ste
 costs the decode round plus those prefills on the slowest stage. A new request waits for
 about one step before its prefill runs.
 
+Where the scenario speculates, the decode round is also priced with speculative decoding:
+a draft model's k steps plus one target step verifying k + 1 tokens per sequence, over the
+tokens it emits (the accepted drafts and one more), at an acceptance stated here
+(SPEC_ACCEPTED of SPEC_TOKENS drafts per verify step; the bundled pair accepts about 2).
+
 Goodput counts requests/s at the largest batch that meets both SLOs (max_batch and the KV
 cache permitting). The figures are reported at an operating batch: for the latency
 objective the service carries max_batch sequences in all, spread over the replicas (so
@@ -17,6 +22,27 @@ from dataclasses import dataclass
 
 from meshserve.parallel.planner.cost_model import CostModel, StepWork
 from meshserve.parallel.planner.scenario import ScenarioConfig
+
+SPEC_TOKENS = 4
+"""Drafts per verify step the plan assumes (speculative.num_tokens' default)."""
+SPEC_ACCEPTED = 2.0
+"""Drafts a verify step accepts on average, as the plan assumes."""
+DRAFT_STEP_FRACTION = 0.15
+"""A draft model's decode step as a share of the target's at the same batch: a draft of
+about a tenth of the target's weights, its kernel launches and per-layer work keeping it
+above its weight share."""
+
+
+def speculative_tpot_s(cost: CostModel, batch: float, context: float,
+                       k: int = SPEC_TOKENS, accepted: float = SPEC_ACCEPTED) -> float:
+    """Time per output token decoding `batch` sequences speculatively: k draft steps and a
+    verify of k + 1 tokens each (the weights and each context read once), per the 1 +
+    `accepted` tokens a verify emits."""
+    rows = batch * (k + 1)
+    verify = StepWork(num_new_tokens=rows, num_seqs=rows, num_kv_read=batch * context,
+                      num_attended=rows * (context + 1 + k / 2))
+    draft = k * DRAFT_STEP_FRACTION * cost.tpot_s(batch, context)
+    return (cost.step(verify).total_s + draft) / (1 + accepted)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +69,10 @@ class Prediction:
     """Requests/s that meet both SLOs (0 when even batch 1 misses them)."""
     meets_slo: bool
     """Whether the operating batch meets both SLOs."""
+    speculative_decode_ms: float | None = None
+    """Where the scenario speculates: the decode round's time per output token with
+    speculative decoding at the operating batch (SPEC_ACCEPTED of SPEC_TOKENS drafts
+    accepted); compare with decode_ms. None where the scenario does not speculate."""
 
 
 def serving_step_s(cost: CostModel, scenario: ScenarioConfig, batch: int) -> float:
@@ -83,8 +113,11 @@ def predict(cost: CostModel, scenario: ScenarioConfig, *, dp: int,
     step = serving_step_s(cost, scenario, batch)
     decode = cost.step(StepWork.decode(batch, p + o / 2))
     ttft = (prefill_s + step) * 1e3
+    spec = (speculative_tpot_s(cost, batch, p + o / 2) * 1e3 if scenario.speculative
+            else None)
     return Prediction(
         batch=batch, max_concurrency=concurrency, ttft_ms=ttft,
         latency_ms=ttft + (o - 1) * step * 1e3, tpot_ms=step * 1e3,
         decode_ms=decode.total_s * 1e3, bubble_fraction=decode.bubble_s / decode.total_s,
-        throughput_tok_s=dp * batch / step, goodput_req_s=good, meets_slo=meets(batch))
+        throughput_tok_s=dp * batch / step, goodput_req_s=good, meets_slo=meets(batch),
+        speculative_decode_ms=spec)

@@ -144,3 +144,42 @@ def test_verified_tokens_follow_the_processed_target_distribution(draft_model: b
     want = Sampler().probs(target[:1], [params])[0]
     assert torch.allclose(freq, want, atol=0.012), (freq, want)
     assert (freq[want == 0] == 0).all()  # never a token top-k or top-p cut
+
+
+def test_above_max_batch_size_no_draft_forward_runs() -> None:
+    llm = LLM("meshcoder", overrides=[*ONE_RANK, *DRAFT, "speculative.max_batch_size=1"],
+              progress=False)
+    engine = llm.engine
+    drafter = engine.executor.worker.drafter
+    try:
+        longer = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+        ids = [engine.add_request(p, GREEDY) for p in PROMPTS[1:]]
+        ids.append(engine.add_request(PROMPTS[0], longer))
+        engine.step()  # admits them all: nothing ran before, so the draft runs the prompts
+        before, steps = drafter.num_forwards, 0
+        while engine.stats.num_running > 1:
+            engine.step()
+            steps += 1
+        assert steps > 0 and drafter.num_forwards == before  # plain steps: no draft forward
+        assert engine.stats.spec.num_draft_tokens == 0
+        while engine.has_unfinished():  # one left: it drafts, catching up what it lags by
+            engine.step()
+        assert drafter.num_forwards > before and engine.stats.spec.num_accepted_tokens > 0
+        assert engine.stats.num_free_blocks == engine.num_blocks
+        assert len(ids) == len(PROMPTS)
+    finally:
+        llm.shutdown()
+
+
+def test_runs_end_at_an_unsure_draft_and_the_rest_is_not_verified(plain) -> None:
+    llm = LLM("meshcoder", overrides=[*ONE_RANK, *DRAFT, "speculative.stop_confidence=0.9"],
+              progress=False)
+    try:
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == plain
+        spec = llm.engine.stats.spec
+        assert spec.num_drafts <= spec.num_draft_tokens < 4 * spec.num_drafts  # shorter runs
+        assert sum(o.metrics.num_draft_tokens for o in outs) == spec.num_draft_tokens
+        assert llm.engine.stats.num_free_blocks == llm.engine.num_blocks
+    finally:
+        llm.shutdown()

@@ -42,6 +42,25 @@ def test_generate_then_diagnose_names_a_bottleneck(tmp_path: Path) -> None:
     assert d["seconds"]["pipeline_bubbles"] == 0.0
 
 
+def test_a_speculating_run_says_how_much_drafted_and_whether_it_paid(tmp_path: Path) -> None:
+    steps = tmp_path / "steps.jsonl"
+    gen = meshserve("generate", f"engine.step_log={steps}", "generate.max_tokens=48",
+                    "generate.ignore_eos=true", "parallel=single", "speculative=draft")
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    rows = [json.loads(line) for line in steps.read_text().splitlines()[1:]]
+    drafted = [r for r in rows if r.get("num_draft_tokens")]
+    assert drafted and all(r["num_accepted_tokens"] <= r["num_draft_tokens"] for r in drafted)
+    assert sum(r["num_decode_seqs"] + r.get("num_accepted_tokens", 0) for r in rows) == 3 * 47
+    out = meshserve("diagnose", f"diagnose.records={steps}", "format=json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    sp = json.loads(out.stdout)["speculation"]
+    assert sp["num_drafted_steps"] == len(drafted)
+    assert sp["num_draft_tokens"] == sum(r["num_draft_tokens"] for r in drafted)
+    assert sp["verdict"]
+    text = meshserve("diagnose", f"diagnose.records={steps}")
+    assert "speculative decoding:" in text.stdout and "drafts accepted" in text.stdout
+
+
 @pytest.mark.slow
 def test_a_pipelined_run_shows_its_bubbles(tmp_path: Path) -> None:
     rows, d = generate_and_diagnose(tmp_path, "parallel.pp=2")

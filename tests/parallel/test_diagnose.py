@@ -7,7 +7,13 @@ import pytest
 from meshserve.launch.config import load_config
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.planner.cost_model import CostModel, Layout, StepWork
-from meshserve.parallel.planner.diagnosis import CAUSES, StepRecord, diagnose, split_step
+from meshserve.parallel.planner.diagnosis import (
+    CAUSES,
+    StepRecord,
+    diagnose,
+    speculation,
+    split_step,
+)
 from meshserve.parallel.planner.model_shape import ModelShape
 
 CFG = load_config(["model=llama-3-8b", "cluster=dgx-h100"])
@@ -171,3 +177,23 @@ def test_num_in_flight_must_be_positive() -> None:
     with pytest.raises(ValueError, match=r"step.num_in_flight=0 is invalid: allowed is null or "
                                          r"an int >= 1"):
         StepRecord(wall_s=1.0, num_in_flight=0)
+
+
+def test_speculation_summary_prices_drafted_steps_against_plain_ones_at_their_batch() -> None:
+    def decode(n: int, wall: float, drafts: int = 0, accepted: int = 0) -> StepRecord:
+        return StepRecord(num_decode_seqs=n, num_decode_context_tokens=100 * n, wall_s=wall,
+                          num_draft_tokens=drafts, num_accepted_tokens=accepted)
+
+    prefill = StepRecord(num_prefill_tokens=50, num_prefill_seqs=1, wall_s=0.02)
+    # batch 1: plain 1 token / 4 ms; drafted 3 tokens / 8 ms -> 1.5x. Batch 8 plain only.
+    records = [prefill, *[decode(1, 0.004)] * 4, *[decode(1, 0.008, 4, 2)] * 6,
+               *[decode(8, 0.01)] * 3]
+    s = speculation(records)
+    assert s is not None
+    assert (s.num_drafted_steps, s.num_decode_steps) == (6, 13)
+    assert (s.num_draft_tokens, s.num_accepted_tokens) == (24, 12)
+    assert s.acceptance_rate == 0.5 and s.tokens_per_decode == 3.0
+    assert s.speedup == pytest.approx(1.5) and s.verdict.startswith("paid")
+    lonely = speculation([decode(1, 0.008, 4, 0)])  # nothing plain to compare with
+    assert lonely is not None and lonely.speedup is None and "not measured" in lonely.verdict
+    assert speculation([prefill, decode(1, 0.004)]) is None
