@@ -16,6 +16,7 @@ from meshserve.engine.sampling_params import SamplingParams, SequenceSampling
 from meshserve.engine.scheduler import Scheduler
 from meshserve.engine.scheduler_output import SchedulerOutput, SchedulerStats
 from meshserve.engine.sequence import Sequence, SequenceStatus
+from meshserve.engine.speculation_prior import speculation_prior
 from meshserve.engine.step_clock import StepClock, StepRecorder, StepTiming
 from meshserve.engine.step_log import StepLog
 from meshserve.engine.stop_strings import StopStrings
@@ -78,6 +79,8 @@ class Engine:
         self.num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(config.engine, self.num_blocks, self.max_model_len,
                                    self.arch.sliding_window, config.speculative)
+        if self.scheduler.switch is not None:
+            self.scheduler.switch.prior = speculation_prior(self.run)
         self._new_seqs: dict[int, SequenceSampling] = {}
         self.recorder = StepRecorder(self.step_log)
         self.timing = self.recorder.timing

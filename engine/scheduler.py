@@ -69,7 +69,8 @@ class Scheduler:
         self._speculating = False
         """Whether the step being scheduled may carry drafts."""
         self.spec_stats = SpecDecodeStats()
-        self.switch = SpeculationSwitch() if spec is not None else None
+        self.switch = (SpeculationSwitch() if spec is not None and spec.max_batch_size is None
+                       else None)
         """Whether a step drafts: its timed cost against the acceptance of its requests."""
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching,
@@ -256,13 +257,14 @@ class Scheduler:
         return seq.num_computed_tokens
 
     def _may_draft(self) -> bool:
-        """Whether this step may carry drafts: not above speculative.max_batch_size
-        running sequences, and where the switch prices drafting as paying."""
+        """Whether this step may carry drafts: up to speculative.max_batch_size running
+        sequences where that is set, else where the switch prices drafting as paying."""
         spec, switch = self.speculative, self.switch
-        if spec is None or switch is None:
+        if spec is None:
             return False
-        if spec.max_batch_size is not None and len(self.running) > spec.max_batch_size:
-            return False
+        if spec.max_batch_size is not None:
+            return len(self.running) <= spec.max_batch_size
+        assert switch is not None
         return switch.allow(self._acceptances())
 
     def _acceptances(self) -> list[float | None]:

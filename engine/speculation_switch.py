@@ -9,18 +9,27 @@ token right tends to get the next one too, so a per-token rate would undercount 
 a running average of the seconds a drafted step and a plain step took, and lets a step
 draft when its expected tokens per second beat the plain step's by a margin. Step times
 are steadier than the tokens a step happens to emit, so a few steps settle the choice;
-each side is timed again now and then (every PROBE_EVERY steps of the other), so a
-change of machine load is followed. A bucket with nothing measured yet drafts: that
-measures it.
+the losing side is timed again now and then (after PROBE_EVERY steps, then ever fewer
+while the choice holds), so a change of machine load is followed. A bucket not yet
+timed both ways times a plain step and prices drafting by the drafted-to-plain ratio of
+the nearest bucket that has, else by the cost model's prediction of it (else it times a
+drafted step first).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 PROBE_EVERY = 32
-"""Steps of one kind after which the other kind runs once, to be timed again."""
+"""Steps of the preferred kind after which the other kind runs once, to be timed again;
+the interval doubles (up to MAX_PROBE_EVERY) each time the preference holds, and starts
+over when it flips: a probe of a losing side costs what it loses."""
+MAX_PROBE_EVERY = 1024
+PROBE_BAND = 1.5
+"""Drafting priced at less than 1/PROBE_BAND of plain decoding's tokens/s is not probed
+(at a large batch a drafted step costs several plain ones, and catching the draft model
+up on what it skipped costs more)."""
 MARGIN = 1.03
 """Drafting must promise this much more than plain decoding to be chosen: its price
 rests on estimated acceptance, and its times are fewer."""
@@ -28,6 +37,9 @@ WEIGHT = 0.2
 """The weight of the newest step in a running average (after the first WARM steps, whose
 plain mean it starts from: a cold first step weighs no more than the others)."""
 WARM = 4
+SHIFT = 0.25
+"""A step time this far (relatively) from its running mean says the machine or the batch
+changed: the mean restarts and the other side is timed again soon."""
 
 
 @dataclass
@@ -35,13 +47,17 @@ class _Mean:
     value: float | None = None
     count: int = 0
 
-    def add(self, x: float) -> None:
-        self.count += 1
+    def add(self, x: float) -> bool:
+        """Take a sample; True when it is far (SHIFT) from the mean so far: the mean then
+        starts over as a plain mean of it and what follows."""
+        shifted = self.value is not None and abs(x - self.value) > SHIFT * self.value
+        self.count = 1 if shifted and self.count >= WARM else self.count + 1
         if self.value is None:
             self.value = x
         else:
             w = max(WEIGHT, 1.0 / min(self.count, WARM))
             self.value += w * (x - self.value)
+        return shifted
 
 
 @dataclass
@@ -50,12 +66,17 @@ class _Bucket:
     plain_s: _Mean
     since_other: int = 0
     """Steps of the kind now preferred since the other kind last ran."""
+    interval: int = PROBE_EVERY
+    prefer: bool | None = None
 
 
 class SpeculationSwitch:
     """Per batch-size bucket: draft, or decode plainly, whichever delivers more tokens/s."""
 
-    def __init__(self) -> None:
+    def __init__(self, prior: Callable[[int], float] | None = None) -> None:
+        """`prior(num_seqs)`: a drafted step's time over a plain one's at that batch, as
+        the cost model predicts it, for buckets nothing has timed both ways yet."""
+        self.prior = prior
         self._buckets: dict[int, _Bucket] = {}
         self.num_drafted_steps = 0
         self.num_plain_steps = 0
@@ -84,14 +105,37 @@ class SpeculationSwitch:
         not draft)."""
         b = self._get(len(accepted))
         d, p = b.drafted_s.value, b.plain_s.value
-        if d is None or p is None:
-            return d is None  # time drafting first, then plain
-        prefer = self.gain(accepted) * p >= MARGIN * d
-        if b.since_other >= PROBE_EVERY:
+        if d is None:
+            ratio = self._nearest_ratio(len(accepted))
+            if ratio is None and self.prior is not None:
+                ratio = self.prior(len(accepted))
+            if ratio is None:
+                return True  # time drafting first, then plain
+            if p is None:
+                return False  # time plain, then price drafting as the nearest bucket does
+            d = p * ratio
+        elif p is None:
+            return False
+        promise = self.gain(accepted) * p / d  # drafted tokens/s over plain, as priced
+        prefer = promise >= MARGIN
+        if prefer != b.prefer:
+            b.prefer, b.interval, b.since_other = prefer, PROBE_EVERY, 0
+        if not prefer and promise < 1 / PROBE_BAND:
+            return False  # too far behind for a probe to tell anything worth its cost
+        if b.since_other >= b.interval:
             b.since_other = 0
+            b.interval = min(2 * b.interval, MAX_PROBE_EVERY)
             return not prefer
         b.since_other += 1
         return prefer
+
+    def _nearest_ratio(self, num_seqs: int) -> float | None:
+        """Drafted over plain step time in the nearest bucket that timed both."""
+        here = self.bucket(num_seqs)
+        timed = [(abs(k - here), b.drafted_s.value / b.plain_s.value)
+                 for k, b in self._buckets.items()
+                 if b.drafted_s.value is not None and b.plain_s.value]
+        return min(timed)[1] if timed else None
 
     def observe(self, num_seqs: int, drafted: bool, seconds: float) -> None:
         """A decode step of `num_seqs` sequences took `seconds`."""
@@ -100,10 +144,12 @@ class SpeculationSwitch:
         b = self._get(num_seqs)
         if drafted:
             self.num_drafted_steps += 1
-            b.drafted_s.add(seconds)
+            shifted = b.drafted_s.add(seconds)
         else:
             self.num_plain_steps += 1
-            b.plain_s.add(seconds)
+            shifted = b.plain_s.add(seconds)
+        if shifted:
+            b.interval = PROBE_EVERY
 
     def step_seconds(self, num_seqs: int) -> tuple[float | None, float | None]:
         """The running (drafted, plain) step times of this batch size's bucket."""

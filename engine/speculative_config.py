@@ -26,7 +26,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3
     """method=ngram: the longest suffix looked up (tried first)."""
     max_batch_size: int | None = None
-    """Above this many running sequences a step takes the plain path; null: no limit."""
+    """Up to this many running sequences every step drafts, above it none does (a fixed
+    rule); null: the run-time switch prices each step (engine/speculation_switch.py)."""
     stop_confidence: float = 0.0
     """method=draft: a sequence's draft run ends at a token the draft model gave less
     than this probability (its later tokens would mostly be rejected); 0: always k. Off

@@ -33,16 +33,25 @@ about a tenth of the target's weights, its kernel launches and per-layer work ke
 above its weight share."""
 
 
-def speculative_tpot_s(cost: CostModel, batch: float, context: float,
-                       k: int = SPEC_TOKENS, accepted: float = SPEC_ACCEPTED) -> float:
-    """Time per output token decoding `batch` sequences speculatively: k draft steps and a
-    verify of k + 1 tokens each (the weights and each context read once), per the 1 +
-    `accepted` tokens a verify emits."""
+def speculative_step_s(cost: CostModel, batch: float, context: float, k: int = SPEC_TOKENS,
+                       draft: CostModel | None = None, drafts: bool = True) -> float:
+    """One speculative decode step of `batch` sequences: k draft steps (of the `draft`
+    model's cost, else DRAFT_STEP_FRACTION of the target's; none with `drafts` false, as
+    prompt lookup proposes on the host) and a verify of k + 1 tokens each (the weights
+    and each context read once)."""
     rows = batch * (k + 1)
     verify = StepWork(num_new_tokens=rows, num_seqs=rows, num_kv_read=batch * context,
                       num_attended=rows * (context + 1 + k / 2))
-    draft = k * DRAFT_STEP_FRACTION * cost.tpot_s(batch, context)
-    return (cost.step(verify).total_s + draft) / (1 + accepted)
+    step = (draft.tpot_s(batch, context) if draft is not None
+            else DRAFT_STEP_FRACTION * cost.tpot_s(batch, context))
+    return cost.step(verify).total_s + (k * step if drafts else 0.0)
+
+
+def speculative_tpot_s(cost: CostModel, batch: float, context: float,
+                       k: int = SPEC_TOKENS, accepted: float = SPEC_ACCEPTED) -> float:
+    """Time per output token decoding `batch` sequences speculatively, per the 1 +
+    `accepted` tokens a verify step emits."""
+    return speculative_step_s(cost, batch, context, k) / (1 + accepted)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -56,6 +56,14 @@ def test_a_cold_first_step_weighs_no_more_than_the_next_ones() -> None:
 
 def test_it_follows_a_change_of_machine_load() -> None:
     s = SpeculationSwitch()
-    run(s, [1.0], 100, drafted_s=0.01, plain_s=0.003)
+    run(s, [1.0], 100, drafted_s=0.007, plain_s=0.003)  # 2 tokens for 2.3x: close
     after = run(s, [1.0], 300, drafted_s=0.004, plain_s=0.003)
     assert sum(after[-100:]) > 90
+
+
+def test_drafting_far_behind_is_not_probed_and_untimed_buckets_take_the_prior() -> None:
+    s = SpeculationSwitch(prior=lambda n: 1.5 if n < 8 else 6.0)
+    big = run(s, [2.0] * 64, 300, drafted_s=0.2, plain_s=0.03)
+    assert not any(big)  # priced at half of plain: never drafted, not even to time it
+    small = run(s, [2.0], 100, drafted_s=0.0045, plain_s=0.003)
+    assert small[0] is False and all(small[1:30])  # plain timed, the prior says draft

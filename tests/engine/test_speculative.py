@@ -8,7 +8,8 @@ from helpers.speculation import GREEDY, MODES, ONE_RANK, PROMPTS
 
 from meshserve import LLM, SamplingParams
 
-SPEC = ["speculative=ngram"]
+SPEC = ["speculative=ngram", "speculative.max_batch_size=64"]
+"""Every step drafts (no run-time switch): the tests check what drafting does."""
 
 
 @pytest.fixture(scope="module")

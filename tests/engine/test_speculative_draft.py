@@ -18,7 +18,8 @@ from meshserve.engine.worker.sampler import Sampler
 from meshserve.engine.worker.step_sampler import StepSampler
 from meshserve.models.bundled import BUNDLED_DIR
 
-DRAFT = ["speculative=draft"]
+DRAFT = ["speculative=draft", "speculative.max_batch_size=64"]
+"""Every step drafts (no run-time switch): the tests check what drafting does."""
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,7 @@ def test_verified_tokens_follow_the_processed_target_distribution(draft_model: b
 
 
 def test_above_max_batch_size_no_draft_forward_runs() -> None:
-    llm = LLM("meshcoder", overrides=[*ONE_RANK, *DRAFT, "speculative.max_batch_size=1"],
+    llm = LLM("meshcoder", overrides=[*ONE_RANK, "speculative=draft", "speculative.max_batch_size=1"],
               progress=False)
     engine = llm.engine
     drafter = engine.executor.worker.drafter

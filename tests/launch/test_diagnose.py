@@ -45,7 +45,8 @@ def test_generate_then_diagnose_names_a_bottleneck(tmp_path: Path) -> None:
 def test_a_speculating_run_says_how_much_drafted_and_whether_it_paid(tmp_path: Path) -> None:
     steps = tmp_path / "steps.jsonl"
     gen = meshserve("generate", f"engine.step_log={steps}", "generate.max_tokens=48",
-                    "generate.ignore_eos=true", "parallel=single", "speculative=draft")
+                    "generate.ignore_eos=true", "parallel=single", "speculative=draft",
+                    "speculative.max_batch_size=3")
     assert gen.returncode == 0, gen.stderr[-3000:]
     rows = [json.loads(line) for line in steps.read_text().splitlines()[1:]]
     drafted = [r for r in rows if r.get("num_draft_tokens")]
