@@ -252,9 +252,11 @@ class Engine:
         if not all(s.sample and len(s.token_ids) == 1 + s.num_drafts for s in out.scheduled):
             return  # a prompt chunk's cost is no decode's
         drafted = any(s.num_drafts for s in out.scheduled)
+        lag = sum(len(s.draft_context) for s in out.scheduled if s.draft_context is not None)
         switch = self.scheduler.switch
         assert switch is not None
-        switch.observe(out.num_seqs, drafted, seconds)
+        # Lagging a token after a fully accepted run is steady drafting; more is catch-up.
+        switch.observe(out.num_seqs, drafted, seconds, caught_up=lag > out.num_seqs)
 
     def _step_async(self) -> list[RequestOutput]:
         """Schedule and launch the next step, then resolve the one launched before it:

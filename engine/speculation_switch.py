@@ -68,6 +68,8 @@ class _Bucket:
     """Steps of the kind now preferred since the other kind last ran."""
     interval: int = PROBE_EVERY
     prefer: bool | None = None
+    retime: bool = False
+    """The last drafted step also caught the draft model up: draft the next one to time."""
 
 
 class SpeculationSwitch:
@@ -104,6 +106,9 @@ class SpeculationSwitch:
         sequence, the drafts a verify step of it is expected to accept (None: it would
         not draft)."""
         b = self._get(len(accepted))
+        if b.retime:
+            b.retime = False
+            return True
         d, p = b.drafted_s.value, b.plain_s.value
         if d is None:
             ratio = self._nearest_ratio(len(accepted))
@@ -137,11 +142,17 @@ class SpeculationSwitch:
                  if b.drafted_s.value is not None and b.plain_s.value]
         return min(timed)[1] if timed else None
 
-    def observe(self, num_seqs: int, drafted: bool, seconds: float) -> None:
-        """A decode step of `num_seqs` sequences took `seconds`."""
+    def observe(self, num_seqs: int, drafted: bool, seconds: float,
+                caught_up: bool = False) -> None:
+        """A decode step of `num_seqs` sequences took `seconds`; `caught_up`: a drafted
+        step that also ran the draft model over tokens it had skipped (a one-time cost,
+        not timed: the next step drafts again to be timed)."""
         if seconds <= 0:
             return
         b = self._get(num_seqs)
+        if drafted and caught_up:
+            b.retime = True
+            return
         if drafted:
             self.num_drafted_steps += 1
             shifted = b.drafted_s.add(seconds)

@@ -4,6 +4,9 @@ measured as the run goes; each side timed again now and then."""
 
 from __future__ import annotations
 
+from meshserve.engine.run import resolve_run
+from meshserve.engine.runtime_config import load_runtime_config
+from meshserve.engine.speculation_prior import speculation_prior
 from meshserve.engine.speculation_switch import MARGIN, PROBE_EVERY, SpeculationSwitch
 
 
@@ -67,3 +70,26 @@ def test_drafting_far_behind_is_not_probed_and_untimed_buckets_take_the_prior() 
     assert not any(big)  # priced at half of plain: never drafted, not even to time it
     small = run(s, [2.0], 100, drafted_s=0.0045, plain_s=0.003)
     assert small[0] is False and all(small[1:30])  # plain timed, the prior says draft
+
+
+def test_the_cost_model_prior_grows_with_the_batch_and_the_draft_model() -> None:
+    def prior(method: str):
+        run = resolve_run(load_runtime_config(["model=meshcoder", "parallel=single",
+                                               f"speculative={method}"]), env=None,
+                          announce=False)
+        return speculation_prior(run)
+
+    ngram, draft = prior("ngram"), prior("draft")
+    assert ngram is not None and draft is not None and prior("none") is None
+    for n in (1, 4, 16, 64):
+        assert 1.0 <= ngram(n) < draft(n)  # a verify is never cheaper than a decode
+    assert ngram(1) < ngram(8) < ngram(64)  # more rows cost more as the batch grows
+
+
+def test_a_step_that_caught_the_draft_up_is_not_timed_and_the_next_one_is() -> None:
+    s = SpeculationSwitch()
+    assert s.allow([2.0])
+    s.observe(1, True, 0.05, caught_up=True)  # the draft model ran a whole prompt too
+    assert s.step_seconds(1) == (None, None) and s.allow([2.0])
+    s.observe(1, True, 0.006)
+    assert s.step_seconds(1) == (0.006, None)
