@@ -12,8 +12,9 @@ are steadier than the tokens a step happens to emit, so a few steps settle the c
 the losing side is timed again now and then (after PROBE_EVERY steps, then ever fewer
 while the choice holds), so a change of machine load is followed. A bucket not yet
 timed both ways times a plain step and prices drafting by the drafted-to-plain ratio of
-the nearest bucket that has, else by the cost model's prediction of it (else it times a
-drafted step first).
+the nearest bucket that has (scaled as the cost model's prediction of that ratio grows
+between the two), else by the cost model's prediction alone (else it times a drafted
+step first).
 """
 
 from __future__ import annotations
@@ -135,12 +136,19 @@ class SpeculationSwitch:
         return prefer
 
     def _nearest_ratio(self, num_seqs: int) -> float | None:
-        """Drafted over plain step time in the nearest bucket that timed both."""
+        """Drafted over plain step time in the nearest bucket that timed both, carried to
+        this batch size as the prior grows between the two (a verify's extra rows weigh
+        more as the batch fills the hardware)."""
         here = self.bucket(num_seqs)
-        timed = [(abs(k - here), b.drafted_s.value / b.plain_s.value)
+        timed = [(abs(k - here), k, b.drafted_s.value / b.plain_s.value)
                  for k, b in self._buckets.items()
                  if b.drafted_s.value is not None and b.plain_s.value]
-        return min(timed)[1] if timed else None
+        if not timed:
+            return None
+        _, k, ratio = min(timed)
+        if self.prior is None:
+            return ratio
+        return ratio * self.prior(num_seqs) / self.prior(1 << (k - 1))
 
     def observe(self, num_seqs: int, drafted: bool, seconds: float,
                 caught_up: bool = False) -> None:

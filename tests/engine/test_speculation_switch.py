@@ -93,3 +93,11 @@ def test_a_step_that_caught_the_draft_up_is_not_timed_and_the_next_one_is() -> N
     assert s.step_seconds(1) == (None, None) and s.allow([2.0])
     s.observe(1, True, 0.006)
     assert s.step_seconds(1) == (0.006, None)
+
+
+def test_a_timed_bucket_prices_an_untimed_one_scaled_by_the_prior() -> None:
+    s = SpeculationSwitch(prior=lambda n: 1.0 + n / 8)
+    run(s, [2.0], 10, drafted_s=0.0045, plain_s=0.003)  # batch 1: timed, ratio 1.5
+    # batch 64 (prior 9 against 1.125 at batch 1): priced at 12x plain, far behind
+    big = run(s, [2.0] * 64, 100, drafted_s=0.1, plain_s=0.01)
+    assert not any(big)
