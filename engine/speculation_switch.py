@@ -3,24 +3,26 @@ step cost at this batch size on this machine, measured as the run goes, and from
 acceptance each running request has shown.
 
 A plain step emits one token per sequence. A drafted step emits, per speculating sequence,
-the drafts it accepts and one more: the mean accepted per verify step of its own history
-(acceptances of successive drafts are far from independent: a draft that got the first
-token right tends to get the next one too, so a per-token rate would undercount runs). The switch keeps, per batch-size bucket (powers of two),
-a running average of the seconds a drafted step and a plain step took, and lets a step
-draft when its expected tokens per second beat the plain step's by a margin. Step times
-are steadier than the tokens a step happens to emit, so a few steps settle the choice;
-the losing side is timed again now and then (after PROBE_EVERY steps, then ever fewer
-while the choice holds), so a change of machine load is followed. A bucket not yet
-timed both ways times a plain step and prices drafting by the drafted-to-plain ratio of
-the nearest bucket that has (scaled as the cost model's prediction of that ratio grows
-between the two), else by the cost model's prediction alone (else it times a drafted
-step first).
+the drafts it accepts and one more: the mean accepted per verify step of its own history.
+(Acceptances of successive drafts are far from independent: a draft that got the first
+token right tends to get the next one too, so a per-token rate would undercount runs.)
+The switch keeps, per batch-size bucket (powers of two), the median of the latest times a
+drafted and a plain step took, and lets a step draft when its expected tokens per second
+beat the plain step's by a margin. Step times are steadier than the tokens a step happens
+to emit, and a median shrugs off a stalled step, so a few steps settle the choice. The
+losing side is timed again now and then (after PROBE_EVERY steps, then ever fewer while
+the choice holds), so a change of machine load is followed. A bucket not yet timed both
+ways times a plain step and prices drafting by the drafted-to-plain ratio of the nearest
+bucket that has (scaled as the cost model's prediction of that ratio grows between the
+two), else by the cost model's prediction alone (else it times a drafted step first).
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PROBE_EVERY = 32
 """Steps of the preferred kind after which the other kind runs once, to be timed again;
@@ -34,37 +36,29 @@ up on what it skipped costs more)."""
 MARGIN = 1.03
 """Drafting must promise this much more than plain decoding to be chosen: its price
 rests on estimated acceptance, and its times are fewer."""
-WEIGHT = 0.2
-"""The weight of the newest step in a running average (after the first WARM steps, whose
-plain mean it starts from: a cold first step weighs no more than the others)."""
-WARM = 4
 SHIFT = 0.25
-"""A step time this far (relatively) from its running mean says the machine or the batch
-changed: the mean restarts and the other side is timed again soon."""
+"""A probe this far (relatively) from its side's median starts the probe interval over."""
+WINDOW = 9
+"""Step times a side's estimate is the median of (its latest): a step stalled by the
+machine or a collector does not move it, a change of load does within a few steps."""
 
 
-@dataclass
 class _Mean:
-    value: float | None = None
-    count: int = 0
+    """The median of the latest WINDOW samples."""
 
-    def add(self, x: float) -> bool:
-        """Take a sample; True when it is far (SHIFT) from the mean so far: the mean then
-        starts over as a plain mean of it and what follows."""
-        shifted = self.value is not None and abs(x - self.value) > SHIFT * self.value
-        self.count = 1 if shifted and self.count >= WARM else self.count + 1
-        if self.value is None:
-            self.value = x
-        else:
-            w = max(WEIGHT, 1.0 / min(self.count, WARM))
-            self.value += w * (x - self.value)
-        return shifted
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=WINDOW)
+        self.value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.samples.append(x)
+        self.value = statistics.median(self.samples)
 
 
 @dataclass
 class _Bucket:
-    drafted_s: _Mean
-    plain_s: _Mean
+    drafted_s: _Mean = field(default_factory=_Mean)
+    plain_s: _Mean = field(default_factory=_Mean)
     since_other: int = 0
     """Steps of the kind now preferred since the other kind last ran."""
     interval: int = PROBE_EVERY
@@ -92,7 +86,7 @@ class SpeculationSwitch:
     def _get(self, num_seqs: int) -> _Bucket:
         b = self._buckets.get(self.bucket(num_seqs))
         if b is None:
-            b = self._buckets[self.bucket(num_seqs)] = _Bucket(_Mean(), _Mean())
+            b = self._buckets[self.bucket(num_seqs)] = _Bucket()
         return b
 
     @staticmethod
@@ -161,14 +155,15 @@ class SpeculationSwitch:
         if drafted and caught_up:
             b.retime = True
             return
+        side = b.drafted_s if drafted else b.plain_s
         if drafted:
             self.num_drafted_steps += 1
-            shifted = b.drafted_s.add(seconds)
         else:
             self.num_plain_steps += 1
-            shifted = b.plain_s.add(seconds)
-        if shifted:
-            b.interval = PROBE_EVERY
+        if (b.prefer is not None and drafted != b.prefer and side.value is not None
+                and abs(seconds - side.value) > SHIFT * side.value):
+            b.interval = PROBE_EVERY  # the losing side changed: time it again soon
+        side.add(seconds)
 
     def step_seconds(self, num_seqs: int) -> tuple[float | None, float | None]:
         """The running (drafted, plain) step times of this batch size's bucket."""
