@@ -74,6 +74,7 @@ class SpeculationSwitch:
         """`prior(num_seqs)`: a drafted step's time over a plain one's at that batch, as
         the cost model predicts it, for buckets nothing has timed both ways yet."""
         self.prior = prior
+        self._priors: dict[int, float] = {}
         self._buckets: dict[int, _Bucket] = {}
         self.num_drafted_steps = 0
         self.num_plain_steps = 0
@@ -108,7 +109,7 @@ class SpeculationSwitch:
         if d is None:
             ratio = self._nearest_ratio(len(accepted))
             if ratio is None and self.prior is not None:
-                ratio = self.prior(len(accepted))
+                ratio = self._prior(self.bucket(len(accepted)))
             if ratio is None:
                 return True  # time drafting first, then plain
             if p is None:
@@ -142,7 +143,16 @@ class SpeculationSwitch:
         _, k, ratio = min(timed)
         if self.prior is None:
             return ratio
-        return ratio * self.prior(num_seqs) / self.prior(1 << (k - 1))
+        return ratio * self._prior(here) / self._prior(k)
+
+    def _prior(self, bucket: int) -> float:
+        """The prior at a bucket's smallest batch, priced once (the cost model is slow
+        next to a step's host work)."""
+        ratio = self._priors.get(bucket)
+        if ratio is None:
+            assert self.prior is not None
+            ratio = self._priors[bucket] = self.prior(1 << (bucket - 1))
+        return ratio
 
     def observe(self, num_seqs: int, drafted: bool, seconds: float,
                 caught_up: bool = False) -> None:
