@@ -68,6 +68,9 @@ class Scheduler:
         self.draft_model = spec is not None and spec.method == "draft"
         self._speculating = False
         """Whether the step being scheduled may carry drafts."""
+        self._draft_prompts = False
+        """Whether its prompt chunks run on the draft model too: it drafts, or the batch
+        they join may draft soon."""
         self.spec_stats = SpecDecodeStats()
         self.switch = (SpeculationSwitch() if spec is not None and spec.max_batch_size is None
                        else None)
@@ -267,15 +270,31 @@ class Scheduler:
         assert switch is not None
         return switch.allow(self._acceptances())
 
+    def _may_draft_soon(self) -> bool:
+        """Whether the batch this step's prompts join (running and waiting sequences, to
+        max_num_seqs) may draft soon, by the switch (a fixed max_batch_size: whether it
+        fits)."""
+        spec, switch = self.speculative, self.switch
+        if spec is None:
+            return False
+        n = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        if spec.max_batch_size is not None:
+            return n <= spec.max_batch_size
+        assert switch is not None
+        return switch.may_draft_soon(n, self._run_accepted())
+
+    def _run_accepted(self) -> float:
+        """The run's accepted drafts per verify step so far, seeded at half of k."""
+        st, spec = self.spec_stats, self.speculative
+        assert spec is not None
+        return ((st.num_accepted_tokens + spec.num_tokens / 2 * PRIOR_STEPS)
+                / (st.num_drafts + PRIOR_STEPS))
+
     def _acceptances(self) -> list[float | None]:
         """Per running sequence, the drafts a verify step of it can expect to accept: its
         own mean, seeded (as PRIOR_STEPS verify steps) with the run's mean so far, itself
         seeded at half of speculative.num_tokens; None for one that would not draft."""
-        st, spec = self.spec_stats, self.speculative
-        assert spec is not None
-        run = ((st.num_accepted_tokens + spec.num_tokens / 2 * PRIOR_STEPS)
-               / (st.num_drafts + PRIOR_STEPS))
-        seed = run * PRIOR_STEPS
+        seed = self._run_accepted() * PRIOR_STEPS
         return [(s.num_accepted_tokens + seed) / (s.num_verify_steps + PRIOR_STEPS)
                 if s.speculate else None for s in self.running]
 
@@ -313,10 +332,11 @@ class Scheduler:
                        ) -> list[int] | None:
         """What the draft model feeds of `seq` before its tokens start..end this step: the
         tokens it lags by, where it drafts or where this is a prompt chunk of a sequence
-        that may draft in a step that may; else None (it sits out, and catches up when it
-        next runs). A step that does not draft runs no draft forward at all."""
+        that may draft, joining a batch that may draft soon; else None (it sits out, and
+        catches up when it next runs). Where drafting is priced out no draft forward
+        runs at all."""
         decode = end - start == 1 and start >= seq.num_prompt_tokens
-        if not drafting and (decode or not (self._speculating and seq.speculate)):
+        if not drafting and (decode or not (self._draft_prompts and seq.speculate)):
             return None
         seq.num_draft_computed = min(seq.num_draft_computed, start)
         return seq.token_ids[seq.num_draft_computed:start]
@@ -388,6 +408,7 @@ class Scheduler:
         running, in_flight, scheduled = self.running, self._in_flight, out.scheduled
         block_size = self.block_manager.block_size
         speculating = self._speculating = self._may_draft()
+        self._draft_prompts = speculating or self._may_draft_soon()
         num_batched = 0
         blocked = False
         i = 0

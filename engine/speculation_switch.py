@@ -130,6 +130,24 @@ class SpeculationSwitch:
         b.since_other += 1
         return prefer
 
+    def may_draft_soon(self, num_seqs: int, accepted: float) -> bool:
+        """Whether steps of `num_seqs` sequences expecting `accepted` drafts per verify
+        could draft, or be probed: drafting not priced out of the probe band (or not
+        priced yet). Prompts joining such a batch are worth running on the draft model
+        too, so that drafting them later needs no catch-up."""
+        b = self._get(num_seqs)
+        d, p = b.drafted_s.value, b.plain_s.value
+        if d is None:
+            ratio = self._nearest_ratio(num_seqs)
+            if ratio is None and self.prior is not None:
+                ratio = self._prior(self.bucket(num_seqs))
+            if ratio is None or p is None:
+                return True
+            d = p * ratio
+        if p is None:
+            return True
+        return (1.0 + accepted) * p / d >= 1 / PROBE_BAND
+
     def _nearest_ratio(self, num_seqs: int) -> float | None:
         """Drafted over plain step time in the nearest bucket that timed both, carried to
         this batch size as the prior grows between the two (a verify's extra rows weigh
