@@ -4,14 +4,17 @@ text, usage counts are unchanged, and the drafts show in /metrics."""
 from __future__ import annotations
 
 import openai
+import pytest
 
 from .conftest import ENGINE_OVERRIDES
 
 REPEATS = "import os\nimport sys\nimport os\nimport sys\nimport"
 
 
-def test_streams_usage_and_metrics_under_speculation(start_server, server) -> None:
-    srv = start_server([*ENGINE_OVERRIDES, "speculative=ngram"])
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_streams_usage_and_metrics_under_speculation(start_server, server, method: str) -> None:
+    srv = start_server([*ENGINE_OVERRIDES, f"speculative={method}",
+                        "speculative.max_batch_size=8"])
     spec = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=60)
     plain = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
     kw = dict(model="meshcoder", prompt=REPEATS, max_tokens=40, temperature=0,
