@@ -29,7 +29,7 @@ PROBE_EVERY = 32
 the interval doubles (up to MAX_PROBE_EVERY) each time the preference holds, and starts
 over when it flips: a probe of a losing side costs what it loses."""
 MAX_PROBE_EVERY = 1024
-PROBE_BAND = 1.5
+PROBE_BAND = 1.25
 """Drafting priced at less than 1/PROBE_BAND of plain decoding's tokens/s is not probed
 (at a large batch a drafted step costs several plain ones, and catching the draft model
 up on what it skipped costs more)."""
@@ -121,8 +121,11 @@ class SpeculationSwitch:
         prefer = promise >= MARGIN
         if prefer != b.prefer:
             b.prefer, b.interval, b.since_other = prefer, PROBE_EVERY, 0
-        if not prefer and promise < 1 / PROBE_BAND:
-            return False  # too far behind for a probe to tell anything worth its cost
+        # Too far behind for a probe to tell anything worth its cost, once priced by the
+        # cost model or by three timed steps (one alone may be a cold one).
+        timed = len(b.drafted_s.samples)
+        if not prefer and promise < 1 / PROBE_BAND and (timed == 0 or timed >= 3):
+            return False
         if b.since_other >= b.interval:
             b.since_other = 0
             b.interval = min(2 * b.interval, MAX_PROBE_EVERY)
