@@ -19,6 +19,7 @@ two), else by the cost model's prediction alone (else it times a drafted step fi
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -105,18 +106,11 @@ class SpeculationSwitch:
         if b.retime:
             b.retime = False
             return True
-        d, p = b.drafted_s.value, b.plain_s.value
+        d, p = self._times(len(accepted))
         if d is None:
-            ratio = self._nearest_ratio(len(accepted))
-            if ratio is None and self.prior is not None:
-                ratio = self._prior(self.bucket(len(accepted)))
-            if ratio is None:
-                return True  # time drafting first, then plain
-            if p is None:
-                return False  # time plain, then price drafting as the nearest bucket does
-            d = p * ratio
-        elif p is None:
-            return False
+            return True  # nothing to price drafting with: time it first, then plain
+        if p is None:
+            return False  # time plain, then price drafting
         promise = self.gain(accepted) * p / d  # drafted tokens/s over plain, as priced
         prefer = promise >= MARGIN
         if prefer != b.prefer:
@@ -138,18 +132,24 @@ class SpeculationSwitch:
         could draft, or be probed: drafting not priced out of the probe band (or not
         priced yet). Prompts joining such a batch are worth running on the draft model
         too, so that drafting them later needs no catch-up."""
+        d, p = self._times(num_seqs)
+        if d is None or p is None:
+            return True
+        return (1.0 + accepted) * p / d >= 1 / PROBE_BAND
+
+    def _times(self, num_seqs: int) -> tuple[float | None, float | None]:
+        """(drafted, plain) step seconds of this batch size's bucket: as timed, else
+        drafted priced from plain by the nearest timed bucket's ratio or the prior (inf
+        while plain is untimed too); drafted None where nothing prices it."""
         b = self._get(num_seqs)
         d, p = b.drafted_s.value, b.plain_s.value
         if d is None:
             ratio = self._nearest_ratio(num_seqs)
             if ratio is None and self.prior is not None:
                 ratio = self._prior(self.bucket(num_seqs))
-            if ratio is None or p is None:
-                return True
-            d = p * ratio
-        if p is None:
-            return True
-        return (1.0 + accepted) * p / d >= 1 / PROBE_BAND
+            if ratio is not None:
+                d = math.inf if p is None else p * ratio
+        return d, p
 
     def _nearest_ratio(self, num_seqs: int) -> float | None:
         """Drafted over plain step time in the nearest bucket that timed both, carried to

@@ -207,15 +207,5 @@ class DraftProposer:
             top = logits.gather(1, tok.unsqueeze(1)).squeeze(1)
             return tok, None, (top - logits.logsumexp(dim=-1)).exp()
         probs = self.sampler.probs(logits, params)
-        u = torch.zeros(len(params), 1, device=logits.device)
-        for i, gen in enumerate(gens):
-            if gen is not None:
-                u[i].uniform_(generator=gen)
-        cdf = probs.cumsum(dim=-1)
-        tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
-        tok = tok.clamp_(max=logits.shape[-1] - 1)
-        greedy = [p.greedy for p in params]
-        if any(greedy):
-            tok = torch.where(to_device(greedy, logits.device, torch.bool),
-                              dispatch.argmax_rows(logits), tok)
+        tok = self.sampler.draw(probs, logits, [p.greedy for p in params], gens)
         return tok, probs, probs.gather(1, tok.unsqueeze(1)).squeeze(1)

@@ -4,7 +4,13 @@ every scheduling mode and under TP, stops cut inside accepted runs, and what it 
 from __future__ import annotations
 
 import pytest
-from helpers.speculation import GREEDY, MODES, ONE_RANK, PROMPTS
+from helpers.speculation import (
+    GREEDY,
+    MODES,
+    ONE_RANK,
+    PROMPTS,
+    check_prefix_hits_under_tensor_parallel,
+)
 
 from meshserve import LLM, SamplingParams
 
@@ -40,16 +46,7 @@ def test_greedy_ngram_is_token_identical(plain, mode: str) -> None:
 
 
 def test_prefix_hits_and_tensor_parallel(plain) -> None:
-    llm = LLM("meshcoder", overrides=[*SPEC, "parallel.tp=2", "engine.block_size=4"],
-              progress=False)
-    try:
-        first = llm.generate(PROMPTS, GREEDY)
-        again = llm.generate(PROMPTS, GREEDY)
-        assert [o.token_ids for o in first] == [o.token_ids for o in again] == plain
-        assert sum(o.metrics.num_cached_tokens for o in again) > 0
-        assert llm.engine.stats.spec.num_accepted_tokens > 0
-    finally:
-        llm.shutdown()
+    check_prefix_hits_under_tensor_parallel(SPEC, plain)
 
 
 REPEATS = "import os\nimport sys\nimport os\nimport sys\nimport"

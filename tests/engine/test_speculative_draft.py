@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.speculation import GREEDY, MODES, ONE_RANK, PROMPTS
+from helpers.speculation import (
+    GREEDY,
+    MODES,
+    ONE_RANK,
+    PROMPTS,
+    check_prefix_hits_under_tensor_parallel,
+)
 
 from meshserve import LLM, SamplingParams
 from meshserve.engine.sampling_params import SequenceSampling
@@ -66,16 +72,7 @@ def test_the_target_as_its_own_draft_is_always_accepted(plain) -> None:
 
 
 def test_prefix_hits_and_tensor_parallel(plain) -> None:
-    llm = LLM("meshcoder", overrides=[*DRAFT, "parallel.tp=2", "engine.block_size=4"],
-              progress=False)
-    try:
-        first = llm.generate(PROMPTS, GREEDY)
-        again = llm.generate(PROMPTS, GREEDY)
-        assert [o.token_ids for o in first] == [o.token_ids for o in again] == plain
-        assert sum(o.metrics.num_cached_tokens for o in again) > 0
-        assert llm.engine.stats.spec.num_accepted_tokens > 0
-    finally:
-        llm.shutdown()
+    check_prefix_hits_under_tensor_parallel(DRAFT, plain)
 
 
 def test_sampled_requests_speculate_and_aborts_give_every_block_back() -> None:

@@ -4,7 +4,7 @@ the scheduling modes they run under and greedy params."""
 
 from __future__ import annotations
 
-from meshserve import SamplingParams
+from meshserve import LLM, SamplingParams
 
 ONE_RANK = ["parallel=single", "threads=1"]
 PROMPTS = [
@@ -24,3 +24,18 @@ MODES = {
 }
 """Scheduling modes: continuous batching, chunked prefill, forced preemption, static
 batches, no prefix cache."""
+
+
+def check_prefix_hits_under_tensor_parallel(spec: list[str], plain: list[list[int]]) -> None:
+    """TP=2 with small blocks, the prompts twice: both passes equal plain decoding, the
+    second hits the prefix cache, and drafts were accepted."""
+    llm = LLM("meshcoder", overrides=[*spec, "parallel.tp=2", "engine.block_size=4"],
+              progress=False)
+    try:
+        first = llm.generate(PROMPTS, GREEDY)
+        again = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in first] == [o.token_ids for o in again] == plain
+        assert sum(o.metrics.num_cached_tokens for o in again) > 0
+        assert llm.engine.stats.spec.num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
