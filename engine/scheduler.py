@@ -268,7 +268,9 @@ class Scheduler:
         if spec.max_batch_size is not None:
             return len(self.running) <= spec.max_batch_size
         assert switch is not None
-        return switch.allow(self._acceptances())
+        lag = (sum(s.num_computed_tokens - s.num_draft_computed for s in self.running)
+               if self.draft_model else 0)
+        return switch.allow(self._acceptances(), lag)
 
     def _may_draft_soon(self) -> bool:
         """Whether the batch this step's prompts join (running and waiting sequences, to

@@ -31,14 +31,18 @@ the interval doubles (up to MAX_PROBE_EVERY) each time the preference holds, and
 over when it flips: a probe of a losing side costs what it loses."""
 MAX_PROBE_EVERY = 1024
 PROBE_BAND = 1.25
-"""Drafting priced at less than 1/PROBE_BAND of plain decoding's tokens/s is not probed
-(at a large batch a drafted step costs several plain ones, and catching the draft model
-up on what it skipped costs more)."""
+"""Drafting priced at less than 1/PROBE_BAND of plain decoding's tokens/s is probed only
+every MAX_PROBE_EVERY steps, and only where the draft model lags by at most
+MAX_CATCH_UP tokens in all (at a large batch a drafted step costs several plain ones,
+and catching the draft model up on what it skipped costs more; at a small one a price
+set in a slow spell of the machine would otherwise hold for good)."""
+MAX_CATCH_UP = 1024
 MARGIN = 1.03
 """Drafting must promise this much more than plain decoding to be chosen: its price
 rests on estimated acceptance, and its times are fewer."""
 SHIFT = 0.25
-"""A probe this far (relatively) from its side's median starts the probe interval over."""
+"""A probe this far (relatively) from its side's median starts the probe interval over
+and replaces that side's earlier times."""
 WINDOW = 9
 """Step times a side's estimate is the median of (its latest): a step stalled by the
 machine or a collector does not move it, a change of load does within a few steps."""
@@ -98,10 +102,10 @@ class SpeculationSwitch:
         it would not draft)."""
         return sum(1.0 + (a or 0.0) for a in accepted) / max(len(accepted), 1)
 
-    def allow(self, accepted: Sequence[float | None]) -> bool:
+    def allow(self, accepted: Sequence[float | None], lag: int = 0) -> bool:
         """Whether the next step of these running sequences should draft; `accepted`: per
         sequence, the drafts a verify step of it is expected to accept (None: it would
-        not draft)."""
+        not draft); `lag`: the tokens the draft model would catch up on first."""
         b = self._get(len(accepted))
         if b.retime:
             b.retime = False
@@ -119,7 +123,11 @@ class SpeculationSwitch:
         # cost model or by three timed steps (one alone may be a cold one).
         timed = len(b.drafted_s.samples)
         if not prefer and promise < 1 / PROBE_BAND and (timed == 0 or timed >= 3):
-            return False
+            if timed == 0 or lag > MAX_CATCH_UP or b.since_other < MAX_PROBE_EVERY:
+                b.since_other += 1
+                return False
+            b.since_other = 0
+            return True
         if b.since_other >= b.interval:
             b.since_other = 0
             b.interval = min(2 * b.interval, MAX_PROBE_EVERY)
@@ -193,7 +201,8 @@ class SpeculationSwitch:
             self.num_plain_steps += 1
         if (b.prefer is not None and drafted != b.prefer and side.value is not None
                 and abs(seconds - side.value) > SHIFT * side.value):
-            b.interval = PROBE_EVERY  # the losing side changed: time it again soon
+            b.interval = PROBE_EVERY  # the losing side changed: time it again soon,
+            side.samples.clear()  # and forget its times from before the change
         side.add(seconds)
 
     def step_seconds(self, num_seqs: int) -> tuple[float | None, float | None]:

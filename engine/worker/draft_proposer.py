@@ -6,7 +6,7 @@ same block ids: a sequence's draft KV lives in the blocks of its target block ta
 the scheduler's allocation, copy-on-write and freeing serve both. Each step the draft
 first runs, in one forward, the prompt chunks the target runs (its KV stays complete
 for every prompt) and, for each speculating sequence, the tokens it lags by (it skips
-plain decodes) and the sequence's last token. Then k - 1 lean decode steps follow, one
+plain decodes) and the sequence's last token (as decode rows where they are few). Then k - 1 lean decode steps follow, one
 token per speculating sequence, with no scheduler work in between (CUDA graphs on a GPU).
 Each draft token is picked under the request's own temperature, min-p, top-k and top-p,
 from a generator of its own, and its distribution q goes to the rejection sampler.
@@ -31,6 +31,11 @@ from meshserve.kernels import dispatch
 from meshserve.models.attention import AttentionMetadata
 from meshserve.models.llama import LlamaForCausalLM
 from meshserve.models.loader import load_model
+
+DECODE_ROWS = 8
+"""A drafting sequence lagging by fewer tokens than this feeds them, with its last one, as
+decode rows (a verify step's layout: one CPU attention call, no prompt-chunk path); a
+longer catch-up runs as a prompt chunk."""
 
 
 @dataclass(slots=True)
@@ -128,8 +133,9 @@ class DraftProposer:
                 continue
             known = s.token_ids[:len(s.token_ids) - s.num_drafts]
             ctx = s.draft_context
-            feeds.append(_Feed(s.seq_id, [*ctx, *known], s.start_pos - len(ctx), s.block_table,
-                               s.num_drafts > 0))
+            rows = len(ctx) if s.num_drafts and len(ctx) < DECODE_ROWS else 0
+            feeds.append(_Feed(s.seq_id, [*ctx, *known], s.start_pos - len(ctx),
+                               s.block_table, s.num_drafts > 0, rows))
             if s.num_drafts:
                 spec[s.seq_id] = s
         if not feeds:
@@ -138,6 +144,10 @@ class DraftProposer:
         self.num_forwards += 1
         if not spec:
             return Drafts(scheduled, {}, {})
+        last = [i for i, seq_id in enumerate(seq_ids)  # a feed of decode rows: its last
+                if i + 1 == len(seq_ids) or seq_ids[i + 1] != seq_id]
+        if len(last) < len(seq_ids):
+            logits, seq_ids = logits[to_device(last, self.device)], [seq_ids[i] for i in last]
         tokens, probs = self._decode_loop(logits, [spec[i] for i in seq_ids])
         filled = [dataclasses.replace(s, token_ids=[*s.token_ids[:-s.num_drafts],
                                                     *tokens[s.seq_id]],
@@ -188,7 +198,7 @@ class DraftProposer:
             drafted[at, j] = prev
             if q is not None and dist is not None:
                 q[at, j] = dist
-            if self.stop_confidence > 0 and j + 1 < k:
+            if conf is not None and self.stop_confidence > 0 and j + 1 < k:
                 for r in (conf < self.stop_confidence).nonzero().flatten().tolist():
                     n[rows[r]] = j + 1  # this draft ends its run
         host = drafted.tolist()
@@ -199,11 +209,13 @@ class DraftProposer:
 
     def _pick(self, logits: torch.Tensor, params: list[SamplingParams],
               gens: list[torch.Generator | None]
-              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """One draft token per row, the rows' distributions when any row samples, and the
-        probability each row's token had."""
+        probability each row's token had (greedy rows: only where stop_confidence asks)."""
         if all(p.greedy for p in params):
             tok = dispatch.argmax_rows(logits)
+            if self.stop_confidence <= 0:
+                return tok, None, None
             top = logits.gather(1, tok.unsqueeze(1)).squeeze(1)
             return tok, None, (top - logits.logsumexp(dim=-1)).exp()
         probs = self.sampler.probs(logits, params)

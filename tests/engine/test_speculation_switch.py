@@ -7,14 +7,20 @@ from __future__ import annotations
 from meshserve.engine.run import resolve_run
 from meshserve.engine.runtime_config import load_runtime_config
 from meshserve.engine.speculation_prior import speculation_prior
-from meshserve.engine.speculation_switch import MARGIN, PROBE_EVERY, SpeculationSwitch
+from meshserve.engine.speculation_switch import (
+    MARGIN,
+    MAX_CATCH_UP,
+    MAX_PROBE_EVERY,
+    PROBE_EVERY,
+    SpeculationSwitch,
+)
 
 
 def run(switch: SpeculationSwitch, accepted: list[float | None], steps: int,
-        drafted_s: float, plain_s: float) -> list[bool]:
+        drafted_s: float, plain_s: float, lag: int = 0) -> list[bool]:
     choices = []
     for _ in range(steps):
-        draft = switch.allow(accepted)
+        draft = switch.allow(accepted, lag)
         choices.append(draft)
         switch.observe(len(accepted), draft, drafted_s if draft else plain_s)
     return choices
@@ -101,3 +107,16 @@ def test_a_timed_bucket_prices_an_untimed_one_scaled_by_the_prior() -> None:
     # batch 64 (prior 9 against 1.125 at batch 1): priced at 12x plain, far behind
     big = run(s, [2.0] * 64, 100, drafted_s=0.1, plain_s=0.01)
     assert not any(big)
+
+
+def test_a_price_set_in_a_slow_spell_is_probed_again_where_catching_up_is_cheap() -> None:
+    s = SpeculationSwitch()
+    run(s, [2.0], 200, drafted_s=0.012, plain_s=0.003)  # a slow spell: 3 tokens for 4x
+    # Priced far behind: no probe for MAX_PROBE_EVERY steps, none at all while the draft
+    # model would have more than MAX_CATCH_UP tokens to catch up on.
+    assert not any(run(s, [2.0], MAX_PROBE_EVERY + 10, drafted_s=0.006, plain_s=0.003,
+                       lag=MAX_CATCH_UP + 1))
+    after = run(s, [2.0], 2 * MAX_PROBE_EVERY, drafted_s=0.006, plain_s=0.003, lag=100)
+    first = after.index(True)
+    assert first <= MAX_PROBE_EVERY  # probed: 3 tokens for 2x now, and the old times go
+    assert sum(after[first:]) > 0.9 * len(after[first:])
