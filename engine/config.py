@@ -8,6 +8,8 @@ from meshserve.validation import require as _require
 
 SCHEDULING_POLICIES = ("continuous", "static")
 GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance")
+AUTO_STEP_TOKENS = 2048
+"""The cap of an automatic step budget (engine.max_num_batched_tokens=auto)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,8 +31,11 @@ class EngineConfig:
     max_num_seqs: int = 256
     """Most sequences in one step's batch."""
 
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step (prefill chunks plus decodes)."""
+    max_num_batched_tokens: int | str = 2048
+    """Token budget of one step (prefill chunks plus decodes); 'auto': each step's budget
+    keeps a step carrying decodes within scenario.tpot_slo_ms, by a model of step time
+    seeded from the cost model and fitted to the run's own steps, up to AUTO_STEP_TOKENS
+    (the whole cap when no decode waits; engine/step_budget.py)."""
 
     max_model_len: int | None = None
     """Longest prompt + output; None takes the model's max_position_embeddings."""
@@ -74,6 +79,19 @@ class EngineConfig:
     per step; needs transformers), llguidance (no dependencies), or auto: xgrammar where
     it imports, else llguidance."""
 
+    @property
+    def auto_step_budget(self) -> bool:
+        """Whether each step's token budget follows the TPOT target (max_num_batched_tokens
+        'auto')."""
+        return self.max_num_batched_tokens == "auto"
+
+    @property
+    def step_token_cap(self) -> int:
+        """The most tokens one step carries: max_num_batched_tokens, AUTO_STEP_TOKENS for
+        'auto' (what activations are sized for)."""
+        n = self.max_num_batched_tokens
+        return AUTO_STEP_TOKENS if isinstance(n, str) else n
+
     def __post_init__(self) -> None:
         _require(self.structured_outputs_backend in GRAMMAR_BACKENDS,
                  "engine.structured_outputs_backend", self.structured_outputs_backend,
@@ -87,8 +105,11 @@ class EngineConfig:
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "engine.gpu_memory_utilization",
                  self.gpu_memory_utilization, "a fraction in (0, 1]")
         _require(self.max_num_seqs >= 1, "engine.max_num_seqs", self.max_num_seqs, "an int >= 1")
-        _require(self.max_num_batched_tokens >= 1, "engine.max_num_batched_tokens",
-                 self.max_num_batched_tokens, "an int >= 1")
+        _require(self.max_num_batched_tokens == "auto" or (
+                     isinstance(self.max_num_batched_tokens, int)
+                     and self.max_num_batched_tokens >= 1),
+                 "engine.max_num_batched_tokens", self.max_num_batched_tokens,
+                 "an int >= 1 or 'auto'")
         _require(self.max_model_len is None or self.max_model_len >= 1, "engine.max_model_len",
                  self.max_model_len, "null or an int >= 1")
         _require(self.policy in SCHEDULING_POLICIES, "engine.policy", self.policy,

@@ -17,6 +17,8 @@ from meshserve.engine.scheduler import Scheduler
 from meshserve.engine.scheduler_output import SchedulerOutput, SchedulerStats
 from meshserve.engine.sequence import Sequence, SequenceStatus
 from meshserve.engine.speculation_prior import speculation_prior
+from meshserve.engine.step_budget import StepBudget
+from meshserve.engine.step_budget_prior import step_time_prior
 from meshserve.engine.step_clock import StepClock, StepRecorder, StepTiming
 from meshserve.engine.step_log import StepLog
 from meshserve.engine.stop_strings import StopStrings
@@ -70,15 +72,18 @@ class Engine:
         # Micro-batches in the pipeline (pp > 1), oldest first, with their clocks.
         self._in_flight: deque[tuple[SchedulerOutput, StepClock]] = deque()
         self.device = self.executor.device
-        self._micro_batch_cap = micro_batch_cap(config.engine.max_num_batched_tokens,
+        self._micro_batch_cap = micro_batch_cap(config.engine.step_token_cap,
                                                 self._max_in_flight, self.device.type,
                                                 config.parallel.micro_batch_tokens)
         self.async_scheduling = self._async_scheduling(wants_async)
         # Async scheduling: the step launched last, not yet resolved, with its clock.
         self._launched: tuple[SchedulerOutput, SampledTokens, StepClock] | None = None
         self.num_blocks = self.executor.num_blocks
+        budget = (StepBudget(config.scenario.tpot_slo_ms / 1e3, config.engine.step_token_cap,
+                             step_time_prior(self.run))
+                  if config.engine.auto_step_budget else None)
         self.scheduler = Scheduler(config.engine, self.num_blocks, self.max_model_len,
-                                   self.arch.sliding_window, config.speculative)
+                                   self.arch.sliding_window, config.speculative, budget)
         if self.scheduler.switch is not None:
             self.scheduler.switch.prior = speculation_prior(self.run)
         self._new_seqs: dict[int, SequenceSampling] = {}
@@ -112,7 +117,8 @@ class Engine:
         path = str(self.model_dir) if c.model.path else None
         return {"model_name": c.model.name, "model_path": path,
                 "dtype": c.model.dtype, "tp": c.parallel.tp, "pp": c.parallel.pp,
-                "dp": c.parallel.dp, "scenario": c.scenario.name, "cluster": c.cluster.name}
+                "dp": c.parallel.dp, "scenario": c.scenario.name, "cluster": c.cluster.name,
+                "tpot_slo_ms": c.scenario.tpot_slo_ms}
 
     def _measured_comm(self) -> CommCounters | None:
         """The driver's TP collective counters when their times are real: gloo on CPU."""
@@ -242,10 +248,27 @@ class Engine:
         if self.scheduler.switch is not None:
             self._observe_speculation(out, time.perf_counter() - t0)
         clock.scheduled()
-        self.recorder.finish(out, clock, num_in_flight=1 if self.config.parallel.pp > 1 else None,
-                             num_accepted=sum(len(a) for a in result.accepted.values()),
-                             num_drafted=sum(result.num_drafted.values()))
+        wall_s = self.recorder.finish(
+            out, clock, num_in_flight=1 if self.config.parallel.pp > 1 else None,
+            num_accepted=sum(len(a) for a in result.accepted.values()),
+            num_drafted=sum(result.num_drafted.values()))
+        self._observe_budget(out, wall_s)
         return self._outputs(result)
+
+    def _observe_budget(self, out: SchedulerOutput, seconds: float) -> None:
+        """Tell an automatic step budget what the step's work cost."""
+        budget = self.scheduler.step_budget
+        if budget is None:
+            return
+        decodes = context = prefill = 0
+        for s in out.scheduled:
+            n = len(s.token_ids) - s.num_drafts
+            if n == 1:
+                decodes += 1
+                context += s.start_pos
+            else:
+                prefill += n
+        budget.observe(decodes, context, prefill, seconds)
 
     def _observe_speculation(self, out: SchedulerOutput, seconds: float) -> None:
         """Tell the switch what a decode-only step (drafts or not) cost."""
@@ -281,7 +304,7 @@ class Engine:
             outputs = self._outputs(result)
             done_clock.scheduled()
             call.scheduler_s = done_clock.scheduler_s  # its record: this call's wall time
-            self.recorder.finish(done, done_clock, since=call)
+            self._observe_budget(done, self.recorder.finish(done, done_clock, since=call))
         self._launched = None
         if launched is not None:
             self.scheduler.advance(out)

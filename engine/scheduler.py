@@ -21,6 +21,7 @@ from meshserve.engine.scheduler_output import (
 from meshserve.engine.sequence import Sequence, SequenceStatus
 from meshserve.engine.speculation_switch import SpeculationSwitch
 from meshserve.engine.speculative_config import SpeculativeConfig
+from meshserve.engine.step_budget import StepBudget
 from meshserve.validation import require
 
 PAUSE_STEPS = 32
@@ -50,10 +51,12 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
                  sliding_window: int | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 step_budget: StepBudget | None = None) -> None:
         """`sliding_window`: the model attends to that many latest tokens only, so blocks
         wholly behind every running query's window go back to the pool. `speculative`
-        (ngram or draft): decodes of sequences marked `speculate` carry drafts to verify."""
+        (ngram or draft): decodes of sequences marked `speculate` carry drafts to verify.
+        `step_budget`: sets each step's token budget (engine.max_num_batched_tokens=auto)."""
         require(max_model_len >= 1, "max_model_len", max_model_len, "an int >= 1")
         self.config = config
         self.max_model_len = max_model_len
@@ -75,6 +78,9 @@ class Scheduler:
         self.switch = (SpeculationSwitch() if spec is not None and spec.max_batch_size is None
                        else None)
         """Whether a step drafts: its timed cost against the acceptance of its requests."""
+        self.step_budget = step_budget
+        """engine.max_num_batched_tokens=auto: each step's token budget (None: the fixed
+        max_num_batched_tokens)."""
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching,
                                           sliding_window=sliding_window)
@@ -178,14 +184,19 @@ class Scheduler:
 
     def schedule(self, max_num_batched_tokens: int | None = None) -> SchedulerOutput:
         """Pick the next step's chunks; `max_num_batched_tokens` may lower the budget (micro-batches)."""
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.step_token_cap
         if max_num_batched_tokens is not None:
             require(max_num_batched_tokens >= 1, "max_num_batched_tokens",
                     max_num_batched_tokens, "an int >= 1")
             budget = min(budget, max_num_batched_tokens)
         out = SchedulerOutput(block_copies=self._block_copies)
         self._block_copies = []
-        budget, blocked = self._schedule_running(out, budget)
+        num_decodes = 0
+        if self.step_budget is not None:
+            num_decodes, context = self._waiting_decodes()
+            budget = out.token_budget = min(budget, self.step_budget.tokens(num_decodes,
+                                                                             context))
+        budget, blocked = self._schedule_running(out, budget, num_decodes)
         if not out.preempted_seq_ids and not blocked:
             self._schedule_waiting(out, budget)
         self._in_flight.update(s.seq_id for s in out.scheduled)
@@ -400,8 +411,21 @@ class Scheduler:
         self._retire_all(finished)
         return finished
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
-        """Decodes and unfinished prefills of running sequences, oldest first.
+    def _waiting_decodes(self) -> tuple[int, int]:
+        """The running sequences that decode next step, and the KV tokens they read."""
+        in_flight = self._in_flight
+        n = context = 0
+        for seq in self.running:
+            if seq.num_tokens - seq.num_computed_tokens == 1 and seq.seq_id not in in_flight:
+                n += 1
+                context += seq.num_computed_tokens
+        return n, context
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int,
+                          reserved: int = 0) -> tuple[int, bool]:
+        """Decodes and unfinished prefills of running sequences, oldest first; `reserved`
+        of the budget is kept for decodes (an automatic budget: a prompt chunk of an older
+        sequence never crowds a decode out).
 
         Returns the budget left and whether a sequence went without blocks (it waits for an
         in-flight sequence to come back and be preempted; no younger one may take blocks now).
@@ -421,8 +445,13 @@ class Scheduler:
                 continue
             start = seq.num_computed_tokens
             end = num_tokens = seq.num_tokens
-            if end - start > budget:
-                end = start + self._num_new_tokens(end - start, budget)
+            room = budget
+            if end - start == 1:
+                reserved -= 1
+            else:
+                room -= max(reserved, 0)
+            if end - start > room:
+                end = start + (self._num_new_tokens(end - start, room) if room > 0 else 0)
                 if end == start:
                     i += 1
                     continue
@@ -547,7 +576,7 @@ class Scheduler:
         if num_remaining <= budget:
             return num_remaining
         config = self.config
-        if config.enable_chunked_prefill or num_remaining > config.max_num_batched_tokens:
+        if config.enable_chunked_prefill or num_remaining > config.step_token_cap:
             return budget
         return 0
 
@@ -594,9 +623,9 @@ class Scheduler:
         require(num_prompt >= 1, "prompt_token_ids", given, "at least 1 token")
         require(num_prompt <= self.max_model_len, "prompt_token_ids", given,
                 f"at most max_model_len={self.max_model_len} tokens")
-        require(config.enable_chunked_prefill or num_prompt <= config.max_num_batched_tokens,
+        require(config.enable_chunked_prefill or num_prompt <= config.step_token_cap,
                 "prompt_token_ids", given, f"at most max_num_batched_tokens="
-                f"{config.max_num_batched_tokens} tokens when chunked prefill is off")
+                f"{config.step_token_cap} tokens when chunked prefill is off")
         cache_tokens = bm.num_blocks * bm.block_size
         require(cdiv(num_prompt, bm.block_size) <= bm.num_blocks, "prompt_token_ids", given,
                 f"at most {cache_tokens} tokens (the whole KV cache)")
@@ -607,11 +636,11 @@ class Scheduler:
         if window is not None and config.enable_chunked_prefill:
             # A chunk (a recomputation's too) and the window behind it, a partial block at
             # either end: what a sequence holds at most, however long it grows.
-            peak = cdiv(min(num_kv, config.max_num_batched_tokens + window), bm.block_size) + 1
+            peak = cdiv(min(num_kv, config.step_token_cap + window), bm.block_size) + 1
             require(min(cdiv(num_kv, bm.block_size), peak) <= bm.num_blocks, "max_tokens",
                     seq.max_tokens, f"what {bm.num_blocks} KV blocks hold: a {window}-token "
                     f"window behind a chunk of max_num_batched_tokens="
-                    f"{config.max_num_batched_tokens} needs {peak} blocks")
+                    f"{config.step_token_cap} needs {peak} blocks")
         else:
             require(cdiv(num_kv, bm.block_size) <= bm.num_blocks, "max_tokens", seq.max_tokens,
                     f"at most {cache_tokens - num_prompt + 1} for a {num_prompt}-token prompt:"

@@ -65,6 +65,9 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     """(src, dst) whole-block KV copies (from forks) to perform before this step's forward."""
 
+    token_budget: int | None = None
+    """The token budget an automatic step budget gave this step (None: the fixed one)."""
+
     @property
     def num_seqs(self) -> int:
         """Sequences in the step."""

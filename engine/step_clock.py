@@ -78,14 +78,16 @@ class StepRecorder:
 
     def finish(self, out: SchedulerOutput, clock: StepClock, *, since: StepClock | None = None,
                num_in_flight: int | None = None, num_accepted: int = 0,
-               num_drafted: int = 0) -> None:
+               num_drafted: int = 0) -> float:
         """Account a step whose tokens are in: its clock goes to the timing; the step record
         takes the wall, scheduler and communication time of `since` (the engine call that
-        finished it, when that is not the step's own clock)."""
+        finished it, when that is not the step's own clock). Returns that wall time."""
         self.timing.add(clock.scheduler_s, clock.execute_s, out.num_batched_tokens)
+        call = since or clock
+        wall_s = time.perf_counter() - call.start
         if self.step_log is not None:
-            call = since or clock
-            self.step_log.write(out.scheduled, wall_s=time.perf_counter() - call.start,
+            self.step_log.write(out.scheduled, wall_s=wall_s,
                                 scheduler_s=call.scheduler_s, comm_mark=call.comm_mark,
                                 num_in_flight=num_in_flight, num_accepted=num_accepted,
-                                num_drafted=num_drafted)
+                                num_drafted=num_drafted, token_budget=out.token_budget)
+        return wall_s

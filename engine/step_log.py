@@ -56,11 +56,12 @@ class StepLog:
 
     def write(self, scheduled: Sequence[ScheduledSeq], *, wall_s: float, scheduler_s: float,
               comm_mark: float | None = None, num_in_flight: int | None = None,
-              num_accepted: int = 0, num_drafted: int = 0) -> None:
+              num_accepted: int = 0, num_drafted: int = 0,
+              token_budget: int | None = None) -> None:
         """Record one step: the chunks it ran, its wall and scheduler seconds, the
         communication since `comm_mark`, (pp > 1) the micro-batches in the pipeline, and
         (speculative decoding) the `num_drafted` drafts verified and `num_accepted` of them
-        accepted."""
+        accepted, and (an automatic step budget) the `token_budget` it gave the step."""
         counts = chunk_counts([(len(s.token_ids) - s.num_drafts, s.start_pos)
                                for s in scheduled])
         scheduler_s = min(scheduler_s, wall_s)
@@ -72,6 +73,8 @@ class StepLog:
             line += f',"num_in_flight":{num_in_flight}'
         if num_drafted:
             line += f',"num_draft_tokens":{num_drafted},"num_accepted_tokens":{num_accepted}'
+        if token_budget is not None:
+            line += f',"token_budget":{token_budget}'
         self._file.write(line + "}\n")
         now = time.monotonic()
         if now - self._last_flush >= FLUSH_INTERVAL_S:

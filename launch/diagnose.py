@@ -125,7 +125,8 @@ def run(overrides: list[str]) -> int:
                                 cfg.cluster.device_type)
     cost = CostModel(shape, cfg.cluster, layout_for(plan.tp, list(plan.stage_layers),
                                                     plan.num_micro_batches, cfg.cluster, split))
-    d = diagnose(records.steps, cost, cfg.scenario.name)
+    target = (records.run or {}).get("tpot_slo_ms", cfg.scenario.tpot_slo_ms)
+    d = diagnose(records.steps, cost, cfg.scenario.name, float(target) / 1e3)
     if cfg.diagnose.format == "json":
         print(json.dumps({"model": cfg.model.label, "cluster": cfg.cluster.name, "tp": plan.tp,
                           "pp": plan.pp, "dp": plan.dp, **d.as_dict()}, indent=1))
@@ -145,4 +146,6 @@ def run(overrides: list[str]) -> int:
               f"{sp.num_draft_tokens} drafts accepted ({sp.acceptance_rate:.0%}), "
               f"{sp.tokens_per_decode:.2f} tokens per decoding sequence per drafted step; "
               f"{sp.verdict}")
+    if d.step_budget is not None:
+        print(d.step_budget.describe())
     return 0

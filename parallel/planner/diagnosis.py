@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 
+from meshserve.parallel.planner.budget_report import StepBudgetReport, step_budget_report
 from meshserve.parallel.planner.cost_model import CostModel, StepCost, StepWork
 from meshserve.validation import require
 
@@ -100,6 +101,9 @@ class StepRecord:
     """Speculative decoding: drafted tokens the decodes verified (beyond their one each)."""
     num_accepted_tokens: int = 0
     """Of which accepted: output tokens the step gave beyond one per decode."""
+    token_budget: int | None = None
+    """The tokens an automatic step budget allowed the step (engine.max_num_batched_tokens
+    auto); null: the fixed budget."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -117,12 +121,14 @@ class StepRecord:
     def from_chunks(cls, chunks: Iterable[tuple[int, int]], *, wall_s: float,
                     scheduler_s: float = 0.0, comm_s: float | None = None,
                     num_in_flight: int | None = None, num_draft_tokens: int = 0,
-                    num_accepted_tokens: int = 0) -> StepRecord:
+                    num_accepted_tokens: int = 0, token_budget: int | None = None
+                    ) -> StepRecord:
         """From a step's (num_tokens, start_pos) per scheduled sequence (see chunk_counts;
         a decode's drafts not counted in its num_tokens)."""
         return cls(**dict(zip(COUNT_FIELDS, chunk_counts(chunks))), wall_s=wall_s,
                    scheduler_s=scheduler_s, comm_s=comm_s, num_in_flight=num_in_flight,
-                   num_draft_tokens=num_draft_tokens, num_accepted_tokens=num_accepted_tokens)
+                   num_draft_tokens=num_draft_tokens, num_accepted_tokens=num_accepted_tokens,
+                   token_budget=token_budget)
 
     @property
     def is_decode_only(self) -> bool:
@@ -230,6 +236,8 @@ class Diagnosis:
     """What to do about it."""
     speculation: Speculation | None = None
     """Speculative decoding's share and payoff, where any step drafted."""
+    step_budget: StepBudgetReport | None = None
+    """The automatic step budget's choices and the decode steps' times, where it ran."""
 
     @property
     def shares(self) -> dict[str, float]:
@@ -249,6 +257,9 @@ class Diagnosis:
             out["speculation"] = {**asdict(self.speculation),
                                   "acceptance_rate": self.speculation.acceptance_rate,
                                   "verdict": self.speculation.verdict}
+        if self.step_budget is not None:
+            out["step_budget"] = {**asdict(self.step_budget),
+                                  "text": self.step_budget.describe()}
         return out
 
 
@@ -290,8 +301,9 @@ def split_step(record: StepRecord, cost: CostModel) -> tuple[dict[str, float], f
 
 
 def diagnose(records: Iterable[StepRecord], cost: CostModel,
-             scenario: str | None = None) -> Diagnosis:
-    """Split the steps' time by cause; name the bottleneck and the strategy for it."""
+             scenario: str | None = None, tpot_target_s: float | None = None) -> Diagnosis:
+    """Split the steps' time by cause; name the bottleneck and the strategy for it
+    (`tpot_target_s`: what an automatic step budget kept decode steps within)."""
     seconds = dict.fromkeys(CAUSES, 0.0)
     total = predicted = 0.0
     n = 0
@@ -309,4 +321,5 @@ def diagnose(records: Iterable[StepRecord], cost: CostModel,
     if scenario in SCENARIO_LEVERS:
         strategy += f"; for {scenario} the usual levers are {SCENARIO_LEVERS[scenario]}"
     return Diagnosis(seconds=seconds, total_s=total, predicted_s=predicted, num_steps=n,
-                     bottleneck=bottleneck, strategy=strategy, speculation=speculation(records))
+                     bottleneck=bottleneck, strategy=strategy, speculation=speculation(records),
+                     step_budget=step_budget_report(records, tpot_target_s))

@@ -313,7 +313,7 @@ def resolve_dtype(model_dtype: str, checkpoint_dtype: str, device_type: str) -> 
 def options_for(config: RunLike) -> PlannerOptions:
     """Planner options from a run's engine and parallel settings."""
     return PlannerOptions(memory_utilization=config.engine.gpu_memory_utilization,
-                          max_num_batched_tokens=config.engine.max_num_batched_tokens,
+                          max_num_batched_tokens=config.engine.step_token_cap,
                           num_micro_batches=config.parallel.num_micro_batches,
                           split_lm_head=config.parallel.split_lm_head)
 

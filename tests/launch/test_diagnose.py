@@ -80,3 +80,22 @@ def test_diagnose_reads_a_file_a_running_engine_is_writing(tmp_path: Path) -> No
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("2 steps, 0.020 s: meshcoder")
     assert f"{steps}:3: skipped the last line, still being written (17 chars)" in out.stderr
+
+
+def test_an_automatic_step_budget_is_in_the_records_and_the_diagnosis(tmp_path: Path) -> None:
+    steps = tmp_path / "steps.jsonl"
+    gen = meshserve("generate", f"engine.step_log={steps}", "generate.max_tokens=8",
+                    "generate.ignore_eos=true", "parallel=single",
+                    "engine.max_num_batched_tokens=auto", "scenario.tpot_slo_ms=20")
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    header, *rows = [json.loads(line) for line in steps.read_text().splitlines()]
+    assert header["run"]["tpot_slo_ms"] == 20
+    assert rows and all(r["token_budget"] >= r["num_decode_seqs"] + r["num_prefill_tokens"]
+                        for r in rows)
+    out = meshserve("diagnose", f"diagnose.records={steps}", "format=json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    sb = json.loads(out.stdout)["step_budget"]
+    assert sb["num_steps"] == len(rows) and sb["target_s"] == pytest.approx(0.02)
+    assert sb["num_decode_steps"] == sum(1 for r in rows if r["num_decode_seqs"])
+    text = meshserve("diagnose", f"diagnose.records={steps}")
+    assert "step budget: automatic on" in text.stdout and "TPOT target of 20.0 ms" in text.stdout
