@@ -88,6 +88,8 @@ class MeshserveRunner:
                 time.sleep(max(0.0, state.next_arrival() - time.monotonic()))
         ranks_after = self._stage_stats()
         records = [_record(state.done[i], state.t0) for i in range(len(reqs))]
+        for i, rid in ((i, state.done[i].request_id) for i in range(len(reqs))):
+            records[i].itl = state.gaps.get(rid, [])
         wall = max(r.finish for r in records) - min(r.arrival for r in records)
         after = engine.stats.prefix_cache
         recompute = ((after.num_recompute_queries - before.num_recompute_queries)
@@ -130,7 +132,13 @@ class MeshserveRunner:
         if decode_only and outs:
             state.steps.add(dt, len(state.active),
                             self._weight_bytes + self._kv_bytes_per_token * context)
+        now = time.monotonic()
         for out in outs:
+            if out.request_id in state.started and out.new_token_ids:
+                state.gaps.setdefault(out.request_id, []).append(
+                    now - state.last_token[out.request_id])
+            if out.new_token_ids:
+                state.last_token[out.request_id] = now
             state.started.add(out.request_id)
             state.active[out.request_id] = len(out.prompt_token_ids) + len(out.token_ids)
             if out.finished:
@@ -156,6 +164,11 @@ class _RunState:
         """Requests with a first token (past their prefill)."""
         self.done: dict[int, RequestOutput] = {}
         self.steps = _DecodeSteps()
+        self.last_token: dict[str, float] = {}
+        """Request id -> when its latest tokens came."""
+        self.gaps: dict[str, list[float]] = {}
+        """Request id -> the seconds between each of its token-bearing outputs and the one
+        before (its inter-token latencies)."""
 
     def next_arrival(self) -> float:
         """Monotonic time of the next submission."""

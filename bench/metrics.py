@@ -27,6 +27,9 @@ class RequestRecord:
     num_cached_tokens: int = 0
     """Prompt tokens served from a prefix cache."""
     num_preemptions: int = 0
+    itl: list[float] = field(default_factory=list)
+    """Seconds between successive outputs carrying its tokens (inter-token latency: what a
+    stream stalls for); empty where the engine's runner does not record them."""
 
     @property
     def ttft(self) -> float | None:
@@ -98,6 +101,7 @@ def summarize(run: RunResult, slo_ttft_s: float, slo_tpot_s: float) -> dict[str,
         "goodput_req_s": good / wall,
         "ttft_s": distribution(ttft),
         "tpot_s": distribution(tpot),
+        "itl_s": distribution([g for r in recs for g in r.itl]),
         "e2e_s": distribution([r.e2e for r in recs]),
         **_engine_counters(run, prompt, cached),
         **_rank_shares(run, wall),

@@ -3,8 +3,9 @@
 A replica has its own scheduler, KV cache and ranks; replicas share nothing but the
 stream of requests. This process runs replica 0 itself and starts replicas 1..dp-1 as
 child processes, each of which starts its own tp x pp ranks as a lone engine would. Every
-request goes to the replica with the least work outstanding (prompt tokens plus tokens
-still allowed), and its outputs come back from there with that replica's counters.
+request goes to the replica parallel.router picks (engine/router.py: by default the one
+whose earlier prompts share the longest prefix with it, unless load is out of balance),
+and its outputs come back from there with that replica's counters.
 
 A replica that exits, fails, or sends nothing (not even its heartbeat, once a second) for
 parallel.timeout_s while it has work stops the run with a RankFailure naming it; a long
@@ -27,9 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from meshserve.engine.engine import Engine
+from meshserve.engine.launched_replicas import FrontListener, launched_role
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.prefix_cache import PrefixCacheStats
 from meshserve.engine.replica import BEAT_S
+from meshserve.engine.router import Router
 from meshserve.engine.run import Run
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler_output import SchedulerStats, SpecDecodeStats
@@ -44,14 +47,10 @@ STOP_TIMEOUT_S = 10.0
 
 def make_engine(run: Run, *, progress: bool = True) -> Engine | DataParallelEngine:
     """One engine, or dp replicas of it behind one front when parallel.dp > 1 (or when
-    parallel=auto, started without a launcher, planned replicas)."""
-    config = run.config
-    if config.parallel.dp == 1:
+    parallel=auto planned replicas). Under a launcher this is world rank 0, the front;
+    the other replicas' drivers and ranks were started by the launcher."""
+    if run.config.parallel.dp == 1:
         return Engine(run, progress=progress)
-    if run.env is not None:
-        raise ValueError(f"parallel.dp={config.parallel.dp} under a launcher: allowed is dp=1 "
-                         "there (run one job per replica), or start meshserve without "
-                         "torchrun/srun/mpirun and it starts the replicas itself")
     return DataParallelEngine(run, progress=progress)
 
 
@@ -98,32 +97,42 @@ def _sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
 
 
 class _Remote:
-    """The front's handle on one child replica: a `python -m meshserve.engine.replica`
+    """The front's handle on one other replica: a child `python -m meshserve.engine.replica`
     process (no multiprocessing spawn, which would re-run the user's script) talking over
-    a socket pair."""
+    a socket pair, or under a launcher the replica's driver rank, over TCP."""
 
-    def __init__(self, index: int, run: Run) -> None:
-        mine, theirs = socket.socketpair()
-        self.index = index
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meshserve.engine.replica", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),))
-        theirs.close()
-        self.conn = Connection(mine.detach())
-        self.conn.send(run)
+    def __init__(self, index: int, conn: Connection,
+                 proc: subprocess.Popen[bytes] | None = None, rank: int | None = None) -> None:
+        self.index, self.conn, self.proc, self.rank = index, conn, proc, rank
         self.num_blocks = 0
         self.stats: SchedulerStats | None = None
         self.last_seen = time.monotonic()
         """When it last sent anything (outputs or a heartbeat)."""
 
+    @classmethod
+    def spawn(cls, index: int, run: Run) -> _Remote:
+        """Start replica `index` as a child process and send it its Run."""
+        mine, theirs = socket.socketpair()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "meshserve.engine.replica", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),))
+        theirs.close()
+        remote = cls(index, Connection(mine.detach()), proc=proc)
+        remote.conn.send(run)
+        return remote
+
     def describe(self) -> str:
-        return f"data-parallel replica {self.index} (pid {self.proc.pid})"
+        where = f"pid {self.proc.pid}" if self.proc is not None else f"driver rank {self.rank}"
+        return f"data-parallel replica {self.index} ({where})"
 
     def recv(self) -> tuple[Any, ...]:
         """The next message; RankFailure when the replica is gone or reported an error."""
         try:
             msg = self.conn.recv()
         except (EOFError, OSError):
+            if self.proc is None:
+                raise RankFailure(f"{self.describe()} closed its connection (its process "
+                                  "exited); the run cannot go on") from None
             code = _exit_code(self.proc, 1.0)
             raise RankFailure(f"{self.describe()} exited (code {code}); "
                               "the run cannot go on") from None
@@ -143,7 +152,7 @@ class _Remote:
             self.conn.send(("stop",))
         except OSError:
             pass
-        if _exit_code(self.proc, STOP_TIMEOUT_S) is None:
+        if self.proc is not None and _exit_code(self.proc, STOP_TIMEOUT_S) is None:
             self.proc.kill()
             self.proc.wait(STOP_TIMEOUT_S)
         self.conn.close()
@@ -159,7 +168,7 @@ def _exit_code(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
 
 def _stop_all(remotes: list[_Remote]) -> None:
     for r in remotes:
-        if r.proc.poll() is None or not r.conn.closed:
+        if (r.proc is not None and r.proc.poll() is None) or not r.conn.closed:
             r.stop()
 
 
@@ -171,13 +180,23 @@ class DataParallelEngine:
         self.run = run
         self.config = config = run.config
         self.dp = config.parallel.dp
-        one = replica_run(run)
         self._timeout_s = config.parallel.timeout_s
-        self._remotes = [_Remote(i, with_step_log_of(one, i))  # they load meanwhile
-                         for i in range(1, self.dp)]
+        listener = None
+        if run.env is not None:  # launched: the world's groups hold every replica
+            one, role = run, launched_role(run)
+            listener = FrontListener(run)
+            self._remotes: list[_Remote] = []
+        else:
+            one = replica_run(run)
+            self._remotes = [_Remote.spawn(i, with_step_log_of(one, i))  # they load meanwhile
+                             for i in range(1, self.dp)]
         self._finalizer = weakref.finalize(self, _stop_all, self._remotes)
         try:
             self.local = Engine(one, progress=progress)
+            if listener is not None:
+                conns = listener.accept(self.dp, max(STARTUP_TIMEOUT_S, self._timeout_s))
+                self._remotes += [_Remote(i, conns[i], rank=role.driver_ranks[i])
+                                  for i in range(1, self.dp)]
             for r in self._remotes:
                 self._await_ready(r)
         except BaseException:
@@ -193,11 +212,16 @@ class DataParallelEngine:
         self._ids = itertools.count()
         self._owner: dict[str, int] = {}
         """Unfinished request id -> replica index (0: this process)."""
-        self._work = [0] * self.dp
+        self.router = Router(config.parallel.router, self.dp, config.engine.block_size,
+                             self.local.num_blocks)
         self._work_of: dict[str, int] = {}
         self._buffered: list[RequestOutput] = []
         self.requests_per_replica = [0] * self.dp
         """Requests each replica was given (for tests and logs)."""
+        if progress:
+            how = "launched" if run.env is not None else "started here"
+            print(f"meshserve: {self.dp} data-parallel replicas ready ({how}; "
+                  f"parallel.router={config.parallel.router})", file=sys.stderr, flush=True)
 
     def _await_ready(self, r: _Remote) -> None:
         timeout = max(STARTUP_TIMEOUT_S, self._timeout_s)
@@ -220,7 +244,7 @@ class DataParallelEngine:
         """Raise RankFailure if a replica (or one of replica 0's ranks) has died."""
         self.local.executor.check_health()
         for r in self._remotes:
-            if r.proc.poll() is not None:
+            if r.proc is not None and r.proc.poll() is not None:
                 raise RankFailure(f"{r.describe()} exited (code {r.proc.returncode}); "
                                   "the run cannot go on")
 
@@ -238,15 +262,14 @@ class DataParallelEngine:
         if request_id in self._owner:
             raise ValueError(f"request_id={request_id!r} is already in use: allowed is a new id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        target = min(range(self.dp), key=lambda i: (self._work[i], i))
+        work = len(ids) + params.max_tokens
+        target = self.router.pick(ids, work)
         if target == 0:
             self.local.add_request(ids, params, request_id, arrival)
         else:
             self._remotes[target - 1].send("add", ids, params, request_id, arrival)
-        work = len(ids) + params.max_tokens
         self._owner[request_id] = target
         self._work_of[request_id] = work
-        self._work[target] += work
         self.requests_per_replica[target] += 1
         return request_id
 
@@ -264,10 +287,10 @@ class DataParallelEngine:
 
     def _done(self, request_id: str) -> None:
         owner = self._owner.pop(request_id)
-        self._work[owner] -= self._work_of.pop(request_id)
+        self.router.done(owner, self._work_of.pop(request_id))
 
     def _busy_remotes(self) -> list[_Remote]:
-        return [r for r in self._remotes if self._work[r.index] > 0]
+        return [r for r in self._remotes if self.router.load[r.index] > 0]
 
     def has_unfinished(self) -> bool:
         """Whether any replica has a request not yet finished."""

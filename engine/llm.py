@@ -9,8 +9,10 @@ from typing import Any
 from tqdm import tqdm
 
 from meshserve.compose import presets
-from meshserve.engine.data_parallel import make_engine
+from meshserve.engine.data_parallel import make_engine, with_step_log_of
+from meshserve.engine.launched_replicas import launched_role
 from meshserve.engine.outputs import RequestOutput
+from meshserve.engine.replica import serve_launched_replica
 from meshserve.engine.run import resolve_run
 from meshserve.engine.runtime_config import RuntimeConfig, load_runtime_config
 from meshserve.engine.sampling_params import SamplingParams
@@ -40,8 +42,10 @@ class LLM:
     (`["parallel.tp=2"]`); `config` a RuntimeConfig as it is.
 
     With parallel.tp / parallel.pp > 1 the ranks are started by this object (or, under
-    torchrun, found running): on every rank but 0 the constructor serves rank 0 until it
-    shuts down and then exits the process, so one script runs on every rank.
+    torchrun, srun or mpirun, found running): on every rank but 0 the constructor serves
+    rank 0 until it shuts down and then exits the process, so one script runs on every
+    rank. Under a launcher with parallel.dp > 1 the ranks split into replicas: rank 0 is
+    the front, each other replica's driver serves the front, the rest their driver.
     """
 
     def __init__(self, model: str | None = None, overrides: Sequence[str] = (), *,
@@ -53,9 +57,15 @@ class LLM:
         if config is None:
             config = load_runtime_config(model_overrides(model) + list(overrides), **kwargs)
         env = discover()
-        # Alone, parallel=auto may plan replicas; under a launcher each replica is one run.
-        run = resolve_run(config, env=env, max_dp=None if env is None else 1)
-        if env is not None and env.is_worker:
+        run = resolve_run(config, env=env, max_dp=None)  # parallel=auto may plan replicas
+        if env is not None and run.config.parallel.dp > 1:  # launched replicas
+            role = launched_role(run)
+            if not role.is_driver:
+                raise SystemExit(run_worker_rank(run))
+            if not role.is_front:
+                raise SystemExit(serve_launched_replica(with_step_log_of(run, role.replica),
+                                                        role.replica))
+        elif env is not None and env.is_worker:
             raise SystemExit(run_worker_rank(run))
         self.engine = make_engine(run, progress=progress)
         self.config = self.engine.config  # the layout it runs: parallel=auto resolved

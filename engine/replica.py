@@ -1,7 +1,9 @@
-"""A data-parallel replica's process: `python -m meshserve.engine.replica FD`.
+"""A data-parallel replica's process: `python -m meshserve.engine.replica FD`, or under a
+launcher the driver rank of a replica (engine/launched_replicas.py).
 
-Started by `data_parallel.DataParallelEngine` with one end of a socket pair as FD. The
-first message is the replica's resolved Run; then it runs its own Engine (and that engine's
+Started by `data_parallel.DataParallelEngine` with one end of a socket pair as FD (or
+connected to the launched front over TCP). The first message is the replica's resolved
+Run (a launched driver has its own); then it runs its own Engine (and that engine's
 tp x pp ranks), taking "add", "abort", "reset" and "stop" commands and sending back every
 step's outputs with its counters. A thread sends a heartbeat every BEAT_S, so the front
 tells a long step from a hung replica. It exits when told to stop or when the front is gone.
@@ -14,6 +16,7 @@ import threading
 from multiprocessing.connection import Connection
 
 from meshserve.engine.engine import Engine
+from meshserve.engine.launched_replicas import connect_front
 from meshserve.engine.run import Run
 
 BEAT_S = 1.0
@@ -42,6 +45,17 @@ class _Sender:
 def serve_replica(conn: Connection) -> int:
     """Run the replica until "stop" or the front's end of `conn` closes."""
     run = conn.recv()
+    out = _Sender(conn)
+    try:
+        return _serve(run, conn, out)
+    finally:
+        out.stopped.set()
+
+
+def serve_launched_replica(run: Run, replica: int) -> int:
+    """A launched replica's driver (rank != 0 under torchrun, srun or mpirun): connect to
+    the front, then run the replica's engine for it until "stop" or the front is gone."""
+    conn = connect_front(run, replica)
     out = _Sender(conn)
     try:
         return _serve(run, conn, out)

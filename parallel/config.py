@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from meshserve.validation import require
 
+ROUTERS = ("cache_aware", "least_loaded", "round_robin")
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -40,6 +41,11 @@ class ParallelConfig:
     GPUs, on CPUs that over twice the micro-batches in flight, at least 256
     (engine/micro_batch.py, micro_batch_cap)."""
 
+    router: str = "cache_aware"
+    """Which data-parallel replica a request goes to: cache_aware (the replica whose
+    prompts so far match the longest prefix of it, unless load is out of balance),
+    least_loaded, round_robin (engine/router.py)."""
+
     timeout_s: float = 60.0
     """A rank silent this long is declared dead and every rank exits with an error."""
 
@@ -67,6 +73,7 @@ class ParallelConfig:
                 "parallel.num_micro_batches", self.num_micro_batches, "null or an int >= 1")
         require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
                 "parallel.micro_batch_tokens", self.micro_batch_tokens, "null or an int >= 1")
+        require(self.router in ROUTERS, "parallel.router", self.router, f"one of {ROUTERS}")
         require(self.timeout_s > 0, "parallel.timeout_s", self.timeout_s, "a number of seconds > 0")
         require(self.cpu_allreduce in CPU_ALLREDUCE, "parallel.cpu_allreduce", self.cpu_allreduce,
                 f"one of {CPU_ALLREDUCE}")

@@ -62,7 +62,7 @@ class DistributedExecutor:
         config = run.config
         world_size = config.parallel.world_size
         env = run.env
-        if env is not None and env.is_worker:
+        if env is not None and env.is_worker and config.parallel.dp == 1:
             raise ValueError(f"RANK={env.rank}: only rank 0 drives a run; the other ranks "
                              "serve it (meshserve.engine.worker.rank.run_worker_rank)")
         check_layout(run, env.world_size if env else world_size)
@@ -128,7 +128,8 @@ class DistributedExecutor:
                          if g.result_group is not None and not g.is_sampler else None)
         if progress:
             d = self.groups.dims
-            print(f"meshserve: {d.world_size} ranks ready (tp={d.tp}, pp={d.pp}) in "
+            replicas = f"dp={d.dp}, " if d.dp > 1 else ""
+            print(f"meshserve: {d.world_size} ranks ready ({replicas}tp={d.tp}, pp={d.pp}) in "
                   f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
     @property

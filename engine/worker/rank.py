@@ -60,9 +60,6 @@ def check_layout(run: Run, world_size: int) -> ParallelDims:
                      num_key_value_heads=arch.num_key_value_heads,
                      num_hidden_layers=arch.num_hidden_layers,
                      intermediate_size=arch.intermediate_size)
-    if dims.dp != 1:
-        raise ValueError(f"parallel.dp={dims.dp}: data-parallel replicas are not served yet; "
-                         "allowed is 1 (start one meshserve per replica)")
     return dims
 
 

@@ -68,17 +68,24 @@ def self_spawned_driver(world_size: int, port: int) -> LaunchEnv:
                      master_addr="127.0.0.1", master_port=port)
 
 
+_stores: dict[tuple[str, int, int, str], dist.Store] = {}
+
+
 def launcher_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
     """The run's rendezvous store, under a prefix unique to this attempt: torchrun's agent
-    store when it hosts one, else a TCP store that rank 0 serves at the discovered address."""
+    store when it hosts one, else a TCP store that rank 0 serves at the discovered address.
+    Made once per process (rank 0 serves it on one port) and shared by every caller."""
     if env.agent_store:
         url = "env://"
     else:
         url = f"tcp://{env.master_addr}:{env.master_port}"
-    store, _, _ = next(rendezvous(url, rank=env.rank, world_size=env.world_size,
-                                  timeout=timeout))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"meshserve/{attempt}", store)
+    key = (url, env.rank, env.world_size, attempt)
+    if key not in _stores:
+        store, _, _ = next(rendezvous(url, rank=env.rank, world_size=env.world_size,
+                                      timeout=timeout))
+        _stores[key] = dist.PrefixStore(f"meshserve/{attempt}", store)
+    return _stores[key]
 
 
 def store_barrier(store: dist.Store, name: str, world_size: int, timeout_s: float,

@@ -1,10 +1,10 @@
-"""Data-parallel replicas (parallel.dp): each a whole engine in its own process, requests
-routed to the least loaded one; the same tokens as one engine, failures reported, nothing
-left running after shutdown."""
+"""Data-parallel replicas (parallel.dp) started here: each a whole engine in its own
+process, requests routed by parallel.router; the same tokens as one engine, failures
+reported, nothing left running after shutdown. (Under a launcher:
+tests/launch/test_launched_replicas.py.)"""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import time
@@ -16,7 +16,6 @@ import torch
 from meshserve import LLM, SamplingParams
 from meshserve.engine.data_parallel import (
     DataParallelEngine,
-    make_engine,
     replica_run,
     with_step_log_of,
 )
@@ -64,12 +63,6 @@ def test_each_replica_logs_its_steps_to_a_file_of_its_own() -> None:
     assert with_step_log_of(run, 2).config.engine.step_log == "/logs/steps.replica2.jsonl"
     plain = _run(["parallel=single"])
     assert with_step_log_of(plain, 1) is plain
-
-
-def test_replicas_under_a_launcher_are_refused() -> None:
-    launched = dataclasses.replace(_run(["parallel.dp=2"]), env=object())
-    with pytest.raises(ValueError, match=r"parallel.dp=2 under a launcher: allowed is dp=1"):
-        make_engine(launched)  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
@@ -136,3 +129,30 @@ def test_a_stopped_replica_is_reported_in_bounded_time(checkpoint: Path,
             assert time.monotonic() - t0 < 15
         finally:
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_the_cache_aware_router_keeps_each_prefix_on_one_replica(checkpoint: Path) -> None:
+    gen = torch.Generator().manual_seed(5)
+    systems = [torch.randint(0, 320, (24,), generator=gen).tolist() for _ in range(2)]
+    prompts = [systems[(i // 2) % 2] + torch.randint(0, 320, (3,), generator=gen).tolist()
+               for i in range(8)]
+    engine_kw = [*ENGINE[:2], "engine.num_gpu_blocks=64", *ENGINE[3:]]
+    with LLM(str(checkpoint), overrides=engine_kw, progress=False) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, PARAMS)]
+    outs = {}
+    for router in ("cache_aware", "round_robin"):
+        with LLM(str(checkpoint), overrides=[*engine_kw, "parallel.dp=2",
+                                             f"parallel.router={router}"],
+                 progress=False) as llm:
+            engine = llm.engine
+            assert isinstance(engine, DataParallelEngine)
+            outs[router] = [o.token_ids for o in llm.generate(prompts, PARAMS)]
+            hits = engine.stats.prefix_cache.num_hits
+            if router == "cache_aware":  # the two tenants, one replica each
+                assert engine.requests_per_replica == [4, 4]
+                assert engine.router.num_cache_routed == 6
+                cache_aware_hits = hits
+            else:  # alternating: each replica sees both system prompts
+                assert hits < cache_aware_hits
+    assert outs["cache_aware"] == outs["round_robin"] == want

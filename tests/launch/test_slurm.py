@@ -41,14 +41,22 @@ def job_env(logs: Path, launch: str = "srun") -> dict[str, str]:
             "MESHSERVE_LOG_DIR": str(logs), "MESHSERVE_LAUNCH": launch, "OMP_NUM_THREADS": "1"}
 
 
-@pytest.mark.parametrize("launch", ["srun", "torchrun"])
+@pytest.mark.parametrize(("launch", "layout", "ready"), [
+    # parallel=auto: the planner's replicas of its layout (for this tiny model, one rank
+    # each), over both nodes
+    ("srun", [], "4 ranks ready (dp=4, tp=1, pp=1)"),
+    ("torchrun", [], "4 ranks ready (dp=4, tp=1, pp=1)"),
+    ("srun", ["parallel.tp=2", "parallel.pp=2"], "4 ranks ready (tp=2, pp=2)"),
+], ids=["srun-auto", "torchrun-auto", "srun-tp2-pp2"])
 def test_multinode_template_matches_one_process(slurm: LocalSlurm, text3: Path,
                                                 one_rank_output: list[str], printed,
-                                                tmp_path: Path, launch: str) -> None:
+                                                tmp_path: Path, launch: str,
+                                                layout: list[str], ready: str) -> None:
     logs = tmp_path / "logs"
     job = slurm.sbatch([*CPU_JOB, "--nodes=2", "--ntasks-per-node=2",
                         f"--output={tmp_path}/job.out", str(REPO / "slurm/multinode.sbatch"),
-                        "generate", f"model.path='{text3}'", "generate.max_tokens=8"],
+                        "generate", f"model.path='{text3}'", "generate.max_tokens=8",
+                        *layout],
                        env=job_env(logs, launch))
     out = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
     assert job.returncode == 0, job.stderr + out
@@ -58,7 +66,7 @@ def test_multinode_template_matches_one_process(slurm: LocalSlurm, text3: Path,
     assert printed("".join(f.read_text() for f in sorted(logs.glob(f"{pattern}.out")))) == \
         one_rank_output
     err = "".join(f.read_text() for f in sorted(logs.glob(f"{pattern}.err")))
-    assert "4 ranks ready (tp=2, pp=2)" in err
+    assert ready in err
     if launch == "srun":  # every rank logs to its own files
         assert sorted(p.name for p in logs.glob("rank*.err")) == [
             f"rank{r}.err" for r in range(4)]
