@@ -33,6 +33,7 @@ from meshserve.engine.worker.sampled_tokens import Logprob, SampledTokens
 from meshserve.engine.worker.step_sampler import StepResult
 from meshserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from meshserve.parallel.comm.tp_group import CommCounters
+from meshserve.parallel.planner.diagnosis import chunk_counts
 
 __all__ = ["Engine", "StepTiming", "make_executor"]
 
@@ -260,14 +261,8 @@ class Engine:
         budget = self.scheduler.step_budget
         if budget is None:
             return
-        decodes = context = prefill = 0
-        for s in out.scheduled:
-            n = len(s.token_ids) - s.num_drafts
-            if n == 1:
-                decodes += 1
-                context += s.start_pos
-            else:
-                prefill += n
+        prefill, _, _, decodes, context = chunk_counts(
+            (len(s.token_ids) - s.num_drafts, s.start_pos) for s in out.scheduled)
         budget.observe(decodes, context, prefill, seconds)
 
     def _observe_speculation(self, out: SchedulerOutput, seconds: float) -> None:
