@@ -7,9 +7,12 @@ request goes to the replica parallel.router picks (engine/router.py: by default 
 whose earlier prompts share the longest prefix with it, unless load is out of balance),
 and its outputs come back from there with that replica's counters.
 
-A replica that exits, fails, or sends nothing (not even its heartbeat, once a second) for
-parallel.timeout_s while it has work stops the run with a RankFailure naming it; a long
-step is not a hang. Shutdown stops every replica and its ranks.
+A replica is lost when it exits, fails (one of its ranks died), or sends nothing (not even
+its heartbeat, once a second) for parallel.timeout_s while it has work; a long step is not
+a hang. A lost replica's requests end at once with an error output naming it, it gets no
+more requests, and the others keep serving, as long as at least `min_replicas` are left
+(the server's serve.min_replicas; offline every replica is needed). Below that the run
+stops with a RankFailure naming the replica. Shutdown stops every replica and its ranks.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from meshserve.engine.launched_replicas import FrontListener, launched_role
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.prefix_cache import PrefixCacheStats
 from meshserve.engine.replica import BEAT_S
+from meshserve.engine.replica_state import COLOCATED, ReplicaState
 from meshserve.engine.router import Router
 from meshserve.engine.run import Run
 from meshserve.engine.sampling_params import SamplingParams
@@ -45,13 +49,18 @@ STOP_TIMEOUT_S = 10.0
 """How long shutdown waits for a replica to stop before killing it."""
 
 
-def make_engine(run: Run, *, progress: bool = True) -> Engine | DataParallelEngine:
+def make_engine(run: Run, *, progress: bool = True,
+                min_replicas: int | None = None) -> Engine | DataParallelEngine:
     """One engine, or dp replicas of it behind one front when parallel.dp > 1 (or when
     parallel=auto planned replicas). Under a launcher this is world rank 0, the front;
-    the other replicas' drivers and ranks were started by the launcher."""
-    if run.config.parallel.dp == 1:
+    the other replicas' drivers and ranks were started by the launcher. `min_replicas`:
+    the replicas that must stay up (None: all of them)."""
+    dp = run.config.parallel.dp
+    if min_replicas is not None and not 1 <= min_replicas <= dp:
+        raise ValueError(f"serve.min_replicas={min_replicas}: allowed is 1..parallel.dp={dp}")
+    if dp == 1:
         return Engine(run, progress=progress)
-    return DataParallelEngine(run, progress=progress)
+    return DataParallelEngine(run, progress=progress, min_replicas=min_replicas)
 
 
 def replica_run(run: Run) -> Run:
@@ -132,10 +141,9 @@ class _Remote:
         except (EOFError, OSError):
             if self.proc is None:
                 raise RankFailure(f"{self.describe()} closed its connection (its process "
-                                  "exited); the run cannot go on") from None
+                                  "exited)") from None
             code = _exit_code(self.proc, 1.0)
-            raise RankFailure(f"{self.describe()} exited (code {code}); "
-                              "the run cannot go on") from None
+            raise RankFailure(f"{self.describe()} exited (code {code})") from None
         if msg[0] == "error":
             raise RankFailure(f"{self.describe()} failed: {msg[1]}")
         return msg
@@ -144,7 +152,7 @@ class _Remote:
         try:
             self.conn.send(msg)
         except (BrokenPipeError, OSError):
-            raise RankFailure(f"{self.describe()} is gone; the run cannot go on") from None
+            raise RankFailure(f"{self.describe()} is gone") from None
 
     def stop(self) -> None:
         """Ask it to stop; kill it if it does not within STOP_TIMEOUT_S."""
@@ -155,6 +163,13 @@ class _Remote:
         if self.proc is not None and _exit_code(self.proc, STOP_TIMEOUT_S) is None:
             self.proc.kill()
             self.proc.wait(STOP_TIMEOUT_S)
+        self.conn.close()
+
+    def kill(self) -> None:
+        """Stop a lost replica at once (its ranks notice their driver is gone)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            _exit_code(self.proc, STOP_TIMEOUT_S)
         self.conn.close()
 
 
@@ -176,10 +191,14 @@ class DataParallelEngine:
     """dp engines behind Engine's interface: add_request, step, abort, has_unfinished,
     reset_prefix_cache, stats, shutdown (what LLM, the server and the benchmark use)."""
 
-    def __init__(self, run: Run, *, progress: bool = True) -> None:
+    def __init__(self, run: Run, *, progress: bool = True,
+                 min_replicas: int | None = None) -> None:
         self.run = run
         self.config = config = run.config
         self.dp = config.parallel.dp
+        self.min_replicas = self.dp if min_replicas is None else min_replicas
+        self.down: dict[int, str] = {}
+        """Lost replicas and why."""
         self._timeout_s = config.parallel.timeout_s
         listener = None
         if run.env is not None:  # launched: the world's groups hold every replica
@@ -212,6 +231,10 @@ class DataParallelEngine:
         self._ids = itertools.count()
         self._owner: dict[str, int] = {}
         """Unfinished request id -> replica index (0: this process)."""
+        self._prompt_of: dict[str, list[int]] = {}
+        self._lost: list[RequestOutput] = []
+        """Error outputs of a lost replica's requests, not yet returned by step()."""
+        self._local_stats = self.local.stats
         self.router = Router(config.parallel.router, self.dp, config.engine.block_size,
                              self.local.num_blocks)
         self._work_of: dict[str, int] = {}
@@ -241,12 +264,52 @@ class DataParallelEngine:
         return self
 
     def check_health(self) -> None:
-        """Raise RankFailure if a replica (or one of replica 0's ranks) has died."""
-        self.local.executor.check_health()
-        for r in self._remotes:
+        """Take out a replica that has died (or one of replica 0's ranks); RankFailure when
+        fewer than min_replicas are left."""
+        if 0 not in self.down:
+            try:
+                self.local.executor.check_health()
+            except RankFailure as e:
+                self._lose(0, f"data-parallel replica 0 (this process): {e}")
+        for r in self._live_remotes():
             if r.proc is not None and r.proc.poll() is not None:
-                raise RankFailure(f"{r.describe()} exited (code {r.proc.returncode}); "
-                                  "the run cannot go on")
+                self._lose(r.index, f"{r.describe()} exited (code {r.proc.returncode})")
+
+    def replica_states(self) -> list[ReplicaState]:
+        """Every replica: its KV blocks, its latest counters, and whether it is down."""
+        states = [ReplicaState(0, COLOCATED, self.local.num_blocks, self._local_stats,
+                               self.down.get(0))]
+        return states + [ReplicaState(r.index, COLOCATED, r.num_blocks, r.stats or SchedulerStats(),
+                                      self.down.get(r.index)) for r in self._remotes]
+
+    def _live_remotes(self) -> list[_Remote]:
+        return [r for r in self._remotes if r.index not in self.down]
+
+    def _lose(self, index: int, reason: str) -> None:
+        """Replica `index` is gone: fail its requests, route nothing more to it, stop what
+        is left of it; RankFailure instead when fewer than min_replicas would be left."""
+        if index in self.down:
+            return
+        self.down[index] = reason
+        left = self.dp - len(self.down)
+        if left < self.min_replicas:
+            raise RankFailure(f"{reason}; the run cannot go on ({left} of {self.dp} "
+                              f"replicas left, {self.min_replicas} needed)")
+        print(f"meshserve: {reason}; its requests failed, {left} of {self.dp} replicas "
+              "serve on", file=sys.stderr, flush=True)
+        self.router.drop(index)
+        if index == 0:
+            try:
+                self.local.shutdown()
+            except Exception:  # noqa: BLE001 - what is left of it is going anyway
+                pass
+        else:
+            self._remotes[index - 1].kill()
+        error = f"{reason}; the request was lost with it"
+        for rid in [rid for rid, owner in self._owner.items() if owner == index]:
+            self._lost.append(RequestOutput(rid, self._prompt_of[rid], finished=True,
+                                            finish_reason="error", replica=index, error=error))
+            self._done(rid)
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a text prompt."""
@@ -263,12 +326,19 @@ class DataParallelEngine:
             raise ValueError(f"request_id={request_id!r} is already in use: allowed is a new id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         work = len(ids) + params.max_tokens
-        target = self.router.pick(ids, work)
-        if target == 0:
-            self.local.add_request(ids, params, request_id, arrival)
-        else:
-            self._remotes[target - 1].send("add", ids, params, request_id, arrival)
+        while True:  # a replica found lost on the way gets no request
+            target = self.router.pick(ids, work)
+            try:
+                if target == 0:
+                    self.local.add_request(ids, params, request_id, arrival)
+                else:
+                    self._remotes[target - 1].send("add", ids, params, request_id, arrival)
+                break
+            except RankFailure as e:
+                self.router.done(target, work)
+                self._lose(target, str(e))
         self._owner[request_id] = target
+        self._prompt_of[request_id] = ids
         self._work_of[request_id] = work
         self.requests_per_replica[target] += 1
         return request_id
@@ -278,41 +348,55 @@ class DataParallelEngine:
         owner = self._owner.get(request_id)
         if owner is None:
             return False
+        self._done(request_id)
         if owner == 0:
             self.local.abort(request_id)
         else:
-            self._remotes[owner - 1].send("abort", request_id)
-        self._done(request_id)
+            try:
+                self._remotes[owner - 1].send("abort", request_id)
+            except RankFailure as e:
+                self._lose(owner, str(e))
         return True
 
     def _done(self, request_id: str) -> None:
         owner = self._owner.pop(request_id)
+        del self._prompt_of[request_id]
         self.router.done(owner, self._work_of.pop(request_id))
 
     def _busy_remotes(self) -> list[_Remote]:
-        return [r for r in self._remotes if self.router.load[r.index] > 0]
+        return [r for r in self._live_remotes() if self.router.load[r.index] > 0]
+
+    def _local_busy(self) -> bool:
+        return 0 not in self.down and self.local.has_unfinished()
 
     def has_unfinished(self) -> bool:
-        """Whether any replica has a request not yet finished."""
-        return bool(self._owner) or self.local.has_unfinished()
+        """Whether any replica has a request not yet finished (or a lost one's error
+        outputs are still to be returned)."""
+        return bool(self._owner) or bool(self._lost) or self._local_busy()
 
     def step(self) -> list[RequestOutput]:
         """Step replica 0 when it has work and collect what the others have produced;
         with nothing to do here, wait for the others (at most parallel.timeout_s)."""
         outs, self._buffered = self._buffered, []
         outs += self._receive(timeout=0.0)
-        if self.local.has_unfinished():
-            outs += self.local.step()
+        if self._local_busy():
+            try:
+                outs += self.local.step()
+                self._local_stats = self.local.stats
+            except RankFailure as e:
+                self._lose(0, f"data-parallel replica 0 (this process): {e}")
             outs += self._receive(timeout=0.0)  # heartbeats sent meanwhile
         else:
-            while not outs and self._busy_remotes():
+            while not outs and not self._lost and self._busy_remotes():
                 outs += self._receive(timeout=BEAT_S)
                 self._check_alive()
         self._check_alive()
-        kept = []
+        kept, self._lost = self._lost, []
         for out in outs:
-            if out.request_id not in self._owner:  # aborted meanwhile
+            owner = self._owner.get(out.request_id)
+            if owner is None:  # aborted meanwhile, or its replica was lost
                 continue
+            out.replica = owner
             if out.finished:
                 self._done(out.request_id)
             kept.append(out)
@@ -326,12 +410,15 @@ class DataParallelEngine:
         outs: list[RequestOutput] = []
         for conn in wait(list(busy), timeout):
             r = busy[conn]  # type: ignore[index]
-            while r.conn.poll():
-                msg = r.recv()
-                r.last_seen = time.monotonic()
-                if msg[0] == "outputs":
-                    outs += msg[1]
-                    r.stats = msg[2]
+            try:
+                while r.conn.poll():
+                    msg = r.recv()
+                    r.last_seen = time.monotonic()
+                    if msg[0] == "outputs":
+                        outs += msg[1]
+                        r.stats = msg[2]
+            except RankFailure as e:
+                self._lose(r.index, str(e))
         return outs
 
     def _check_alive(self) -> None:
@@ -340,30 +427,35 @@ class DataParallelEngine:
         now = time.monotonic()
         for r in self._busy_remotes():
             if now - r.last_seen > self._timeout_s:
-                raise RankFailure(f"{r.describe()} sent nothing for parallel.timeout_s="
-                                  f"{self._timeout_s} s while it had requests (hung?)")
+                self._lose(r.index, f"{r.describe()} sent nothing for parallel.timeout_s="
+                                    f"{self._timeout_s} s while it had requests (hung?)")
 
     def reset_prefix_cache(self) -> int:
         """Uncache every unused cached block on every replica; how many in all."""
-        n = self.local.reset_prefix_cache()
-        for r in self._remotes:
-            r.send("reset")
-            while True:
-                msg = r.recv()
-                if msg[0] == "reset":
-                    n += msg[1]
-                    r.stats = msg[2]
-                    break
-                if msg[0] == "outputs":
-                    self._buffered += msg[1]
-                    r.stats = msg[2]
+        n = 0 if 0 in self.down else self.local.reset_prefix_cache()
+        for r in self._live_remotes():
+            try:
+                n += self._reset_remote(r)
+            except RankFailure as e:
+                self._lose(r.index, str(e))
         return n
+
+    def _reset_remote(self, r: _Remote) -> int:
+        r.send("reset")
+        while True:
+            msg = r.recv()
+            if msg[0] == "reset":
+                r.stats = msg[2]
+                return int(msg[1])
+            if msg[0] == "outputs":
+                self._buffered += msg[1]
+                r.stats = msg[2]
 
     @property
     def stats(self) -> SchedulerStats:
         """Every replica's counters added up (the others' as of their latest message)."""
-        return _sum_stats([self.local.stats] + [r.stats for r in self._remotes
-                                                if r.stats is not None])
+        local = self._local_stats if 0 in self.down else self.local.stats
+        return _sum_stats([local] + [r.stats for r in self._remotes if r.stats is not None])
 
     def shutdown(self) -> None:
         """Stop every replica and its ranks."""

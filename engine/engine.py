@@ -10,6 +10,7 @@ from typing import cast
 
 from meshserve.engine.micro_batch import micro_batch_budget, micro_batch_cap
 from meshserve.engine.outputs import RequestMetrics, RequestOutput
+from meshserve.engine.replica_state import COLOCATED, ReplicaState
 from meshserve.engine.run import Run, async_scheduling, resolve_run
 from meshserve.engine.runtime_config import RuntimeConfig
 from meshserve.engine.sampling_params import SamplingParams, SequenceSampling
@@ -436,6 +437,10 @@ class Engine:
     def stats(self) -> SchedulerStats:
         """Scheduler and cache counters (for logs and metrics)."""
         return self.scheduler.stats()
+
+    def replica_states(self) -> list[ReplicaState]:
+        """This engine as the one replica of its run (for /health and metrics)."""
+        return [ReplicaState(0, COLOCATED, self.num_blocks, self.stats)]
 
 
 def _may_speculate(params: SamplingParams) -> bool:

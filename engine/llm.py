@@ -18,6 +18,7 @@ from meshserve.engine.runtime_config import RuntimeConfig, load_runtime_config
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.worker.rank import run_worker_rank
 from meshserve.parallel.comm.discovery import discover
+from meshserve.parallel.comm.ranks import RankFailure
 
 
 def model_overrides(model: str | None) -> list[str]:
@@ -46,11 +47,15 @@ class LLM:
     rank 0 until it shuts down and then exits the process, so one script runs on every
     rank. Under a launcher with parallel.dp > 1 the ranks split into replicas: rank 0 is
     the front, each other replica's driver serves the front, the rest their driver.
+
+    `min_replicas`: with replicas, how many must stay up; a lost replica's requests then
+    end with `finish_reason='error'` (generate raises RankFailure on one). None, the
+    default: every replica is needed, and losing one raises RankFailure.
     """
 
     def __init__(self, model: str | None = None, overrides: Sequence[str] = (), *,
                  config: RuntimeConfig | None = None, progress: bool = True,
-                 **kwargs: Any) -> None:
+                 min_replicas: int | None = None, **kwargs: Any) -> None:
         if config is not None and (model is not None or overrides or kwargs):
             raise TypeError("LLM(config=...) takes the configuration as it is: allowed is "
                             "config alone, or model / overrides / keyword arguments")
@@ -67,7 +72,7 @@ class LLM:
                                                         role.replica))
         elif env is not None and env.is_worker:
             raise SystemExit(run_worker_rank(run))
-        self.engine = make_engine(run, progress=progress)
+        self.engine = make_engine(run, progress=progress, min_replicas=min_replicas)
         self.config = self.engine.config  # the layout it runs: parallel=auto resolved
         self.progress = progress
 
@@ -111,6 +116,9 @@ class LLM:
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not show, leave=False)
         while self.engine.has_unfinished():
             for out in self.engine.step():
+                if out.error is not None:
+                    bar.close()
+                    raise RankFailure(out.error)
                 if out.finished:
                     done[out.request_id] = out
                     bar.update(1)

@@ -57,7 +57,12 @@ class RequestOutput:
     """Text added by the latest step."""
     finished: bool = False
     finish_reason: str | None = None
-    """'stop', 'length' or 'abort' once finished."""
+    """'stop', 'length' or 'abort' once finished; 'error' when the replica running it was
+    lost (see `error`)."""
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     """Per generated token: its logprob and the top-n alternatives (when asked)."""
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    replica: int = 0
+    """The data-parallel replica that ran it."""
+    error: str | None = None
+    """Why the request failed (its replica's ranks died or hung); None unless it did."""

@@ -84,8 +84,16 @@ class Router:
         """Outstanding work per replica: prompt tokens plus tokens still allowed."""
         self.trees = [PromptTree(block_size, capacity_blocks) for _ in range(num_replicas)]
         self._turn = itertools.cycle(range(num_replicas))
+        self.live = list(range(num_replicas))
+        """The replicas requests may go to (a lost one is dropped)."""
         self.num_cache_routed = 0
         """Requests sent to a replica for the prefix its tree matched."""
+
+    def drop(self, replica: int) -> None:
+        """Send nothing more to `replica` (its ranks are gone) and forget its tree."""
+        if replica in self.live:
+            self.live.remove(replica)
+        self.trees[replica] = PromptTree(self.trees[replica].block_size, 0)
 
     def pick(self, token_ids: Sequence[int], work: int) -> int:
         """The replica for a request of `token_ids` with `work` tokens of work; counts the
@@ -101,21 +109,23 @@ class Router:
     def _least_loaded(self) -> int:
         """The least-loaded replica; of equals, the one whose tree holds least (the most
         cache room for a new prefix)."""
-        return min(range(self.num_replicas),
-                   key=lambda i: (self.load[i], len(self.trees[i]), i))
+        return min(self.live, key=lambda i: (self.load[i], len(self.trees[i]), i))
 
     def _choose(self, token_ids: Sequence[int]) -> int:
+        if not self.live:
+            raise RuntimeError("no replica left to route to")
         if self.policy == "round_robin":
-            return next(self._turn)
-        if self.policy == "least_loaded" or self.num_replicas == 1:
+            return next(i for i in self._turn if i in self.live)
+        if self.policy == "least_loaded" or len(self.live) == 1:
             return self._least_loaded()
         chain = self.trees[0].chain(token_ids)
-        busiest, idlest = max(self.load), min(self.load)
+        busiest = max(self.load[i] for i in self.live)
+        idlest = min(self.load[i] for i in self.live)
         if busiest > BALANCE_ABS and busiest > BALANCE_REL * idlest:
             target = self._least_loaded()
         else:
             matched = [t.match(chain) for t in self.trees]
-            best = max(range(self.num_replicas), key=lambda i: (matched[i], -self.load[i], -i))
+            best = max(self.live, key=lambda i: (matched[i], -self.load[i], -i))
             share = matched[best] * self.trees[0].block_size / max(len(token_ids), 1)
             if share >= CACHE_THRESHOLD:
                 target = best

@@ -36,14 +36,14 @@ def run(overrides: list[str]) -> int:
     sc = cfg.serve
     _setup_logging()
     try:
-        llm = LLM(config=cfg.runtime, progress=False)
+        llm = LLM(config=cfg.runtime, progress=False, min_replicas=sc.min_replicas)
     except RankFailure as e:
         print(f"meshserve serve: {e}", file=sys.stderr)
         return 1
     engine = llm.engine
     async_engine = AsyncEngine(engine, max_pending=sc.max_pending_requests,
                                health_interval_s=sc.health_interval_s)
-    metrics = ServerMetrics(lambda: async_engine.stats, engine.num_blocks,
+    metrics = ServerMetrics(lambda: async_engine.stats, lambda: async_engine.replicas,
                             lambda: async_engine.num_routes)
     async_engine.on_outputs = metrics.on_outputs
     model_names = sc.model_names(cfg.model.label)

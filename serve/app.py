@@ -17,6 +17,7 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from meshserve.engine.replica_state import ReplicaState
 from meshserve.serve.async_engine import AsyncEngine, EngineDeadError
 from meshserve.serve.config import ServeConfig
 from meshserve.serve.errors import APIError, error_body, install
@@ -126,10 +127,11 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, cfg: ServeConfig,
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while the engine serves; 503 with the reason once it has failed."""
+        """200 while the engine serves: status 'ok', or 'degraded' with the replicas that
+        are down (the others serve on); 503 with the reason once it has failed."""
         if engine.failure is not None:
             return JSONResponse(error_body(503, engine.failure), status_code=503)
-        return JSONResponse({"status": "ok"})
+        return JSONResponse(health_body(engine.replicas))
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -153,6 +155,17 @@ def _openapi(app: FastAPI, model_names: list[str], cfg: ServeConfig) -> dict[str
         props["n"]["maximum"] = cfg.max_n
     app.openapi_schema = schema
     return schema
+
+
+def health_body(replicas: list[ReplicaState]) -> dict[str, Any]:
+    """/health's answer while serving; with several replicas, each one's state."""
+    down = [r for r in replicas if not r.up]
+    body: dict[str, Any] = {"status": "degraded" if down else "ok"}
+    if len(replicas) > 1:
+        body["replicas"] = [{"replica": r.index, "role": r.role,
+                             "status": "up" if r.up else "down",
+                             **({"reason": r.down} if r.down else {})} for r in replicas]
+    return body
 
 
 async def _log_metrics(metrics: ServerMetrics, interval_s: float) -> None:

@@ -4,7 +4,8 @@ Every Engine call happens on the engine thread. Handlers hand it commands (add, 
 stop) through a thread-safe queue; it hands each request's outputs back to that
 request's asyncio queue with `loop.call_soon_threadsafe`. When a step raises (a rank
 died, a device error) the engine is dead: every open stream gets an `EngineFailure`,
-every later call raises `EngineDeadError`, and `on_failure` runs once.
+every later call raises `EngineDeadError`, and `on_failure` runs once. A request whose
+data-parallel replica was lost (while others serve on) gets an `EngineFailure` of its own.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from meshserve.engine.engine import Engine
 from meshserve.engine.outputs import RequestOutput
+from meshserve.engine.replica_state import ReplicaState
 from meshserve.engine.sampling_params import SamplingParams
 from meshserve.engine.scheduler_output import SchedulerStats
 from meshserve.parallel.comm.ranks import failure_reason
@@ -116,6 +118,8 @@ class AsyncEngine:
         """Why the engine stopped taking work (None while it serves)."""
         self.stats: SchedulerStats = engine.stats
         """The latest scheduler snapshot (refreshed after every step and command)."""
+        self.replicas: list[ReplicaState] = engine.replica_states()
+        """The latest snapshot of every replica (the same refresh)."""
         self.num_routes = 0
         """Engine requests with a live stream (for leak checks)."""
         self._routes: dict[str, _Route] = {}
@@ -191,6 +195,7 @@ class AsyncEngine:
                     self._step()
                 else:
                     self.engine.executor.check_health()
+                    self.replicas = self.engine.replica_states()
         except Exception as e:  # noqa: BLE001 - any step error kills the engine; say why
             self._fail(f"engine failed: {failure_reason(e)}", notify=True)
 
@@ -215,6 +220,7 @@ class AsyncEngine:
             except queue.Empty:
                 break
         self.stats = self.engine.stats
+        self.replicas = self.engine.replica_states()
         return True
 
     def _add(self, cmd: _Add) -> None:
@@ -244,12 +250,15 @@ class AsyncEngine:
     def _step(self) -> None:
         outs = self.engine.step()
         self.stats = self.engine.stats
+        self.replicas = self.engine.replica_states()
         out_batch = _Deliveries()
         for out in outs:
             route = self._routes.get(out.request_id)
             if route is None:
                 continue
-            out_batch.items.append((route.stream, (route.index, out)))
+            item: StreamItem = (route.index, out) if out.error is None else \
+                EngineFailure(out.error)
+            out_batch.items.append((route.stream, item))
             if out.finished:
                 del self._routes[out.request_id]
                 self._release(1)

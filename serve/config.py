@@ -36,6 +36,9 @@ class ServeConfig:
     """Seconds between metric log lines; 0 turns them off."""
     health_interval_s: float = 0.5
     """How often an idle engine checks that its ranks are alive."""
+    min_replicas: int = 1
+    """With data-parallel replicas: the server keeps serving (degraded, /health says which
+    replica is down) while at least this many are up; below it, it fails and exits."""
     failure_exit_s: float = 1.0
     """After the engine fails: seconds of 503 answers before the process exits non-zero."""
     log_level: str = "warning"
@@ -64,6 +67,8 @@ class ServeConfig:
                 "seconds >= 0 (0: off)")
         require(self.health_interval_s > 0, "serve.health_interval_s", self.health_interval_s,
                 "seconds > 0")
+        require(self.min_replicas >= 1, "serve.min_replicas", self.min_replicas,
+                "an int >= 1 (at most parallel.dp)")
         require(self.failure_exit_s >= 0, "serve.failure_exit_s", self.failure_exit_s,
                 "seconds >= 0")
         parsers = ("auto", "none", *PARSERS)

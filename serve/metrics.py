@@ -2,7 +2,8 @@
 
 Request latencies and token counts are recorded as outputs leave the engine thread;
 scheduler gauges and counters (running / waiting, KV blocks, prefix cache, preemptions)
-are read from the engine's latest stats snapshot at scrape time.
+are read from each replica's latest stats snapshot at scrape time. Engine metrics carry
+`replica` and `role` labels (docs/grafana/meshserve.json sums or splits by them).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from meshserve.engine.outputs import RequestOutput
+from meshserve.engine.replica_state import COLOCATED, ReplicaState
 from meshserve.engine.scheduler_output import SchedulerStats
 
 PREFIX = "meshserve"
@@ -23,76 +25,102 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
-class _EngineCollector(Collector):
-    """Scheduler state from the latest snapshot, read at scrape time."""
+LABELS = ["replica", "role"]
+"""Every engine metric's labels: the data-parallel replica and its role ('colocated': it
+runs prefill and decode)."""
 
-    def __init__(self, stats: Callable[[], SchedulerStats], num_blocks: int) -> None:
-        self._stats = stats
-        self._num_blocks = num_blocks
+
+class _EngineCollector(Collector):
+    """Each replica's scheduler state from its latest snapshot, read at scrape time."""
+
+    def __init__(self, replicas: Callable[[], list[ReplicaState]]) -> None:
+        self._replicas = replicas
 
     def collect(self) -> Iterator[Metric]:
-        s = self._stats()
-        pc = s.prefix_cache
-        gauges = (
-            ("num_requests_running", "Requests in the running batch.", s.num_running),
-            ("num_requests_waiting", "Requests queued for admission.", s.num_waiting),
-            ("kv_blocks_used", "KV-cache blocks held by some sequence.", s.num_used_blocks),
-            ("kv_blocks_free", "Free (or cached and evictable) KV-cache blocks.",
-             s.num_free_blocks),
-            ("kv_blocks_total", "KV-cache blocks on this rank.", self._num_blocks),
-            ("kv_cache_usage_ratio", "Share of KV-cache blocks in use.",
-             s.num_used_blocks / self._num_blocks if self._num_blocks else 0.0),
-        )
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
-        counters = (
-            ("prefix_cache_queries", "Prompt blocks looked up in the prefix cache.",
-             pc.num_queries),
-            ("prefix_cache_hits", "Prompt blocks found in the prefix cache.", pc.num_hits),
-            ("num_preemptions", "Sequences preempted (KV dropped, to be recomputed).",
-             s.num_preemptions),
-        )
-        sd = s.spec
-        counters += (
-            ("spec_decode_num_drafts", "Speculative decoding: verify steps of a sequence.",
-             sd.num_drafts),
-            ("spec_decode_num_draft_tokens", "Speculative decoding: tokens drafted.",
-             sd.num_draft_tokens),
-            ("spec_decode_num_accepted_tokens", "Speculative decoding: drafted tokens "
-             "accepted.", sd.num_accepted_tokens),
-        )
-        for name, doc, value in counters:
-            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        replicas = self._replicas()
+        gauges = {name: GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=LABELS)
+                  for name, doc in GAUGES}
+        counters = {name: CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=LABELS)
+                    for name, doc in COUNTERS}
         per = CounterMetricFamily(f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",
                                   "Speculative decoding: accepted drafted tokens by their "
-                                  "position in the draft (0: the first).", labels=["position"])
-        for position, value in enumerate(sd.accepted_per_position):
-            per.add_metric([str(position)], value)
+                                  "position in the draft (0: the first).",
+                                  labels=[*LABELS, "position"])
+        for rep in replicas:
+            labels = [str(rep.index), rep.role]
+            s, pc, sd = rep.stats, rep.stats.prefix_cache, rep.stats.spec
+            for name, value in (
+                    ("replica_up", float(rep.up)),
+                    ("num_requests_running", s.num_running),
+                    ("num_requests_waiting", s.num_waiting),
+                    ("kv_blocks_used", s.num_used_blocks),
+                    ("kv_blocks_free", s.num_free_blocks),
+                    ("kv_blocks_total", rep.num_blocks),
+                    ("kv_cache_usage_ratio",
+                     s.num_used_blocks / rep.num_blocks if rep.num_blocks else 0.0)):
+                gauges[name].add_metric(labels, value)
+            for name, value in (
+                    ("prefix_cache_queries", pc.num_queries),
+                    ("prefix_cache_hits", pc.num_hits),
+                    ("num_preemptions", s.num_preemptions),
+                    ("spec_decode_num_drafts", sd.num_drafts),
+                    ("spec_decode_num_draft_tokens", sd.num_draft_tokens),
+                    ("spec_decode_num_accepted_tokens", sd.num_accepted_tokens)):
+                counters[name].add_metric(labels, value)
+            for position, value in enumerate(sd.accepted_per_position):
+                per.add_metric([*labels, str(position)], value)
+        yield from gauges.values()
+        yield from counters.values()
         yield per
 
 
-class ServerMetrics:
-    """Histograms, counters and gauges of one server, in a registry of its own."""
+GAUGES = (
+    ("replica_up", "1 while the replica serves, 0 once it is lost (its ranks died or hung)."),
+    ("num_requests_running", "Requests in the running batch."),
+    ("num_requests_waiting", "Requests queued for admission."),
+    ("kv_blocks_used", "KV-cache blocks held by some sequence."),
+    ("kv_blocks_free", "Free (or cached and evictable) KV-cache blocks."),
+    ("kv_blocks_total", "KV-cache blocks of the replica (per rank)."),
+    ("kv_cache_usage_ratio", "Share of KV-cache blocks in use."),
+)
+COUNTERS = (
+    ("prefix_cache_queries", "Prompt blocks looked up in the prefix cache."),
+    ("prefix_cache_hits", "Prompt blocks found in the prefix cache."),
+    ("num_preemptions", "Sequences preempted (KV dropped, to be recomputed)."),
+    ("spec_decode_num_drafts", "Speculative decoding: verify steps of a sequence."),
+    ("spec_decode_num_draft_tokens", "Speculative decoding: tokens drafted."),
+    ("spec_decode_num_accepted_tokens", "Speculative decoding: drafted tokens accepted."),
+)
 
-    def __init__(self, stats: Callable[[], SchedulerStats], num_blocks: int,
+
+class ServerMetrics:
+    """Histograms, counters and gauges of one server, in a registry of its own. Engine
+    metrics carry `replica` and `role` labels; the front's own (HTTP errors, aborts by
+    clients, open streams, tokens/s) do not."""
+
+    def __init__(self, stats: Callable[[], SchedulerStats],
+                 replicas: Callable[[], list[ReplicaState]],
                  num_open_streams: Callable[[], int]) -> None:
         self._stats = stats
-        self._num_blocks = num_blocks
+        self._roles = {rep.index: rep.role for rep in replicas()}
+        self._num_blocks = sum(rep.num_blocks for rep in replicas())
         r = self.registry = CollectorRegistry()
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
-                              "Arrival to first generated token.", buckets=LATENCY_BUCKETS,
-                              registry=r)
+                              "Arrival to first generated token.", LABELS,
+                              buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds",
                               "Mean time per output token after the first, per request.",
-                              buckets=LATENCY_BUCKETS, registry=r)
+                              LABELS, buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Arrival to last token.",
-                             buckets=E2E_BUCKETS, registry=r)
+                             LABELS, buckets=E2E_BUCKETS, registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of started "
-                                     "requests.", registry=r)
+                                     "requests.", LABELS, registry=r)
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens.",
-                                         registry=r)
+                                         LABELS, registry=r)
         self.finished = Counter(f"{PREFIX}_requests_finished", "Requests that ran to the end.",
-                                ["finish_reason"], registry=r)
+                                ["finish_reason", *LABELS], registry=r)
+        self.failed = Counter(f"{PREFIX}_requests_failed", "Requests lost with their replica "
+                              "(its ranks died or hung).", LABELS, registry=r)
         self.aborted = Counter(f"{PREFIX}_requests_aborted", "Requests stopped because the "
                                "client left or cancelled.", registry=r)
         self.errors = Counter(f"{PREFIX}_http_errors", "Error responses by HTTP status.",
@@ -104,7 +132,12 @@ class ServerMetrics:
         streams = Gauge(f"{PREFIX}_open_streams", "Engine requests with a waiting HTTP "
                         "handler.", registry=r)
         streams.set_function(lambda: float(num_open_streams()))
-        r.register(_EngineCollector(stats, num_blocks))
+        r.register(_EngineCollector(replicas))
+        for index, role in self._roles.items():  # every series exists from the start
+            labels = (str(index), role)
+            for metric in (self.ttft, self.tpot, self.e2e, self.prompt_tokens,
+                           self.generation_tokens, self.failed):
+                metric.labels(*labels)
         # Plain totals for the tokens/s gauges (ints: safe to read from the loop thread).
         self._num_generated = self._num_prompt = self._num_finished = 0
         self._last = (time.monotonic(), 0, 0)
@@ -113,19 +146,24 @@ class ServerMetrics:
         """Count tokens and observe latencies of finished requests (engine thread)."""
         num_generated = num_prompt = 0
         for out in outs:
-            num_generated += len(out.new_token_ids)
+            labels = (str(out.replica), self._roles.get(out.replica, COLOCATED))
+            if out.error is not None:
+                self.failed.labels(*labels).inc()
+                continue
+            new = len(out.new_token_ids)
             m = out.metrics
-            if len(out.token_ids) == len(out.new_token_ids):  # the request's first output
-                num_prompt += m.num_prompt_tokens
+            prompt = m.num_prompt_tokens if len(out.token_ids) == new else 0  # its first output
+            self.generation_tokens.labels(*labels).inc(new)
+            self.prompt_tokens.labels(*labels).inc(prompt)
+            num_generated += new
+            num_prompt += prompt
             if not out.finished:
                 continue
             self._num_finished += 1
-            self.finished.labels(out.finish_reason or "unknown").inc()
+            self.finished.labels(out.finish_reason or "unknown", *labels).inc()
             for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e)):
                 if value is not None:
-                    hist.observe(value)
-        self.generation_tokens.inc(num_generated)
-        self.prompt_tokens.inc(num_prompt)
+                    hist.labels(*labels).observe(value)
         self._num_generated += num_generated
         self._num_prompt += num_prompt
 

@@ -77,3 +77,18 @@ def test_load_is_what_was_picked_and_not_yet_done(ops: list[tuple[int, int, bool
         assert all(len(t) <= 64 for t in r.trees)
     for i in range(3):
         assert r.load[i] == sum(w for t, w in live if t == i)
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "least_loaded", "round_robin"])
+def test_a_dropped_replica_gets_nothing_more(policy: str) -> None:
+    router = Router(policy, 3, block_size=4, capacity_blocks=64)
+    prompt = list(range(40))
+    first = router.pick(prompt, 10)
+    router.drop(first)
+    picks = {router.pick(prompt if i % 2 else list(range(100 + i, 140 + i)), 10)
+             for i in range(12)}
+    assert first not in picks and picks <= {0, 1, 2}
+    for other in picks:
+        router.drop(other)
+    with pytest.raises(RuntimeError, match="no replica left"):
+        router.pick(prompt, 10)

@@ -64,14 +64,10 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
     def metrics(self) -> dict[str, float]:
-        """/metrics as {name{labels}: value} (comments dropped)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10.0).text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        """/metrics as {name{labels}: value} (comments dropped), and each series also
+        summed over its replicas under its name without the replica and role labels
+        (what `sum without (replica, role)` gives)."""
+        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=10.0).text)
 
     def wait_idle(self, timeout_s: float = 30.0) -> dict[str, float]:
         """Wait until nothing runs or waits and every KV block is free; the metrics then."""
@@ -99,6 +95,24 @@ class ServerProcess:
         code = self.proc.wait(10.0)
         self._log.close()
         return code
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as {name{labels}: value}, plus the sums over replica and role."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            out[series] = float(value)
+            m = re.fullmatch(r"(\w+)\{(.*)\}", series)
+            if m is None:
+                continue
+            labels = [kv for kv in re.findall(r'\w+="[^"]*"', m.group(2))
+                      if not kv.startswith(("replica=", "role="))]
+            if len(labels) < m.group(2).count('="'):
+                key = m.group(1) + (f"{{{','.join(labels)}}}" if labels else "")
+                out[key] = out.get(key, 0.0) + float(value)
+    return out
 
 
 def _kill_group(pgid: int) -> None:

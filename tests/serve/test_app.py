@@ -20,7 +20,7 @@ KEY = "test-key"
 
 async def with_app(offline: LLM, cfg: ServeConfig, api_key: str | None, check) -> None:  # noqa: ANN001
     engine = AsyncEngine(offline.engine)
-    metrics = ServerMetrics(lambda: engine.stats, offline.engine.num_blocks,
+    metrics = ServerMetrics(lambda: engine.stats, lambda: engine.replicas,
                             lambda: engine.num_routes)
     engine.on_outputs = metrics.on_outputs
     app = create_app(engine, metrics, cfg, ["meshcoder"], api_key=api_key)
@@ -67,6 +67,9 @@ class _StubEngine:
         self.error: Exception | None = None
         self.stats = SimpleNamespace()
         self.executor = SimpleNamespace(check_health=lambda: None)
+
+    def replica_states(self) -> list:
+        return []
 
     def add_request(self, ids: list[int], params: SamplingParams, rid: str,
                     arrival_time: float) -> str:
