@@ -37,6 +37,16 @@ def shared_prefix(vocab_size: int, seed: int = 0, n: int = 32) -> list[BenchRequ
             for _ in range(n)]
 
 
+def multi_tenant(vocab_size: int, seed: int = 0, n: int = 256,
+                 tenants: int = 8) -> list[BenchRequest]:
+    """`tenants` system prompts of 300..600 tokens; `n` questions of 16..64 tokens, each
+    after a tenant drawn at random (so tenants arrive interleaved), 16 new tokens each."""
+    rng = random.Random(seed)
+    systems = [_ids(rng, rng.randint(300, 600), vocab_size) for _ in range(tenants)]
+    return [BenchRequest(systems[rng.randrange(tenants)]
+                         + _ids(rng, rng.randint(16, 64), vocab_size), 16) for _ in range(n)]
+
+
 def latency(vocab_size: int, seed: int = 0) -> list[BenchRequest]:
     """One request: 256-token prompt, 128 new tokens."""
     return [BenchRequest(_ids(random.Random(seed), 256, vocab_size), 128)]
@@ -60,7 +70,7 @@ def poisson(reqs: list[BenchRequest], rate: float, seed: int = 0) -> list[BenchR
 
 
 WORKLOADS = {"longtail": longtail, "shared-prefix": shared_prefix, "latency": latency,
-             "short": short}
+             "short": short, "multi-tenant": multi_tenant}
 
 ONLINE = "online"
 """The longtail requests arriving as a Poisson process (needs a rate)."""
