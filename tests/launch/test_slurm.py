@@ -6,10 +6,14 @@ must equal one process's. A bad override must fail the job with the error in its
 
 from __future__ import annotations
 
+import re
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from helpers.local_slurm import LocalSlurm, missing_reason
 
@@ -84,3 +88,49 @@ def test_bad_override_fails_the_job_with_the_error_logged(slurm: LocalSlurm, tex
     assert "failed (exit code" in log
     assert "engine.max_num_seqs=-3 is invalid" in log
     assert "engine.max_num_seqs=-3 is invalid" in (logs / "rank1.err").read_text()
+
+
+def test_serve_template_runs_a_replica_per_node_behind_the_first(slurm: LocalSlurm, text3: Path,
+                                                                 tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    sub = subprocess.run(
+        ["sbatch", "--parsable", *CPU_JOB, "--nodes=2", "--ntasks-per-node=1",
+         f"--output={tmp_path}/job.out", str(REPO / "slurm/serve.sbatch"), "serve",
+         f"model.path='{text3}'", "parallel.dp=2", "parallel.router=round_robin",
+         "serve.port=0"],
+        capture_output=True, text=True, env={**slurm.env, **job_env(logs)}, check=True)
+    job = sub.stdout.strip().split(";")[0]
+    try:
+        url = _wait_listening(logs / "rank0.out", tmp_path / "job.out", 180)
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        assert [(r["replica"], r["status"]) for r in health["replicas"]] == [(0, "up"),
+                                                                            (1, "up")]
+        body = {"prompt": [1, 2, 3, 4], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        texts = [httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+                 ["choices"][0]["text"] for _ in range(4)]
+        assert len(set(texts)) == 1  # greedy: both replicas give the same text
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        for replica in (0, 1):  # round-robin: each node's replica served two of them
+            assert (f'meshserve_generation_tokens_total{{replica="{replica}",'
+                    f'role="colocated"}} 12.0') in metrics, metrics
+        # Only the first node's rank hosts the front end; the other runs its replica.
+        assert "listening on" not in (logs / "rank1.out").read_text()
+    finally:
+        subprocess.run(["scancel", job], env=slurm.env, check=False)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and subprocess.run(
+                ["squeue", "-h", "-j", job], capture_output=True, text=True,
+                env=slurm.env).stdout.strip():
+            time.sleep(0.5)
+
+
+def _wait_listening(rank0_out: Path, job_out: Path, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = rank0_out.read_text() if rank0_out.exists() else ""
+        m = re.search(r"listening on (http://[\d.]+:\d+)", text)
+        if m:
+            return m.group(1)
+        time.sleep(0.5)
+    raise TimeoutError(f"no 'listening on' in {rank0_out} within {timeout_s} s:\n"
+                       + (job_out.read_text() if job_out.exists() else ""))
