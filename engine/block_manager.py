@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections import deque
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 from meshserve.engine.pending_prefixes import PendingPrefixes
 from meshserve.engine.prefix_cache import (
@@ -23,6 +24,23 @@ _NEVER = sys.maxsize
 
 class NoFreeBlocksError(RuntimeError):
     """A block was needed and none is free."""
+
+
+@dataclass
+class KVImport:
+    """The blocks a prompt's KV arriving from another replica lands in: its full blocks
+    this cache already holds (`cached`, not sent) and fresh ones for the rest (`blocks`,
+    to be written), all pinned until `finish_import`."""
+
+    token_ids: list[int]
+    hashes: list[int]
+    cached: list[int]
+    blocks: list[int]
+
+    @property
+    def first_block(self) -> int:
+        """Index in the prompt of the first block to send."""
+        return len(self.cached)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -241,6 +259,52 @@ class BlockManager:
         self._progress.pop(seq.seq_id, None)
         if self.pending is not None:
             self.pending.discard(seq.seq_id)
+
+    def begin_import(self, token_ids: list[int]) -> KVImport | None:
+        """Pin the cached full blocks of a prompt's prefix and take fresh blocks for its
+        other full blocks (the last token is left to compute, as for a prefix hit); None
+        when too few blocks are free. No block of the import is reused before
+        `finish_import`, whatever the transfer does."""
+        cache = self.prefix_cache
+        require(cache is not None, "engine.enable_prefix_caching", False,
+                "true on a replica that receives KV")
+        assert cache is not None
+        n_full = (len(token_ids) - 1) // self.block_size
+        hashes: list[int] = []
+        parent, bs = ROOT_HASH, self.block_size
+        for i in range(n_full):
+            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
+            hashes.append(parent)
+        cached = cache.lookup(hashes, token_ids, n_full)
+        ref_count = self._ref_count
+        num_reclaimed = sum(1 for b in cached if ref_count[b] == 0)
+        if n_full - len(cached) > self.num_free_blocks - num_reclaimed:
+            return None
+        for block in cached:
+            if ref_count[block] == 0:
+                cache.take(block)
+            ref_count[block] += 1
+        fresh: list[int] = []
+        self._grow(fresh, n_full - len(cached))
+        return KVImport(list(token_ids), hashes, cached, fresh)
+
+    def finish_import(self, imp: KVImport, *, written: bool) -> None:
+        """Unpin an import's blocks. `written`: its fresh blocks hold the prompt's KV, so
+        they enter the prefix cache (the prompt's admission finds them); else they are
+        freed uncached."""
+        cache = self.prefix_cache
+        assert cache is not None
+        if written:
+            bs = self.block_size
+            uid = cache.uid_of(imp.cached[-1]) if imp.cached else ROOT_UID
+            for i, block in enumerate(imp.blocks, start=len(imp.cached)):
+                uid = cache.register(block, uid, imp.hashes[i],
+                                     imp.token_ids[i * bs:(i + 1) * bs])
+                if uid == ROOT_UID:  # a hash collision: cache nothing after it
+                    break
+        for block in reversed(imp.cached + imp.blocks):
+            self._release(block)
+        imp.cached, imp.blocks = [], []
 
     def reset_prefix_cache(self) -> int:
         """Uncache every unused cached block; return how many were freed."""

@@ -1,0 +1,82 @@
+"""A prompt's KV out of one engine and into another: the engine-side half of shipping
+KV blocks from a prefill replica to a decode replica.
+
+The exporting engine reads the prompt's full blocks from its prefix cache (a finished
+prefill leaves them there); the importing engine pins the full blocks it already caches,
+takes fresh blocks for the rest, asks for only those, writes them and caches them, so
+the prompt's admission is a prefix hit and computes only its last, partial block. The
+two must pass the handshake first. Here both engines hold their whole cache in this
+process (one rank each); ranks of a TP or PP layout take their share through
+`engine/worker/kv_blocks.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from meshserve.engine.engine import Engine
+from meshserve.engine.kv_handshake import KVSpec
+from meshserve.engine.sequence import Sequence
+from meshserve.engine.worker.executor import InProcessExecutor
+from meshserve.engine.worker.kv_blocks import KVCache, gather_blocks, scatter_blocks
+
+Fetch = Callable[[int], torch.Tensor]
+"""fetch(first_block) -> the packed KV of the prompt's full blocks from that index on."""
+
+
+def _cache(engine: Engine) -> KVCache:
+    ex = engine.executor
+    if not isinstance(ex, InProcessExecutor):
+        raise ValueError(f"moving KV in and out of an engine needs its cache in this process "
+                         f"(one rank); this one runs {type(ex).__name__} with "
+                         f"parallel.tp={engine.config.parallel.tp}, "
+                         f"pp={engine.config.parallel.pp}: allowed is parallel=single")
+    runner = ex.worker.runner
+    assert runner is not None
+    return runner.kv_cache
+
+
+def kv_spec(engine: Engine) -> KVSpec:
+    """What the other side of a transfer must match."""
+    k = _cache(engine)[0][0]
+    c = engine.config
+    return KVSpec(model=str(engine.model_dir.name), block_size=c.engine.block_size,
+                  dtype=str(k.dtype).removeprefix("torch."), num_layers=engine.arch.num_hidden_layers,
+                  num_kv_heads=engine.arch.num_key_value_heads, head_dim=engine.arch.head_dim,
+                  tp=c.parallel.tp, pp=c.parallel.pp)
+
+
+def export_prompt_kv(engine: Engine, token_ids: list[int], first_block: int
+                     ) -> torch.Tensor | None:
+    """The packed KV of `token_ids`' full blocks (all but the last token's) from
+    `first_block` on, as this engine's prefix cache holds them; None if it no longer
+    holds them all (evicted: the receiver must recompute)."""
+    bm = engine.scheduler.block_manager
+    blocks = bm.find_cached_prefix(Sequence(-1, list(token_ids), max_tokens=1))
+    n_full = (len(token_ids) - 1) // bm.block_size
+    if len(blocks) < n_full:
+        return None
+    return gather_blocks(_cache(engine), blocks[first_block:])
+
+
+def import_prompt_kv(engine: Engine, token_ids: list[int], fetch: Fetch) -> int:
+    """Bring `token_ids`' KV into this engine's prefix cache; returns the prompt tokens it
+    now holds (0 when blocks are short, or the sender no longer has them). Blocks stay
+    pinned while `fetch` runs and are freed uncached if it fails."""
+    bm = engine.scheduler.block_manager
+    imp = bm.begin_import(list(token_ids))
+    if imp is None:
+        return 0
+    written = False
+    try:
+        if imp.blocks:
+            packed = fetch(imp.first_block)
+            if packed is None:
+                return 0
+            scatter_blocks(_cache(engine), imp.blocks, packed)
+        written = True
+        return (len(imp.cached) + len(imp.blocks)) * bm.block_size
+    finally:
+        bm.finish_import(imp, written=written)
