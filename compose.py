@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
-GROUPS = ("model", "engine", "parallel", "cluster", "scenario", "speculative")
+GROUPS = ("model", "engine", "parallel", "cluster", "scenario", "speculative", "disagg")
 T = TypeVar("T")
 DEGREES = ("parallel.tp", "parallel.pp", "parallel.dp")
 """Overrides that set a layout by hand: any of them switches parallel=auto off."""

@@ -270,20 +270,12 @@ class BlockManager:
                 "true on a replica that receives KV")
         assert cache is not None
         n_full = (len(token_ids) - 1) // self.block_size
-        hashes: list[int] = []
-        parent, bs = ROOT_HASH, self.block_size
-        for i in range(n_full):
-            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
-            hashes.append(parent)
+        hashes = self._prompt_hashes(token_ids, n_full)
         cached = cache.lookup(hashes, token_ids, n_full)
-        ref_count = self._ref_count
-        num_reclaimed = sum(1 for b in cached if ref_count[b] == 0)
+        num_reclaimed = sum(1 for b in cached if self._ref_count[b] == 0)
         if n_full - len(cached) > self.num_free_blocks - num_reclaimed:
             return None
-        for block in cached:
-            if ref_count[block] == 0:
-                cache.take(block)
-            ref_count[block] += 1
+        self._pin(cached)
         fresh: list[int] = []
         self._grow(fresh, n_full - len(cached))
         return KVImport(list(token_ids), hashes, cached, fresh)
@@ -305,6 +297,37 @@ class BlockManager:
         for block in reversed(imp.cached + imp.blocks):
             self._release(block)
         imp.cached, imp.blocks = [], []
+
+    def pin_prefix(self, token_ids: list[int]) -> list[int]:
+        """Pin the cached full blocks of the longest cached prefix of `token_ids` (all but
+        its last token), so nothing evicts them until `unpin`; the blocks, in order."""
+        cache = self.prefix_cache
+        if cache is None:
+            return []
+        n_full = (len(token_ids) - 1) // self.block_size
+        blocks = cache.lookup(self._prompt_hashes(token_ids, n_full), token_ids, n_full)
+        self._pin(blocks)
+        return blocks
+
+    def unpin(self, blocks: Seq[int]) -> None:
+        """Release blocks pinned by `pin_prefix` (they stay cached, evictable)."""
+        for block in reversed(blocks):
+            self._release(block)
+
+    def _prompt_hashes(self, token_ids: list[int], num_blocks: int) -> list[int]:
+        hashes: list[int] = []
+        parent, bs = ROOT_HASH, self.block_size
+        for i in range(num_blocks):
+            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
+            hashes.append(parent)
+        return hashes
+
+    def _pin(self, cached: Seq[int]) -> None:
+        assert self.prefix_cache is not None
+        for block in cached:
+            if self._ref_count[block] == 0:
+                self.prefix_cache.take(block)
+            self._ref_count[block] += 1
 
     def reset_prefix_cache(self) -> int:
         """Uncache every unused cached block; return how many were freed."""

@@ -55,6 +55,10 @@ def make_engine(run: Run, *, progress: bool = True,
     parallel=auto planned replicas). Under a launcher this is world rank 0, the front;
     the other replicas' drivers and ranks were started by the launcher. `min_replicas`:
     the replicas that must stay up (None: all of them)."""
+    if run.config.disagg.enabled:
+        from meshserve.engine.disagg import DisaggEngine  # it builds on this module
+
+        return DisaggEngine(run, progress=progress, min_replicas=min_replicas)
     dp = run.config.parallel.dp
     if min_replicas is not None and not 1 <= min_replicas <= dp:
         raise ValueError(f"serve.min_replicas={min_replicas}: allowed is 1..parallel.dp={dp}")
@@ -211,7 +215,9 @@ class DataParallelEngine:
                              for i in range(1, self.dp)]
         self._finalizer = weakref.finalize(self, _stop_all, self._remotes)
         try:
+            self._spawned()
             self.local = Engine(one, progress=progress)
+            self._local_ready()
             if listener is not None:
                 conns = listener.accept(self.dp, max(STARTUP_TIMEOUT_S, self._timeout_s))
                 self._remotes += [_Remote(i, conns[i], rank=role.driver_ranks[i])
@@ -246,6 +252,16 @@ class DataParallelEngine:
             print(f"meshserve: {self.dp} data-parallel replicas ready ({how}; "
                   f"parallel.router={config.parallel.router})", file=sys.stderr, flush=True)
 
+    def _spawned(self) -> None:
+        """Hook: the other replicas' processes are started (they load their models)."""
+
+    def _local_ready(self) -> None:
+        """Hook: replica 0's engine is built, the others' readiness not yet awaited."""
+
+    def _role(self, index: int) -> str:
+        """Replica `index`'s role (for /health and the metrics' labels)."""
+        return COLOCATED
+
     def _await_ready(self, r: _Remote) -> None:
         timeout = max(STARTUP_TIMEOUT_S, self._timeout_s)
         deadline = time.monotonic() + timeout
@@ -277,10 +293,11 @@ class DataParallelEngine:
 
     def replica_states(self) -> list[ReplicaState]:
         """Every replica: its KV blocks, its latest counters, and whether it is down."""
-        states = [ReplicaState(0, COLOCATED, self.local.num_blocks, self._local_stats,
+        states = [ReplicaState(0, self._role(0), self.local.num_blocks, self._local_stats,
                                self.down.get(0))]
-        return states + [ReplicaState(r.index, COLOCATED, r.num_blocks, r.stats or SchedulerStats(),
-                                      self.down.get(r.index)) for r in self._remotes]
+        return states + [ReplicaState(r.index, self._role(r.index), r.num_blocks,
+                                      r.stats or SchedulerStats(), self.down.get(r.index))
+                         for r in self._remotes]
 
     def _live_remotes(self) -> list[_Remote]:
         return [r for r in self._remotes if r.index not in self.down]
@@ -319,13 +336,8 @@ class DataParallelEngine:
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Validate here (bad input raises ValueError before any replica sees it), then
         queue on the replica with the least outstanding work."""
-        ids, params = self.local.validate(prompt, params)
-        if request_id is None:
-            request_id = f"dp-{next(self._ids)}"
-        if request_id in self._owner:
-            raise ValueError(f"request_id={request_id!r} is already in use: allowed is a new id")
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        work = len(ids) + params.max_tokens
+        ids, params, request_id, arrival, work = self._admission(prompt, params, request_id,
+                                                                 arrival_time)
         while True:  # a replica found lost on the way gets no request
             target = self.router.pick(ids, work)
             try:
@@ -342,6 +354,19 @@ class DataParallelEngine:
         self._work_of[request_id] = work
         self.requests_per_replica[target] += 1
         return request_id
+
+    def _admission(self, prompt: str | list[int], params: SamplingParams | None,
+                   request_id: str | None, arrival_time: float | None
+                   ) -> tuple[list[int], SamplingParams, str, float, int]:
+        """A new request's prompt ids, params, id, arrival and work (prompt tokens plus
+        tokens allowed); ValueError naming the field for bad input or a reused id."""
+        ids, params = self.local.validate(prompt, params)
+        if request_id is None:
+            request_id = f"dp-{next(self._ids)}"
+        if request_id in self._owner:
+            raise ValueError(f"request_id={request_id!r} is already in use: allowed is a new id")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        return ids, params, request_id, arrival, len(ids) + params.max_tokens
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it runs; False if it is unknown or already done."""
@@ -415,11 +440,19 @@ class DataParallelEngine:
                     msg = r.recv()
                     r.last_seen = time.monotonic()
                     if msg[0] == "outputs":
+                        for out in msg[1]:
+                            out.replica = r.index
                         outs += msg[1]
                         r.stats = msg[2]
+                    elif msg[0] != "beat":
+                        outs += self._on_message(r.index, msg)
             except RankFailure as e:
                 self._lose(r.index, str(e))
         return outs
+
+    def _on_message(self, index: int, msg: tuple[Any, ...]) -> list[RequestOutput]:
+        """Hook: a message from replica `index` other than outputs and heartbeats."""
+        raise RankFailure(f"data-parallel replica {index} sent an unknown message {msg[0]!r}")
 
     def _check_alive(self) -> None:
         """RankFailure for a replica with work that has sent nothing, not even a
@@ -450,6 +483,8 @@ class DataParallelEngine:
             if msg[0] == "outputs":
                 self._buffered += msg[1]
                 r.stats = msg[2]
+            elif msg[0] != "beat":
+                self._buffered += self._on_message(r.index, msg)
 
     @property
     def stats(self) -> SchedulerStats:

@@ -26,7 +26,8 @@ Fetch = Callable[[int], torch.Tensor]
 """fetch(first_block) -> the packed KV of the prompt's full blocks from that index on."""
 
 
-def _cache(engine: Engine) -> KVCache:
+def kv_cache_of(engine: Engine) -> KVCache:
+    """The engine's KV cache, when it is all in this process."""
     ex = engine.executor
     if not isinstance(ex, InProcessExecutor):
         raise ValueError(f"moving KV in and out of an engine needs its cache in this process "
@@ -40,7 +41,7 @@ def _cache(engine: Engine) -> KVCache:
 
 def kv_spec(engine: Engine) -> KVSpec:
     """What the other side of a transfer must match."""
-    k = _cache(engine)[0][0]
+    k = kv_cache_of(engine)[0][0]
     c = engine.config
     return KVSpec(model=str(engine.model_dir.name), block_size=c.engine.block_size,
                   dtype=str(k.dtype).removeprefix("torch."), num_layers=engine.arch.num_hidden_layers,
@@ -58,7 +59,7 @@ def export_prompt_kv(engine: Engine, token_ids: list[int], first_block: int
     n_full = (len(token_ids) - 1) // bm.block_size
     if len(blocks) < n_full:
         return None
-    return gather_blocks(_cache(engine), blocks[first_block:])
+    return gather_blocks(kv_cache_of(engine), blocks[first_block:])
 
 
 def import_prompt_kv(engine: Engine, token_ids: list[int], fetch: Fetch) -> int:
@@ -75,7 +76,7 @@ def import_prompt_kv(engine: Engine, token_ids: list[int], fetch: Fetch) -> int:
             packed = fetch(imp.first_block)
             if packed is None:
                 return 0
-            scatter_blocks(_cache(engine), imp.blocks, packed)
+            scatter_blocks(kv_cache_of(engine), imp.blocks, packed)
         written = True
         return (len(imp.cached) + len(imp.blocks)) * bm.block_size
     finally:

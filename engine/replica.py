@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import sys
 import threading
+from datetime import timedelta
 from multiprocessing.connection import Connection
 
+import torch.distributed as dist
+
 from meshserve.engine.engine import Engine
+from meshserve.engine.kv_connector import make_connector, resolve_connector
+from meshserve.engine.kv_exchange import kv_cache_of, kv_spec
+from meshserve.engine.kv_transfer import KVRole
 from meshserve.engine.launched_replicas import connect_front
 from meshserve.engine.run import Run
 
@@ -43,13 +49,26 @@ class _Sender:
 
 
 def serve_replica(conn: Connection) -> int:
-    """Run the replica until "stop" or the front's end of `conn` closes."""
+    """Run the replica until "stop" or the front's end of `conn` closes. With disaggregated
+    serving the Run is followed by where the replicas' KV store is."""
     run = conn.recv()
+    kv = conn.recv() if run.config.disagg.enabled else None
     out = _Sender(conn)
     try:
-        return _serve(run, conn, out)
+        return _serve(run, conn, out, kv)
     finally:
         out.stopped.set()
+
+
+def _kv_role(engine: Engine, run: Run, kv: tuple[object, ...]) -> KVRole:
+    """This replica's connector (joined with every other replica's) and its KV role."""
+    _, index, world, host, port = kv
+    d = run.config.disagg
+    store = dist.TCPStore(str(host), int(port), int(world), False,  # type: ignore[call-overload]
+                          timeout=timedelta(seconds=d.transfer_timeout_s))
+    connector = make_connector(resolve_connector(d.connector), int(index), int(world),  # type: ignore[call-overload]
+                               store, kv_cache_of(engine), kv_spec(engine), d.transfer_timeout_s)
+    return KVRole(engine, connector, d.kv_lease_s)
 
 
 def serve_launched_replica(run: Run, replica: int) -> int:
@@ -63,16 +82,21 @@ def serve_launched_replica(run: Run, replica: int) -> int:
         out.stopped.set()
 
 
-def _serve(run: Run, conn: Connection, out: _Sender) -> int:
+def _serve(run: Run, conn: Connection, out: _Sender,
+           kv: tuple[object, ...] | None = None) -> int:
+    role: KVRole | None = None
     try:
         engine = Engine(run, progress=False)
+        if kv is not None:
+            role = _kv_role(engine, run, kv)
     except BaseException as e:  # noqa: BLE001 - reported to the front
         out.send(("error", f"{type(e).__name__}: {e}"))
         return 1
     out.send(("ready", engine.num_blocks, engine.stats))
     try:
         while True:
-            while not engine.has_unfinished() or conn.poll():
+            while (not engine.has_unfinished() and not (role is not None and role.busy)
+                   ) or conn.poll():
                 kind, *args = conn.recv()
                 if kind == "stop":
                     return 0
@@ -80,11 +104,25 @@ def _serve(run: Run, conn: Connection, out: _Sender) -> int:
                     engine.add_request(*args)
                 elif kind == "abort":
                     engine.abort(args[0])
+                    if role is not None:
+                        role.abort(args[0])
                 elif kind == "reset":
                     out.send(("reset", engine.reset_prefix_cache(), engine.stats))
+                elif role is not None:
+                    for reply in role.command(kind, tuple(args)):
+                        out.send(reply)
+            if role is not None:
+                for reply in role.poll():
+                    out.send(reply)
+            if not engine.has_unfinished():
+                conn.poll(0.002)  # a transfer or a lease is outstanding: look again soon
+                continue
             outs = engine.step()
             if outs:
                 out.send(("outputs", outs, engine.stats))
+            if role is not None:
+                for reply in role.after_step(outs):
+                    out.send(reply)
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the front is gone
         return 0
     except BaseException as e:  # noqa: BLE001 - reported to the front
@@ -94,6 +132,8 @@ def _serve(run: Run, conn: Connection, out: _Sender) -> int:
             pass
         return 1
     finally:
+        if role is not None:
+            role.close()
         engine.shutdown()
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from meshserve.compose import GROUPS, compose_config
 from meshserve.engine.config import EngineConfig
+from meshserve.engine.disagg_config import DisaggConfig
 from meshserve.engine.speculative_config import SpeculativeConfig
 from meshserve.models.config import ModelConfig
 from meshserve.parallel.config import ParallelConfig
@@ -26,7 +27,8 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
-    """Model, engine, parallel layout, cluster, scenario, speculation, device and threads
+    """Model, engine, parallel layout, cluster, scenario, speculation, disaggregation, device
+    and threads
     of one run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -41,6 +43,8 @@ class RuntimeConfig:
     """The workload the service is for."""
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     """Speculative decoding."""
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    """Disaggregated prefill and decode."""
     device: str = "auto"
     """auto (CUDA when present), cpu or cuda."""
     threads: int | None = None

@@ -1,0 +1,435 @@
+"""Disaggregated serving: prefill replicas and decode replicas behind one front.
+
+Replicas 0..P-1 prefill (0 runs in this process), P..P+D-1 decode; each is a whole engine
+as in data parallelism (engine/data_parallel.py), and each has a KV connector and a
+`KVRole` (engine/kv_transfer.py). A request whose prompt is long enough goes to the
+prefill replica the cache-aware router picks, with max_tokens=1; its first token is
+returned at once. When that replica has pinned the prompt's KV ("held"), the front picks
+the decode replica (the less loaded of two drawn at random) and tells it to import; the
+decode replica allocates, asks ("want"), the prefill replica grants the read of its lease
+(or refuses: lapsed, aborted), the blocks move, the decode replica admits the request and
+the prefill replica unpins them. Its outputs then come from the decode replica, after the
+first token. Short prompts, prompts a decode replica mostly caches, and requests whose
+later tokens depend on the first one's state (structured outputs, presence and frequency
+penalties) prefill on a decode replica and never hop.
+
+A request whose KV cannot be moved fails with an error output, or with
+disagg.on_failure=recompute is prefilled again on its decode replica. An abort reaches
+whichever replicas hold something of the request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import socket
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from meshserve.engine.data_parallel import STARTUP_TIMEOUT_S, DataParallelEngine
+from meshserve.engine.kv_connector import make_connector, resolve_connector
+from meshserve.engine.kv_exchange import kv_cache_of, kv_spec
+from meshserve.engine.kv_transfer import KVRole, decode_params
+from meshserve.engine.outputs import RequestOutput
+from meshserve.engine.router import CACHE_THRESHOLD, PromptTree, Router
+from meshserve.engine.run import Run
+from meshserve.engine.sampling_params import SamplingParams
+from meshserve.parallel.comm.ranks import RankFailure
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+@dataclass
+class _Hop:
+    """A request that prefills on one replica and decodes on another."""
+
+    ids: list[int]
+    params: SamplingParams
+    arrival: float
+    prefill: int
+    decode: int | None = None
+    first: RequestOutput | None = None
+    """The prefill replica's output: the first token."""
+    stage: str = PREFILL
+    """prefill, held (KV pinned), import (moving), decode."""
+    held_blocks: list[int] | None = None
+    """The prefill replica's pinned blocks of the prompt, once it holds them."""
+    held_at: float = 0.0
+
+
+@dataclass
+class TransferStats:
+    """KV moved between replicas, as the front sees it."""
+
+    num_transfers: int = 0
+    num_failed: int = 0
+    num_skipped: int = 0
+    """Requests that did not hop (short, cached, or their params need the whole run)."""
+    bytes: int = 0
+    seconds: list[float] = field(default_factory=list)
+    """Per transfer: from the prefill replica holding the KV to the decode replica
+    admitting the request."""
+
+
+def kv_store_address() -> tuple[str, int]:
+    """Host and a free port for the replicas' KV store (the front hosts it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return "127.0.0.1", s.getsockname()[1]
+
+
+def _may_hop(params: SamplingParams) -> bool:
+    """Whether a request's decode may start from its prompt and first token alone."""
+    return (params.max_tokens > 1 and params.structured_outputs is None
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)
+
+
+class DisaggEngine(DataParallelEngine):
+    """disagg.prefill.replicas + disagg.decode.replicas engines behind Engine's interface."""
+
+    def __init__(self, run: Run, *, progress: bool = True,
+                 min_replicas: int | None = None) -> None:
+        config = run.config
+        d = config.disagg
+        if run.env is not None:
+            raise ValueError("disagg.mode=manual under torchrun, srun or mpirun is not wired "
+                             "up yet: allowed is a self-spawned run (python or meshserve "
+                             "without a launcher)")
+        par = config.parallel
+        if par.tp * par.pp != 1 or par.dp not in (1, d.num_replicas):
+            raise ValueError(f"disagg.mode=manual with parallel.tp={par.tp}, pp={par.pp}, "
+                             f"dp={par.dp}: allowed is tp=pp=1 and dp=1 or "
+                             f"{d.num_replicas} (the replicas come from disagg.prefill and "
+                             "disagg.decode)")
+        self.num_prefill = d.prefill.replicas
+        self.connector_name = resolve_connector(d.connector)
+        self._kv_addr = kv_store_address()
+        self._store: dist.TCPStore | None = None
+        run = run.with_config(replace(config, parallel=replace(par, dp=d.num_replicas)))
+        super().__init__(run, progress=False, min_replicas=min_replicas)
+        self.disagg = d
+        self.prefill_router = Router(config.parallel.router, self.num_prefill,
+                                     config.engine.block_size, self.local.num_blocks)
+        self.prefill_router.load = self.router.load  # replicas 0..P-1 are its 0..P-1
+        self.decode_trees = {i: PromptTree(config.engine.block_size, r.num_blocks)
+                             for i, r in ((r.index, r) for r in self._remotes)
+                             if i >= self.num_prefill}
+        self._rng = random.Random(0)
+        self._hops: dict[str, _Hop] = {}
+        self._transfers: dict[str, tuple[int, float]] = {}
+        """Requests whose KV a decode replica is reading -> (prefill replica, start)."""
+        self._transfer_ids = itertools.count(1)
+        self.transfers = TransferStats()
+        if progress:
+            print(f"meshserve: {self.num_prefill} prefill + {self.dp - self.num_prefill} "
+                  f"decode replicas ready (disagg.connector={self.connector_name})",
+                  file=sys.stderr, flush=True)
+
+    # --- start-up ------------------------------------------------------------------------
+
+    def _spawned(self) -> None:
+        host, port = self._kv_addr
+        self._store = dist.TCPStore(host, port, self.dp, True,
+                                    timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
+                                    wait_for_workers=False)
+        for r in self._remotes:
+            r.send("kv", r.index, self.dp, host, port)
+
+    def _local_ready(self) -> None:
+        assert self._store is not None
+        d = self.run.config.disagg
+        connector = make_connector(self.connector_name, 0, self.dp, self._store,
+                                   kv_cache_of(self.local), kv_spec(self.local),
+                                   d.transfer_timeout_s)
+        self.role = KVRole(self.local, connector, d.kv_lease_s)
+
+    def _role(self, index: int) -> str:
+        return PREFILL if index < self.num_prefill else DECODE
+
+    # --- requests ------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Validate here, then send to a prefill replica (max_tokens=1) or, for a request
+        that does not hop, straight to a decode replica."""
+        ids, params, request_id, arrival, work = self._admission(prompt, params, request_id,
+                                                                 arrival_time)
+        while True:  # a replica found lost on the way gets no request
+            cached = self._cached_decode(ids)
+            hops = (len(ids) >= self.disagg.min_prefill_tokens and _may_hop(params)
+                    and cached is None)
+            if hops:
+                target = self.prefill_router.pick(ids, work)  # counts the work there
+                first = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+                msg: tuple[Any, ...] = ("prefill", ids, first, request_id, arrival)
+            else:
+                target = cached if cached is not None else self._pick_decode()
+                self.router.load[target] += work
+                msg = ("add", ids, params, request_id, arrival)
+            try:
+                self._tell(target, *msg)
+                break
+            except RankFailure as e:
+                self.router.done(target, work)
+                self._lose(target, str(e))
+        if hops:
+            self._hops[request_id] = _Hop(ids, params, arrival, target)
+        else:
+            self.transfers.num_skipped += 1
+            self.decode_trees[target].insert(self.decode_trees[target].chain(ids))
+        self._owner[request_id] = target
+        self._prompt_of[request_id] = ids
+        self._work_of[request_id] = work
+        self.requests_per_replica[target] += 1
+        return request_id
+
+    def _cached_decode(self, ids: list[int]) -> int | None:
+        """A live decode replica that already holds most of this prompt, if one does."""
+        live = [i for i in self.decode_trees if i in self.router.live]
+        if not live:
+            raise RankFailure("no decode replica left")
+        tree = self.decode_trees[live[0]]
+        chain = tree.chain(ids)
+        best = max(live, key=lambda i: self.decode_trees[i].match(chain))
+        share = self.decode_trees[best].match(chain) * tree.block_size / max(len(ids), 1)
+        return best if share >= CACHE_THRESHOLD else None
+
+    def _pick_decode(self) -> int:
+        """The less loaded of two live decode replicas drawn at random."""
+        live = [i for i in self.decode_trees if i in self.router.live]
+        if not live:
+            raise RankFailure("no decode replica left")
+        pair = self._rng.sample(live, min(2, len(live)))
+        return min(pair, key=lambda i: (self.router.load[i], i))
+
+    def _tell(self, index: int, *msg: Any) -> None:
+        """Send a message to replica `index` (replica 0: handle it here)."""
+        if index != 0:
+            self._remotes[index - 1].send(*msg)
+            return
+        kind, *args = msg
+        if kind == "add":
+            self.local.add_request(*args)
+        elif kind == "abort":
+            self.local.abort(args[0])
+            self.role.abort(args[0])
+        else:
+            for reply in self.role.command(kind, tuple(args)):
+                self._buffered += self._on_message(0, reply)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request on every replica that holds something of it."""
+        owner = self._owner.get(request_id)
+        if owner is None:
+            return False
+        hop = self._hops.pop(request_id, None)
+        self._done(request_id)
+        targets = {owner} | ({hop.prefill} if hop is not None else set())
+        for index in targets:
+            if index in self.down:
+                continue
+            try:
+                self._tell(index, "abort", request_id)
+            except RankFailure as e:
+                self._lose(index, str(e))
+        return True
+
+    # --- the replicas' messages ----------------------------------------------------------
+
+    def _on_message(self, index: int, msg: tuple[Any, ...]) -> list[RequestOutput]:
+        kind, rid, *args = msg
+        hop = self._hops.get(rid)
+        if kind == "held":
+            if hop is None:  # aborted meanwhile: the prefill replica's abort frees it
+                return []
+            (blocks,) = args
+            hop.held_blocks, hop.held_at = list(blocks), time.monotonic()
+            if hop.first is not None:  # (else once its output is seen, in `_stitch`)
+                self._import(rid, hop)
+        elif kind == "want":
+            if hop is None:
+                return []
+            transfer_id, first_block = args
+            hop.stage = "import"
+            self._transfers[rid] = (hop.prefill, hop.held_at)
+            self._tell(hop.prefill, "export", rid, transfer_id, first_block, index)
+        elif kind == "granted":
+            if hop is None:  # aborted after the read began: end it
+                self._end_transfer(rid)
+                return []
+            assert hop.decode is not None
+            self._tell(hop.decode, "granted", rid)
+        elif kind == "denied":
+            (why,) = args
+            self._transfers.pop(rid, None)
+            if hop is not None and hop.decode is not None:
+                self._tell(hop.decode, "denied", rid, why)
+                return self._transfer_failed(rid, hop, str(why))
+        elif kind == "imported":
+            nbytes, _seconds = args
+            if rid not in self._transfers and hop is not None:  # nothing was read:
+                self._tell(hop.prefill, "abort", rid)  # the lease just goes
+            start = self._end_transfer(rid)
+            if nbytes:
+                self.transfers.num_transfers += 1
+                self.transfers.bytes += int(nbytes)
+                if start is not None:
+                    self.transfers.seconds.append(time.monotonic() - start)
+            if hop is not None:
+                hop.stage = "decode"
+        elif kind == "import_failed":
+            (why,) = args
+            self._end_transfer(rid)
+            if hop is not None:
+                return self._transfer_failed(rid, hop, str(why))
+        else:
+            return super()._on_message(index, msg)
+        return []
+
+    def _import(self, rid: str, hop: _Hop) -> None:
+        """The prompt's KV is held and its first token known: send it to a decode replica."""
+        assert hop.first is not None and hop.held_blocks is not None
+        target = self._pick_decode()
+        self._move(rid, hop.prefill, target)
+        hop.decode, hop.stage = target, "held"
+        self._tell(target, "import", rid, hop.ids + hop.first.token_ids,
+                   decode_params(hop.params), hop.arrival, hop.prefill, hop.held_blocks,
+                   next(self._transfer_ids))
+
+    def _end_transfer(self, rid: str) -> float | None:
+        """A decode replica is done reading `rid`'s KV: the prefill replica unpins it."""
+        entry = self._transfers.pop(rid, None)
+        if entry is None:
+            return None
+        prefill, start = entry
+        if prefill not in self.down:
+            try:
+                self._tell(prefill, "read_done", rid)
+            except RankFailure as e:
+                self._lose(prefill, str(e))
+        return start
+
+    def _transfer_failed(self, rid: str, hop: _Hop, why: str) -> list[RequestOutput]:
+        self.transfers.num_failed += 1
+        assert hop.decode is not None and hop.first is not None
+        if self.disagg.on_failure == "recompute":
+            hop.stage = "decode"
+            self._tell(hop.decode, "add", hop.ids + hop.first.token_ids,
+                       decode_params(hop.params), rid, hop.arrival)
+            return []
+        return [RequestOutput(rid, hop.ids, finished=True, finish_reason="error",  # (after
+                              metrics=hop.first.metrics, replica=hop.decode,  # the first token)
+                              error=f"the KV of request {rid!r} could not be moved from "
+                                    f"prefill replica {hop.prefill} to decode replica "
+                                    f"{hop.decode}: {why}")]
+
+    def _move(self, rid: str, src: int, dst: int) -> None:
+        """The request's work moves from replica `src` to `dst`."""
+        work = self._work_of[rid]
+        self.router.done(src, work)
+        self.router.load[dst] += work
+        self._owner[rid] = dst
+        self.decode_trees[dst].insert(self.decode_trees[dst].chain(self._prompt_of[rid]))
+
+    # --- stepping ------------------------------------------------------------------------
+
+    def _local_busy(self) -> bool:
+        return 0 not in self.down and (self.local.has_unfinished() or self.role.busy)
+
+    def step(self) -> list[RequestOutput]:
+        """Step the prefill replica here, collect the others' outputs, and stitch each
+        hopping request's first token to what its decode replica produces."""
+        outs, self._buffered = self._buffered, []
+        outs += self._receive(timeout=0.0)
+        if 0 not in self.down:
+            for reply in self.role.poll():
+                outs += self._on_message(0, reply)
+        if 0 not in self.down and self.local.has_unfinished():
+            try:
+                local = self.local.step()
+                self._local_stats = self.local.stats
+                for out in local:
+                    out.replica = 0
+                outs += local
+                for reply in self.role.after_step(local):
+                    outs += self._on_message(0, reply)
+            except RankFailure as e:
+                self._lose(0, f"prefill replica 0 (this process): {e}")
+            outs += self._receive(timeout=0.0)
+        elif not outs and not self._lost:
+            outs += self._receive(timeout=0.002 if self._local_busy() else 1.0)
+        self._check_alive()
+        kept, self._lost = self._lost, []
+        for out in outs:
+            merged = self._stitch(out)
+            if merged is None:
+                continue
+            if merged.finished and merged.request_id in self._owner:
+                self._hops.pop(merged.request_id, None)
+                self._done(merged.request_id)
+            kept.append(merged)
+        return kept
+
+    def _busy_remotes(self) -> list[Any]:
+        return [r for r in self._live_remotes()
+                if self.router.load[r.index] > 0 or any(
+                    p == r.index for p, _ in self._transfers.values())]
+
+    def _stitch(self, out: RequestOutput) -> RequestOutput | None:
+        """`out` as the user sees it: the first token from the prefill replica, the rest
+        from the decode replica; None for outputs of requests no longer here."""
+        rid = out.request_id
+        if rid not in self._owner:
+            return None
+        hop = self._hops.get(rid)
+        if hop is None:  # never hopped
+            out.replica = self._owner[rid]
+            return out
+        if out.replica == hop.prefill and hop.first is None:
+            if out.finished and out.finish_reason == "length":
+                hop.first = out
+                if hop.held_blocks is not None:
+                    self._import(rid, hop)
+                return replace(out, finished=False, finish_reason=None)
+            return out  # stopped at its first token (or failed): the end of it
+        if hop.first is None or out.replica != hop.decode:
+            return None
+        first = hop.first
+        metrics = replace(out.metrics, arrival_time=first.metrics.arrival_time,
+                          first_scheduled_time=first.metrics.first_scheduled_time,
+                          first_token_time=first.metrics.first_token_time,
+                          num_prompt_tokens=first.metrics.num_prompt_tokens,
+                          num_cached_tokens=first.metrics.num_cached_tokens,
+                          num_generated_tokens=out.metrics.num_generated_tokens + 1)
+        logprobs = None
+        if out.logprobs is not None and first.logprobs is not None:
+            logprobs = first.logprobs + out.logprobs
+        return replace(out, prompt_token_ids=hop.ids,
+                       token_ids=first.token_ids + out.token_ids, text=first.text + out.text,
+                       logprobs=logprobs, metrics=metrics)
+
+    def _lose(self, index: int, reason: str) -> None:
+        if index < self.num_prefill:
+            self.prefill_router.drop(index)
+        for rid, (prefill, _start) in list(self._transfers.items()):
+            hop = self._hops.get(rid)
+            if hop is not None and hop.decode == index:  # nobody will read it now
+                self._end_transfer(rid)
+            elif prefill == index:
+                self._transfers.pop(rid)
+        super()._lose(index, reason)
+        for rid in [rid for rid in self._hops if rid not in self._owner]:
+            del self._hops[rid]
+
+    def shutdown(self) -> None:
+        """Stop every replica, then this side's connector and the KV store."""
+        super().shutdown()
+        role = getattr(self, "role", None)
+        if role is not None:
+            role.close()
+        self._store = None

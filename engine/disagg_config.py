@@ -1,0 +1,76 @@
+"""Disaggregated serving's configuration (the `disagg` group of conf/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshserve.validation import require
+
+MODES = ("none", "manual")
+CONNECTORS = ("auto", "nixl", "torch")
+ON_FAILURE = ("fail", "recompute")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseLayout:
+    """The replicas of one phase (prefill or decode) and each one's layout."""
+
+    replicas: int = 1
+    tp: int = 1
+    pp: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class DisaggConfig:
+    """Whether prefill and decode run on separate replicas, and how KV moves between them."""
+
+    mode: str = "none"
+    """none: every replica prefills and decodes (colocated); manual: `prefill.replicas`
+    replicas run prompts and produce each request's first token, `decode.replicas`
+    replicas receive the prompt's KV and run the request to its end."""
+    prefill: PhaseLayout = field(default_factory=PhaseLayout)
+    decode: PhaseLayout = field(default_factory=PhaseLayout)
+    connector: str = "auto"
+    """How KV blocks move: nixl (UCX underneath), torch (torch.distributed: gloo), auto:
+    nixl where it is installed."""
+    min_prefill_tokens: int = 256
+    """Prompts shorter than this (and prompts a decode replica mostly caches already)
+    skip the hop and prefill on the decode replica."""
+    kv_lease_s: float = 30.0
+    """How long a prefill replica holds a finished prompt's KV blocks for a decode replica
+    to read them; unread after that, they are freed (counted) and a later read fails."""
+    transfer_timeout_s: float = 30.0
+    """Longest one KV transfer may take before it fails."""
+    on_failure: str = "fail"
+    """A request whose KV cannot be moved (lease expired, transfer failed): fail it with an
+    error, or recompute (prefill it again on the decode replica)."""
+
+    def __post_init__(self) -> None:
+        require(self.mode in MODES, "disagg.mode", self.mode, f"one of {MODES}")
+        require(self.connector in CONNECTORS, "disagg.connector", self.connector,
+                f"one of {CONNECTORS}")
+        require(self.on_failure in ON_FAILURE, "disagg.on_failure", self.on_failure,
+                f"one of {ON_FAILURE}")
+        require(self.min_prefill_tokens >= 0, "disagg.min_prefill_tokens",
+                self.min_prefill_tokens, "an int >= 0")
+        require(self.kv_lease_s > 0, "disagg.kv_lease_s", self.kv_lease_s,
+                "a positive number of seconds")
+        require(self.transfer_timeout_s > 0, "disagg.transfer_timeout_s",
+                self.transfer_timeout_s, "a positive number of seconds")
+        for phase in ("prefill", "decode"):
+            layout: PhaseLayout = getattr(self, phase)
+            require(layout.replicas >= 1, f"disagg.{phase}.replicas", layout.replicas,
+                    "an int >= 1")
+            # Resharding between TP layouts exists (engine/worker/kv_blocks.py); moving KV
+            # in and out of a multi-rank replica's ranks is not wired up yet.
+            for degree in ("tp", "pp"):
+                require(getattr(layout, degree) == 1, f"disagg.{phase}.{degree}",
+                        getattr(layout, degree), "1 (each replica one rank, for now)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    @property
+    def num_replicas(self) -> int:
+        return self.prefill.replicas + self.decode.replicas

@@ -1,0 +1,273 @@
+"""One replica's part in disaggregated serving, driven by the front's messages.
+
+A prefill replica runs a request's prompt with max_tokens=1; when it finishes for its
+length, the prompt's full blocks are pinned under a lease (engine/kv_leases.py) and the
+front is told ("held"). When a decode replica asks for them ("export"), the lease's read
+begins (or is refused: expired, aborted) and, for a pushing connector, a thread sends
+the blocks; "read_done" ends the read and unpins them. Leases nobody reads lapse after
+disagg.kv_lease_s and are counted.
+
+A decode replica told to "import" a request pins what its prefix cache already holds of
+the prompt and takes fresh blocks for the rest (`BlockManager.begin_import`); if nothing
+is missing, or no block is free, it admits the request at once (then it prefills what it
+lacks itself). Otherwise it asks ("want"), and once granted a thread pulls the blocks in;
+when the thread is done the blocks enter its prefix cache and the request (its prompt
+plus the first token) is admitted, a prefix hit for all but its last block. An abort at
+any point frees what the request holds on this side, once no thread still uses it.
+
+Everything but the transfers themselves runs on the replica's main thread; the threads
+touch only pinned blocks and report through a queue.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from meshserve.engine.block_manager import KVImport
+from meshserve.engine.engine import Engine
+from meshserve.engine.kv_connector import KVConnector
+from meshserve.engine.kv_leases import KVLeases, LeaseExpired
+from meshserve.engine.outputs import RequestOutput
+from meshserve.engine.sampling_params import SamplingParams
+
+Message = tuple[object, ...]
+
+FAULT_ENV = "MESHSERVE_KV_FAULT_DELAY"
+"""Fault injection (tests): `want=S` holds a decode replica's ask for S seconds (a lease
+may lapse meanwhile), `pull=S` starts each transfer S seconds late (an abort may come
+while it is in flight); comma-separated."""
+
+
+def fault_delays() -> dict[str, float]:
+    """The delays FAULT_ENV asks for, by kind."""
+    spec = os.environ.get(FAULT_ENV, "")
+    out: dict[str, float] = {}
+    for item in filter(None, spec.split(",")):
+        kind, _, seconds = item.partition("=")
+        if kind not in ("want", "pull"):
+            raise ValueError(f"{FAULT_ENV}={spec!r}: unknown kind {kind!r}; allowed: "
+                             "want=S, pull=S")
+        out[kind] = float(seconds)
+    return out
+
+
+def decode_params(params: SamplingParams) -> SamplingParams:
+    """A request's params on its decode replica, which starts after the first token."""
+    return replace(params, max_tokens=params.max_tokens - 1,
+                   min_tokens=max(0, params.min_tokens - 1))
+
+
+@dataclass
+class _Import:
+    imp: KVImport
+    ids: list[int]
+    params: SamplingParams
+    arrival: float
+    src: int
+    src_blocks: list[int]
+    transfer_id: int
+    running: bool = False
+    aborted: bool = False
+
+
+class KVRole:
+    """A replica's KV leases (prefill side) and imports (decode side)."""
+
+    def __init__(self, engine: Engine, connector: KVConnector, lease_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine, self.connector, self.clock = engine, connector, clock
+        self.bm = engine.scheduler.block_manager
+        self.leases = KVLeases(lease_s)
+        self._prefills: dict[str, list[int]] = {}
+        """Requests prefilled here for a decode replica -> their prompt ids."""
+        self._imports: dict[str, _Import] = {}
+        self._results: queue.Queue[tuple[str, str, int, float, str | None]] = queue.Queue()
+        """(kind, request id, bytes, seconds, error) from the transfer threads."""
+        self._sending: dict[str, int] = {}
+        """Requests whose blocks a thread of this side is sending -> their transfer id."""
+        self.num_failed = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._delays = fault_delays()
+        self._held_back: list[tuple[float, Message]] = []
+        """Replies FAULT_ENV holds back, with when they go."""
+
+    # --- the front's commands ------------------------------------------------------------
+
+    def command(self, kind: str, args: tuple[object, ...]) -> list[Message]:
+        """Handle one of the front's disaggregation messages; the replies."""
+        if kind == "prefill":
+            ids, params, rid, arrival = args
+            self.engine.add_request(ids, params, rid, arrival)  # type: ignore[arg-type]
+            self._prefills[rid] = list(ids)  # type: ignore[index, arg-type]
+            return []
+        if kind == "export":
+            return self._export(*args)  # type: ignore[arg-type]
+        if kind == "read_done":
+            (rid,) = args
+            if rid in self.leases and rid not in self._sending:
+                self._end_read(rid)  # type: ignore[arg-type]
+            return []
+        if kind == "import":
+            return self._import(*args)  # type: ignore[arg-type]
+        if kind == "granted":
+            (rid,) = args
+            self._start_pull(rid)  # type: ignore[arg-type]
+            return []
+        if kind == "denied":
+            rid, _why = args
+            job = self._imports.pop(rid, None)  # type: ignore[arg-type]
+            if job is not None:  # (gone if aborted meanwhile)
+                self.bm.finish_import(job.imp, written=False)
+            return []
+        raise ValueError(f"unknown disaggregation message {kind!r}")
+
+    def abort(self, rid: str) -> None:
+        """Free whatever `rid` holds here (once no thread uses it)."""
+        self._prefills.pop(rid, None)
+        self.bm.unpin(self.leases.abort(rid))
+        job = self._imports.get(rid)
+        if job is not None:
+            if job.running:
+                job.aborted = True  # the thread's end frees it
+            else:
+                del self._imports[rid]
+                self.bm.finish_import(job.imp, written=False)
+
+    def after_step(self, outs: list[RequestOutput]) -> list[Message]:
+        """Hold the KV of prompts prefilled here that finished for their length."""
+        replies: list[Message] = []
+        for out in outs:
+            if not out.finished or out.request_id not in self._prefills:
+                continue
+            ids = self._prefills.pop(out.request_id)
+            if out.finish_reason != "length":
+                continue  # stopped at its first token: nothing to ship
+            blocks = self.bm.pin_prefix(ids)
+            self.leases.hold(out.request_id, blocks, self.clock())
+            replies.append(("held", out.request_id, blocks))
+        return replies
+
+    def poll(self) -> list[Message]:
+        """Finish transfers the threads are done with; lapse unread leases."""
+        replies: list[Message] = []
+        while True:
+            try:
+                kind, rid, nbytes, seconds, error = self._results.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "sent":
+                self._sending.pop(rid, None)
+                self.bytes_sent += nbytes
+                if error is not None:
+                    self.num_failed += 1
+                if rid in self.leases:
+                    self._end_read(rid)
+                continue
+            replies += self._finish_pull(rid, nbytes, seconds, error)
+        for _rid, blocks in self.leases.expire(self.clock()):
+            self.bm.unpin(blocks)
+        now = self.clock()
+        replies += [msg for at, msg in self._held_back if at <= now]
+        self._held_back = [(at, msg) for at, msg in self._held_back if at > now]
+        return replies
+
+    @property
+    def busy(self) -> bool:
+        """Whether a lease, an import or a transfer is outstanding here."""
+        return bool(len(self.leases) or self._imports or self._sending or self._held_back)
+
+    @property
+    def num_expired(self) -> int:
+        return self.leases.num_expired
+
+    def close(self) -> None:
+        self.connector.close()
+
+    # --- prefill side --------------------------------------------------------------------
+
+    def _export(self, rid: str, transfer_id: int, first_block: int, dst: int) -> list[Message]:
+        try:
+            blocks = self.leases.begin_read(rid, self.clock())
+        except LeaseExpired as e:
+            return [("denied", rid, str(e))]
+        if self.connector.pushes:
+            self._sending[rid] = transfer_id
+            send = list(blocks[first_block:])
+            threading.Thread(target=self._send, args=(rid, dst, transfer_id, send),
+                             name=f"meshserve-kv-send-{rid}", daemon=True).start()
+        return [("granted", rid)]
+
+    def _send(self, rid: str, dst: int, transfer_id: int, blocks: list[int]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.connector.send(dst, transfer_id, blocks)
+        except Exception as e:  # noqa: BLE001 - reported on the main thread
+            self._results.put(("sent", rid, 0, time.perf_counter() - t0, str(e)))
+            return
+        nbytes = len(blocks) * self._block_bytes()
+        self._results.put(("sent", rid, nbytes, time.perf_counter() - t0, None))
+
+    def _end_read(self, rid: str) -> None:
+        self.bm.unpin(self.leases.end_read(rid))
+
+    def _block_bytes(self) -> int:
+        k = self.connector.cache[0][0]
+        return 2 * len(self.connector.cache) * k[0].numel() * k.element_size()
+
+    # --- decode side ---------------------------------------------------------------------
+
+    def _import(self, rid: str, ids: list[int], params: SamplingParams, arrival: float,
+                src: int, src_blocks: list[int], transfer_id: int) -> list[Message]:
+        bs = self.bm.block_size
+        shipped = ids[:len(src_blocks) * bs + 1]  # what the prefill side holds, + 1 token
+        imp = self.bm.begin_import(shipped) if src_blocks else None
+        if imp is None or not imp.blocks:  # nothing missing, or no room: prefill here
+            if imp is not None:
+                self.bm.finish_import(imp, written=True)
+            self.engine.add_request(ids, params, rid, arrival)
+            return [("imported", rid, 0, 0.0)]
+        self._imports[rid] = _Import(imp, ids, params, arrival, src, src_blocks, transfer_id)
+        want: Message = ("want", rid, transfer_id, imp.first_block)
+        if "want" in self._delays:
+            self._held_back.append((self.clock() + self._delays["want"], want))
+            return []
+        return [want]
+
+    def _start_pull(self, rid: str) -> None:
+        job = self._imports.get(rid)
+        if job is None:  # aborted meanwhile
+            return
+        job.running = True
+        threading.Thread(target=self._pull, args=(rid, job), name=f"meshserve-kv-pull-{rid}",
+                         daemon=True).start()
+
+    def _pull(self, rid: str, job: _Import) -> None:
+        t0 = time.perf_counter()
+        time.sleep(self._delays.get("pull", 0.0))
+        try:
+            n = self.connector.pull(job.src, job.transfer_id,
+                                    job.src_blocks[job.imp.first_block:], job.imp.blocks)
+        except Exception as e:  # noqa: BLE001 - reported on the main thread
+            self._results.put(("pulled", rid, 0, time.perf_counter() - t0, str(e)))
+            return
+        self._results.put(("pulled", rid, n, time.perf_counter() - t0, None))
+
+    def _finish_pull(self, rid: str, nbytes: int, seconds: float,
+                     error: str | None) -> list[Message]:
+        job = self._imports.pop(rid)
+        ok = error is None and not job.aborted
+        self.bm.finish_import(job.imp, written=ok)
+        if job.aborted:
+            return [("import_failed", rid, "aborted")]
+        if error is not None:
+            self.num_failed += 1
+            return [("import_failed", rid, error)]
+        self.bytes_received += nbytes
+        self.engine.add_request(job.ids, job.params, rid, job.arrival)
+        return [("imported", rid, nbytes, seconds)]

@@ -1,0 +1,144 @@
+"""KV blocks read from another process's paged cache over NIXL (UCX underneath: shared
+memory or TCP between hosts' memory on CPUs, NVLink or InfiniBand between GPUs).
+
+Each side registers its whole cache once and publishes its agent's metadata and its
+cache's layout (per layer the K and V base addresses, the bytes of one block) under its
+name in a store both can reach (the world's torch.distributed store). The decode side
+has allocated its blocks first; it then READs the prefill side's blocks straight into
+them, one descriptor per block per layer per K/V, and tells the prefill side by a
+notification tagged with the transfer id, so the prefill side can release its lease.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+Cache = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _quiet_and_safe() -> None:
+    """Before nixl is first imported: its INFO lines would go to stdout, and on a host
+    without InfiniBand UCX's InfiniBand modules pull in the system's libnl beside the copy
+    bundled with the wheel, and the two crash the process at exit. Explicit settings of
+    NIXL_LOG_LEVEL and UCX_MODULES are left as they are."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    ib = "/sys/class/infiniband"
+    if not (os.path.isdir(ib) and os.listdir(ib)):
+        os.environ.setdefault("UCX_MODULES", "^ib")
+
+
+def nixl_available() -> bool:
+    """Whether the `nixl` package imports here."""
+    _quiet_and_safe()
+    try:
+        import nixl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Where a cache's blocks are: base addresses of each layer's K then V, block bytes."""
+
+    bases: tuple[int, ...]
+    block_bytes: int
+    num_blocks: int
+    device_id: int
+    mem_type: str
+
+    @classmethod
+    def of(cls, cache: Cache) -> CacheLayout:
+        k = cache[0][0]
+        for t in (t for kv in cache for t in kv):
+            if not t.is_contiguous() or t.shape != k.shape or t.dtype != k.dtype:
+                raise ValueError("a NIXL-registered KV cache needs contiguous layers of one "
+                                 "shape and dtype")
+        block_bytes = k[0].numel() * k.element_size()
+        dev = (k.device.index or 0) if k.device.type == "cuda" else 0
+        return cls(tuple(t.data_ptr() for kv in cache for t in kv), block_bytes, k.shape[0],
+                   dev, "VRAM" if k.device.type == "cuda" else "DRAM")
+
+    def descs(self, blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+        """(address, bytes, device) of each block in each layer's K and V, in that order."""
+        return [(base + b * self.block_bytes, self.block_bytes, self.device_id)
+                for base in self.bases for b in blocks]
+
+
+class NixlKV:
+    """This process's NIXL agent over its KV cache; peers are found by name in `store`."""
+
+    def __init__(self, name: str, cache: Cache, store: dist.Store,
+                 timeout_s: float = 60.0) -> None:
+        _quiet_and_safe()
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name, self.store, self.timeout_s = name, store, timeout_s
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+        self.layout = CacheLayout.of(cache)
+        self._reg = self.agent.register_memory([t for kv in cache for t in kv])
+        self._peers: dict[str, CacheLayout] = {}
+        self.bytes_read = 0
+        store.set(f"nixl/{name}/meta", self.agent.get_agent_metadata())
+        store.set(f"nixl/{name}/layout", json.dumps(self.layout.__dict__))
+
+    def _peer(self, name: str) -> CacheLayout:
+        if name not in self._peers:
+            self.store.wait([f"nixl/{name}/meta", f"nixl/{name}/layout"])
+            self.agent.add_remote_agent(self.store.get(f"nixl/{name}/meta"))
+            fields = json.loads(self.store.get(f"nixl/{name}/layout"))
+            layout = CacheLayout(**{**fields, "bases": tuple(fields["bases"])})
+            if (layout.block_bytes, len(layout.bases)) != (self.layout.block_bytes,
+                                                           len(self.layout.bases)):
+                raise ValueError(
+                    f"NIXL peer {name!r} has KV blocks of {layout.block_bytes} bytes over "
+                    f"{len(layout.bases) // 2} layers, this side {self.layout.block_bytes} "
+                    f"over {len(self.layout.bases) // 2}: allowed is the same on both sides")
+            self._peers[name] = layout
+        return self._peers[name]
+
+    def read(self, peer: str, remote_blocks: Sequence[int], local_blocks: Sequence[int],
+             transfer_id: int) -> None:
+        """Copy `peer`'s blocks into this cache's `local_blocks` (already allocated here);
+        the peer is notified with the transfer id once they have landed. Bounded by
+        `timeout_s`; raises RuntimeError naming the peer on failure."""
+        if len(remote_blocks) != len(local_blocks):
+            raise ValueError(f"{len(remote_blocks)} remote blocks for {len(local_blocks)} "
+                             "local ones")
+        if not remote_blocks:
+            self.agent.send_notif(peer, f"kv:{transfer_id};".encode())
+            return
+        layout = self._peer(peer)
+        local = self.agent.get_xfer_descs(self.layout.descs(local_blocks), self.layout.mem_type)
+        remote = self.agent.get_xfer_descs(layout.descs(remote_blocks), layout.mem_type)
+        handle = self.agent.initialize_xfer("READ", local, remote, peer,
+                                            f"kv:{transfer_id};".encode())
+        try:
+            state = self.agent.transfer(handle)
+            deadline = time.monotonic() + self.timeout_s
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"NIXL read of {len(remote_blocks)} KV blocks from "
+                                       f"{peer!r} took over {self.timeout_s} s")
+                time.sleep(0.0005)
+                state = self.agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise RuntimeError(f"NIXL read of KV blocks from {peer!r} failed ({state})")
+        finally:
+            self.agent.release_xfer_handle(handle)
+        self.bytes_read += len(local_blocks) * len(self.layout.bases) * self.layout.block_bytes
+
+    def done(self, peer: str, transfer_id: int) -> bool:
+        """Whether `peer` has finished reading transfer `transfer_id` from this side."""
+        return self.agent.check_remote_xfer_done(peer, f"kv:{transfer_id};".encode(),
+                                                 tag_is_prefix=False)
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self._reg)

@@ -1,0 +1,139 @@
+"""Disaggregated serving on CPU: a prefill replica (this process) and a decode replica
+(a child process), the prompt's KV moved between them by each connector. Greedy output
+equals transformers'; a request aborted at any stage, or whose lease lapsed, leaves no
+block held on either side; a lapsed lease fails the request (or is recomputed)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from meshserve import LLM, SamplingParams
+from meshserve.engine.disagg import DisaggEngine
+from meshserve.engine.kv_transfer import FAULT_ENV
+from meshserve.engine.outputs import RequestOutput
+from meshserve.parallel.comm.nixl_kv import nixl_available
+
+pytestmark = pytest.mark.slow
+
+ONE_RANK = ["parallel=single", "threads=1", "engine.block_size=8", "disagg=manual",
+            "disagg.min_prefill_tokens=16"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+CONNECTORS = ["torch", pytest.param("nixl", marks=pytest.mark.skipif(
+    not nixl_available(), reason="needs nixl (pip install nixl)"))]
+
+
+def disagg_llm(path: str, *extra: str) -> LLM:
+    return LLM(path, overrides=ONE_RANK + list(extra), progress=False)
+
+
+def assert_no_blocks_held(engine: DisaggEngine) -> None:
+    """Both sides back to baseline: nothing pinned, leased or importing."""
+    engine.reset_prefix_cache()  # fresh counters from the decode replica
+    assert not engine.role.busy
+    bm = engine.local.scheduler.block_manager
+    bm.check_invariants()
+    assert bm.num_used_blocks == 0
+    for state in engine.replica_states():
+        assert state.stats.num_used_blocks == 0, state
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_one_prefill_one_decode_equals_transformers(make_checkpoint, prompts, expected,
+                                                    connector: str) -> None:
+    llm = disagg_llm(str(make_checkpoint("llama")), f"disagg.connector={connector}")
+    try:
+        engine = llm.engine
+        assert isinstance(engine, DisaggEngine) and engine.connector_name == connector
+        assert [s.role for s in engine.replica_states()] == ["prefill", "decode"]
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == expected
+        for out in outs:
+            assert out.finish_reason == "length" and out.metrics.num_generated_tokens == 12
+            assert out.replica == 1  # the decode replica ends every request
+        hopped = [p for p in prompts if len(p) >= 16]
+        t = engine.transfers
+        assert t.num_skipped == len(prompts) - len(hopped)  # short prompts prefill on decode
+        assert t.num_transfers == len(hopped) and t.num_failed == 0
+        block_bytes = 2 * 2 * 8 * 2 * 16 * 4  # layers x K/V x block x kv heads x head dim x fp32
+        assert t.bytes == sum((len(p) - 1) // 8 for p in hopped) * block_bytes
+        assert_no_blocks_held(engine)
+        # The same prompts again: the decode replica caches them, so nothing hops or moves.
+        again = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in again] == expected
+        assert engine.transfers.num_transfers == len(hopped)
+        assert_no_blocks_held(engine)
+    finally:
+        llm.shutdown()
+
+
+def run_until(engine: DisaggEngine, done: Callable[[list[RequestOutput]], bool],
+              timeout_s: float = 60.0) -> list[RequestOutput]:
+    outs: list[RequestOutput] = []
+    deadline = time.monotonic() + timeout_s
+    while not done(outs):
+        assert time.monotonic() < deadline, "timed out"
+        outs += engine.step()
+    return outs
+
+
+@pytest.fixture()
+def slow_transfers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv(FAULT_ENV, "pull=0.6")
+    yield
+
+
+@pytest.mark.usefixtures("slow_transfers")
+def test_an_abort_at_any_stage_frees_both_sides(make_checkpoint, prompts) -> None:
+    llm = disagg_llm(str(make_checkpoint("llama")), "disagg.connector=torch")
+    try:
+        engine = llm.engine
+        long = [p for p in prompts if len(p) >= 16]
+        queued = engine.add_request(long[0], GREEDY)  # aborted before it ran
+        engine.abort(queued)
+        moving = engine.add_request(long[1], GREEDY)  # aborted once its first token is out
+        decoding = engine.add_request(long[2], GREEDY)  # aborted while it decodes
+        kept = engine.add_request(long[3], GREEDY)
+        outs = run_until(engine, lambda o: any(x.request_id == moving for x in o))
+        engine.abort(moving)  # its KV is held or in flight now (transfers start 0.6 s late)
+        outs = run_until(engine, lambda o: any(x.request_id == decoding and
+                                               len(x.token_ids) >= 3 for x in o))
+        engine.abort(decoding)
+        outs += run_until(engine, lambda o: not engine.has_unfinished(), 60.0)
+        finished = {o.request_id for o in outs if o.finished}
+        assert finished == {kept}
+        deadline = time.monotonic() + 10
+        while engine.role.busy or engine._transfers:  # late replies of the aborted ones
+            assert time.monotonic() < deadline
+            engine.step()
+        assert_no_blocks_held(engine)
+        assert not engine.has_unfinished()
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("on_failure", ["fail", "recompute"])
+def test_a_lapsed_lease_fails_the_request_or_recomputes(make_checkpoint, prompts, expected,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        on_failure: str) -> None:
+    monkeypatch.setenv(FAULT_ENV, "want=1.0")  # the decode replica asks after the lease lapsed
+    llm = disagg_llm(str(make_checkpoint("llama")), "disagg.connector=torch",
+                     "disagg.kv_lease_s=0.2", f"disagg.on_failure={on_failure}")
+    try:
+        engine = llm.engine
+        i = max(range(len(prompts)), key=lambda j: len(prompts[j]))
+        rid = engine.add_request(prompts[i], GREEDY)
+        outs = run_until(engine, lambda o: any(x.finished for x in o))
+        (last,) = [o for o in outs if o.finished]
+        assert last.request_id == rid and engine.role.num_expired == 1
+        assert engine.transfers.num_failed == 1 and engine.transfers.num_transfers == 0
+        if on_failure == "fail":
+            assert last.finish_reason == "error" and "disagg.kv_lease_s=0.2" in last.error
+            assert last.token_ids == expected[i][:1]  # the first token was served; no more
+        else:
+            assert last.finish_reason == "length" and last.token_ids == expected[i]
+        assert_no_blocks_held(engine)
+    finally:
+        llm.shutdown()

@@ -1,0 +1,44 @@
+"""The disagg group: presets, overrides and the errors that name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshserve.engine.disagg_config import DisaggConfig, PhaseLayout
+from meshserve.engine.kv_transfer import FAULT_ENV, fault_delays
+from meshserve.engine.runtime_config import load_runtime_config
+
+
+def test_presets_and_overrides() -> None:
+    assert not load_runtime_config().disagg.enabled
+    d = load_runtime_config(["disagg=manual", "disagg.decode.replicas=3",
+                             "disagg.connector=torch"]).disagg
+    assert d.enabled and d.num_replicas == 4 and d.connector == "torch"
+    assert load_runtime_config(disagg={"kv_lease_s": 2.5}).disagg.kv_lease_s == 2.5
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"mode": "auto"}, "disagg.mode"),
+    ({"connector": "rdma"}, "disagg.connector"),
+    ({"on_failure": "retry"}, "disagg.on_failure"),
+    ({"kv_lease_s": 0}, "disagg.kv_lease_s"),
+    ({"min_prefill_tokens": -1}, "disagg.min_prefill_tokens"),
+    ({"prefill": PhaseLayout(replicas=0)}, "disagg.prefill.replicas"),
+    ({"decode": PhaseLayout(tp=2)}, "disagg.decode.tp"),
+])
+def test_bad_values_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        DisaggConfig(**kwargs)
+
+
+def test_a_bad_override_names_the_key() -> None:
+    with pytest.raises(ValueError, match="disagg.connector"):
+        load_runtime_config(["disagg.connector=carrier-pigeon"])
+
+
+def test_fault_delays(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FAULT_ENV, "want=1.5,pull=0.25")
+    assert fault_delays() == {"want": 1.5, "pull": 0.25}
+    monkeypatch.setenv(FAULT_ENV, "send=1")
+    with pytest.raises(ValueError, match="allowed: want=S, pull=S"):
+        fault_delays()
