@@ -59,6 +59,14 @@ def short(vocab_size: int, seed: int = 0, n: int = 16) -> list[BenchRequest]:
             for _ in range(n)]
 
 
+def rag(vocab_size: int, seed: int = 0, n: int = 48) -> list[BenchRequest]:
+    """Retrieval-augmented prompts of 1000..2000 tokens (no shared prefix), 64..256 new
+    tokens each: prefill-heavy, the workload disaggregation is for."""
+    rng = random.Random(seed)
+    return [BenchRequest(_ids(rng, rng.randint(1000, 2000), vocab_size), rng.randint(64, 256))
+            for _ in range(n)]
+
+
 def poisson(reqs: list[BenchRequest], rate: float, seed: int = 0) -> list[BenchRequest]:
     """The same requests arriving as a Poisson process of `rate` requests/s."""
     rng = random.Random(seed)
@@ -70,7 +78,7 @@ def poisson(reqs: list[BenchRequest], rate: float, seed: int = 0) -> list[BenchR
 
 
 WORKLOADS = {"longtail": longtail, "shared-prefix": shared_prefix, "latency": latency,
-             "short": short, "multi-tenant": multi_tenant}
+             "short": short, "multi-tenant": multi_tenant, "rag": rag}
 
 ONLINE = "online"
 """The longtail requests arriving as a Poisson process (needs a rate)."""

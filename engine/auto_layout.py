@@ -52,6 +52,8 @@ def resolve_layout(config: RuntimeConfig, arch: ModelArch, env: LaunchEnv | None
     Every rank computes the same answer (the planner is deterministic), so no rank has to
     wait for another's choice.
     """
+    if config.disagg.enabled:
+        return disagg_layout(config)
     if not config.parallel.auto:
         return config
     cluster = run_cluster(config, device)
@@ -70,3 +72,15 @@ def resolve_layout(config: RuntimeConfig, arch: ModelArch, env: LaunchEnv | None
                                    dp=chosen.dp)
     # The reshaped cluster goes along, so the runtime's stage split is the planner's.
     return dataclasses.replace(config, cluster=cluster, parallel=parallel)
+
+
+def disagg_layout(config: RuntimeConfig) -> RuntimeConfig:
+    """disagg.mode=manual: disagg.prefill.replicas + disagg.decode.replicas one-rank
+    replicas (parallel=auto plans nothing then; degrees given by hand must agree)."""
+    par, n = config.parallel, config.disagg.num_replicas
+    if not par.auto and (par.tp * par.pp != 1 or par.dp not in (1, n)):
+        raise ValueError(f"disagg.mode=manual with parallel.tp={par.tp}, pp={par.pp}, "
+                         f"dp={par.dp}: allowed is tp=pp=1 and dp=1 or {n} (the replicas "
+                         "come from disagg.prefill.replicas and disagg.decode.replicas)")
+    return dataclasses.replace(config, parallel=dataclasses.replace(
+        par, auto=False, tp=1, pp=1, dp=n))

@@ -215,13 +215,12 @@ class DataParallelEngine:
                              for i in range(1, self.dp)]
         self._finalizer = weakref.finalize(self, _stop_all, self._remotes)
         try:
-            self._spawned()
             self.local = Engine(one, progress=progress)
-            self._local_ready()
             if listener is not None:
                 conns = listener.accept(self.dp, max(STARTUP_TIMEOUT_S, self._timeout_s))
                 self._remotes += [_Remote(i, conns[i], rank=role.driver_ranks[i])
                                   for i in range(1, self.dp)]
+            self._connected()
             for r in self._remotes:
                 self._await_ready(r)
         except BaseException:
@@ -252,11 +251,9 @@ class DataParallelEngine:
             print(f"meshserve: {self.dp} data-parallel replicas ready ({how}; "
                   f"parallel.router={config.parallel.router})", file=sys.stderr, flush=True)
 
-    def _spawned(self) -> None:
-        """Hook: the other replicas' processes are started (they load their models)."""
-
-    def _local_ready(self) -> None:
-        """Hook: replica 0's engine is built, the others' readiness not yet awaited."""
+    def _connected(self) -> None:
+        """Hook: replica 0's engine is built and every other replica connected (they may
+        still be loading; their readiness is awaited next)."""
 
     def _role(self, index: int) -> str:
         """Replica `index`'s role (for /health and the metrics' labels)."""

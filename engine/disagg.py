@@ -20,11 +20,12 @@ whichever replicas hold something of the request.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import random
-import socket
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
@@ -35,6 +36,7 @@ from meshserve.engine.data_parallel import STARTUP_TIMEOUT_S, DataParallelEngine
 from meshserve.engine.kv_connector import make_connector, resolve_connector
 from meshserve.engine.kv_exchange import kv_cache_of, kv_spec
 from meshserve.engine.kv_transfer import KVRole, decode_params
+from meshserve.engine.launched_replicas import launched_store
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.router import CACHE_THRESHOLD, PromptTree, Router
 from meshserve.engine.run import Run
@@ -62,25 +64,38 @@ class _Hop:
     held_at: float = 0.0
 
 
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0)
+"""Upper bounds (seconds) of the transfer-time histogram's buckets."""
+
+
 @dataclass
 class TransferStats:
-    """KV moved between replicas, as the front sees it."""
+    """KV moved between replicas, as the front sees it (its counters only grow)."""
 
     num_transfers: int = 0
     num_failed: int = 0
+    num_expired: int = 0
+    """Leases that lapsed on a prefill replica with nobody reading them."""
     num_skipped: int = 0
     """Requests that did not hop (short, cached, or their params need the whole run)."""
     bytes: int = 0
-    seconds: list[float] = field(default_factory=list)
-    """Per transfer: from the prefill replica holding the KV to the decode replica
-    admitting the request."""
+    seconds_sum: float = 0.0
+    bucket_counts: list[int] = field(default_factory=lambda: [0] * len(TRANSFER_BUCKETS))
+    """Transfers of at most each bound of TRANSFER_BUCKETS (not cumulative); longer ones
+    count only in num_transfers."""
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    """The latest transfers' times: from the prefill replica holding the KV to the decode
+    replica admitting the request."""
 
-
-def kv_store_address() -> tuple[str, int]:
-    """Host and a free port for the replicas' KV store (the front hosts it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return "127.0.0.1", s.getsockname()[1]
+    def observe(self, nbytes: int, seconds: float) -> None:
+        self.num_transfers += 1
+        self.bytes += nbytes
+        self.seconds_sum += seconds
+        self.recent.append(seconds)
+        i = bisect.bisect_left(TRANSFER_BUCKETS, seconds)
+        if i < len(self.bucket_counts):
+            self.bucket_counts[i] += 1
 
 
 def _may_hop(params: SamplingParams) -> bool:
@@ -96,21 +111,10 @@ class DisaggEngine(DataParallelEngine):
                  min_replicas: int | None = None) -> None:
         config = run.config
         d = config.disagg
-        if run.env is not None:
-            raise ValueError("disagg.mode=manual under torchrun, srun or mpirun is not wired "
-                             "up yet: allowed is a self-spawned run (python or meshserve "
-                             "without a launcher)")
-        par = config.parallel
-        if par.tp * par.pp != 1 or par.dp not in (1, d.num_replicas):
-            raise ValueError(f"disagg.mode=manual with parallel.tp={par.tp}, pp={par.pp}, "
-                             f"dp={par.dp}: allowed is tp=pp=1 and dp=1 or "
-                             f"{d.num_replicas} (the replicas come from disagg.prefill and "
-                             "disagg.decode)")
+        assert config.parallel.dp == d.num_replicas, "resolve_layout sets the replicas"
         self.num_prefill = d.prefill.replicas
         self.connector_name = resolve_connector(d.connector)
-        self._kv_addr = kv_store_address()
-        self._store: dist.TCPStore | None = None
-        run = run.with_config(replace(config, parallel=replace(par, dp=d.num_replicas)))
+        self._store: dist.Store | None = None
         super().__init__(run, progress=False, min_replicas=min_replicas)
         self.disagg = d
         self.prefill_router = Router(config.parallel.router, self.num_prefill,
@@ -125,6 +129,7 @@ class DisaggEngine(DataParallelEngine):
         """Requests whose KV a decode replica is reading -> (prefill replica, start)."""
         self._transfer_ids = itertools.count(1)
         self.transfers = TransferStats()
+        self._progress = progress
         if progress:
             print(f"meshserve: {self.num_prefill} prefill + {self.dp - self.num_prefill} "
                   f"decode replicas ready (disagg.connector={self.connector_name})",
@@ -132,18 +137,18 @@ class DisaggEngine(DataParallelEngine):
 
     # --- start-up ------------------------------------------------------------------------
 
-    def _spawned(self) -> None:
-        host, port = self._kv_addr
-        self._store = dist.TCPStore(host, port, self.dp, True,
-                                    timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
-                                    wait_for_workers=False)
-        for r in self._remotes:
-            r.send("kv", r.index, self.dp, host, port)
-
-    def _local_ready(self) -> None:
-        assert self._store is not None
+    def _connected(self) -> None:
         d = self.run.config.disagg
-        connector = make_connector(self.connector_name, 0, self.dp, self._store,
+        if self.run.env is not None:  # launched: every rank reaches the launcher's store
+            store, addr = launched_store(self.run), (None, None)
+        else:
+            store = dist.TCPStore("127.0.0.1", 0, self.dp, True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+            addr = ("127.0.0.1", store.port)
+        self._store = store
+        for r in self._remotes:
+            r.send("kv", r.index, self.dp, *addr)
+        connector = make_connector(self.connector_name, 0, self.dp, store,
                                    kv_cache_of(self.local), kv_spec(self.local),
                                    d.transfer_timeout_s)
         self.role = KVRole(self.local, connector, d.kv_lease_s)
@@ -275,11 +280,8 @@ class DisaggEngine(DataParallelEngine):
             if rid not in self._transfers and hop is not None:  # nothing was read:
                 self._tell(hop.prefill, "abort", rid)  # the lease just goes
             start = self._end_transfer(rid)
-            if nbytes:
-                self.transfers.num_transfers += 1
-                self.transfers.bytes += int(nbytes)
-                if start is not None:
-                    self.transfers.seconds.append(time.monotonic() - start)
+            if nbytes and start is not None:
+                self.transfers.observe(int(nbytes), time.monotonic() - start)
             if hop is not None:
                 hop.stage = "decode"
         elif kind == "import_failed":
@@ -287,6 +289,8 @@ class DisaggEngine(DataParallelEngine):
             self._end_transfer(rid)
             if hop is not None:
                 return self._transfer_failed(rid, hop, str(why))
+        elif kind == "lease_expired":
+            self.transfers.num_expired += 1
         else:
             return super()._on_message(index, msg)
         return []
@@ -364,6 +368,8 @@ class DisaggEngine(DataParallelEngine):
         elif not outs and not self._lost:
             outs += self._receive(timeout=0.002 if self._local_busy() else 1.0)
         self._check_alive()
+        if 0 not in self.down:  # (leases released by the messages above count too)
+            self._local_stats = self.local.stats
         kept, self._lost = self._lost, []
         for out in outs:
             merged = self._stitch(out)
@@ -428,6 +434,13 @@ class DisaggEngine(DataParallelEngine):
 
     def shutdown(self) -> None:
         """Stop every replica, then this side's connector and the KV store."""
+        t = getattr(self, "transfers", None)
+        if getattr(self, "_progress", False) and t is not None and t.num_transfers + \
+                t.num_failed + t.num_skipped:
+            print(f"meshserve: KV of {t.num_transfers} requests moved from prefill to decode "
+                  f"replicas ({t.bytes} bytes), {t.num_failed} failed, {t.num_skipped} "
+                  "prefilled on their decode replica", file=sys.stderr, flush=True)
+            self._progress = False
         super().shutdown()
         role = getattr(self, "role", None)
         if role is not None:

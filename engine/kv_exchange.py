@@ -19,7 +19,6 @@ import torch
 from meshserve.engine.engine import Engine
 from meshserve.engine.kv_handshake import KVSpec
 from meshserve.engine.sequence import Sequence
-from meshserve.engine.worker.executor import InProcessExecutor
 from meshserve.engine.worker.kv_blocks import KVCache, gather_blocks, scatter_blocks
 
 Fetch = Callable[[int], torch.Tensor]
@@ -27,15 +26,16 @@ Fetch = Callable[[int], torch.Tensor]
 
 
 def kv_cache_of(engine: Engine) -> KVCache:
-    """The engine's KV cache, when it is all in this process."""
-    ex = engine.executor
-    if not isinstance(ex, InProcessExecutor):
-        raise ValueError(f"moving KV in and out of an engine needs its cache in this process "
-                         f"(one rank); this one runs {type(ex).__name__} with "
-                         f"parallel.tp={engine.config.parallel.tp}, "
-                         f"pp={engine.config.parallel.pp}: allowed is parallel=single")
-    runner = ex.worker.runner
-    assert runner is not None
+    """The engine's KV cache, when its replica is one rank (this process's own worker: in
+    process, or a launched replica's driver)."""
+    par = engine.config.parallel
+    worker = getattr(engine.executor, "worker", None)
+    runner = getattr(worker, "runner", None)
+    if par.tp * par.pp != 1 or runner is None:
+        raise ValueError(f"moving KV in and out of an engine needs its whole cache in this "
+                         f"process (one rank); this one runs "
+                         f"{type(engine.executor).__name__} with parallel.tp={par.tp}, "
+                         f"pp={par.pp}: allowed is tp=pp=1")
     return runner.kv_cache
 
 

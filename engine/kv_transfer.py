@@ -170,8 +170,9 @@ class KVRole:
                     self._end_read(rid)
                 continue
             replies += self._finish_pull(rid, nbytes, seconds, error)
-        for _rid, blocks in self.leases.expire(self.clock()):
+        for rid, blocks in self.leases.expire(self.clock()):
             self.bm.unpin(blocks)
+            replies.append(("lease_expired", rid))
         now = self.clock()
         replies += [msg for at, msg in self._held_back if at <= now]
         self._held_back = [(at, msg) for at, msg in self._held_back if at > now]

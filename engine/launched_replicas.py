@@ -57,6 +57,11 @@ def _store(run: Run) -> dist.Store:
     return launcher_store(run.env, timedelta(seconds=timeout))
 
 
+def launched_store(run: Run) -> dist.Store:
+    """A client of the launched run's store (every rank reaches it)."""
+    return _store(run)
+
+
 def launched_role(run: Run) -> LaunchedRole:
     """Where this rank sits, from the nodes every rank publishes in the run's store (the
     mesh's own placement: each TP group on one node, replicas in order of their ranks)."""

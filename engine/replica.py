@@ -22,7 +22,7 @@ from meshserve.engine.engine import Engine
 from meshserve.engine.kv_connector import make_connector, resolve_connector
 from meshserve.engine.kv_exchange import kv_cache_of, kv_spec
 from meshserve.engine.kv_transfer import KVRole
-from meshserve.engine.launched_replicas import connect_front
+from meshserve.engine.launched_replicas import connect_front, launched_store
 from meshserve.engine.run import Run
 
 BEAT_S = 1.0
@@ -49,13 +49,11 @@ class _Sender:
 
 
 def serve_replica(conn: Connection) -> int:
-    """Run the replica until "stop" or the front's end of `conn` closes. With disaggregated
-    serving the Run is followed by where the replicas' KV store is."""
+    """Run the replica until "stop" or the front's end of `conn` closes."""
     run = conn.recv()
-    kv = conn.recv() if run.config.disagg.enabled else None
     out = _Sender(conn)
     try:
-        return _serve(run, conn, out, kv)
+        return _serve(run, conn, out)
     finally:
         out.stopped.set()
 
@@ -64,8 +62,11 @@ def _kv_role(engine: Engine, run: Run, kv: tuple[object, ...]) -> KVRole:
     """This replica's connector (joined with every other replica's) and its KV role."""
     _, index, world, host, port = kv
     d = run.config.disagg
-    store = dist.TCPStore(str(host), int(port), int(world), False,  # type: ignore[call-overload]
-                          timeout=timedelta(seconds=d.transfer_timeout_s))
+    if host is None:  # launched: the launcher's store
+        store = launched_store(run)
+    else:
+        store = dist.TCPStore(str(host), int(port), int(world), False,  # type: ignore[call-overload]
+                              timeout=timedelta(seconds=d.transfer_timeout_s))
     connector = make_connector(resolve_connector(d.connector), int(index), int(world),  # type: ignore[call-overload]
                                store, kv_cache_of(engine), kv_spec(engine), d.transfer_timeout_s)
     return KVRole(engine, connector, d.kv_lease_s)
@@ -82,13 +83,12 @@ def serve_launched_replica(run: Run, replica: int) -> int:
         out.stopped.set()
 
 
-def _serve(run: Run, conn: Connection, out: _Sender,
-           kv: tuple[object, ...] | None = None) -> int:
+def _serve(run: Run, conn: Connection, out: _Sender) -> int:
     role: KVRole | None = None
     try:
         engine = Engine(run, progress=False)
-        if kv is not None:
-            role = _kv_role(engine, run, kv)
+        if run.config.disagg.enabled:  # the front's next message: where the KV store is
+            role = _kv_role(engine, run, conn.recv())
     except BaseException as e:  # noqa: BLE001 - reported to the front
         out.send(("error", f"{type(e).__name__}: {e}"))
         return 1

@@ -44,7 +44,8 @@ def run(overrides: list[str]) -> int:
     async_engine = AsyncEngine(engine, max_pending=sc.max_pending_requests,
                                health_interval_s=sc.health_interval_s)
     metrics = ServerMetrics(lambda: async_engine.stats, lambda: async_engine.replicas,
-                            lambda: async_engine.num_routes)
+                            lambda: async_engine.num_routes,
+                            lambda: getattr(engine, "transfers", None))
     async_engine.on_outputs = metrics.on_outputs
     model_names = sc.model_names(cfg.model.label)
     app = create_app(async_engine, metrics, sc, model_names,

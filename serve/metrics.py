@@ -12,9 +12,15 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
+from meshserve.engine.disagg import TRANSFER_BUCKETS, TransferStats
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.replica_state import COLOCATED, ReplicaState
 from meshserve.engine.scheduler_output import SchedulerStats
@@ -74,6 +80,39 @@ class _EngineCollector(Collector):
         yield per
 
 
+class _TransferCollector(Collector):
+    """Disaggregated serving's KV transfers, from the front's counters at scrape time."""
+
+    def __init__(self, transfers: Callable[[], TransferStats | None]) -> None:
+        self._transfers = transfers
+
+    def collect(self) -> Iterator[Metric]:
+        t = self._transfers()
+        if t is None:
+            return
+        for name, doc, value in (
+                ("kv_transfers", "KV transfers from a prefill to a decode replica.",
+                 t.num_transfers),
+                ("kv_transfer_bytes", "Bytes of KV moved between replicas.", t.bytes),
+                ("kv_transfers_failed", "KV transfers that failed or were refused (the "
+                 "request failed or was recomputed).", t.num_failed),
+                ("kv_leases_expired", "Prefill-side KV leases that lapsed unread "
+                 "(disagg.kv_lease_s).", t.num_expired),
+                ("kv_transfers_skipped", "Requests that prefilled on their decode replica "
+                 "(short, cached, or params that need the whole run there).",
+                 t.num_skipped)):
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        buckets, total = [], 0
+        for bound, n in zip(TRANSFER_BUCKETS, t.bucket_counts, strict=True):
+            total += n
+            buckets.append((repr(bound), total))
+        buckets.append(("+Inf", t.num_transfers))
+        yield HistogramMetricFamily(f"{PREFIX}_kv_transfer_seconds", "From the prefill "
+                                    "replica holding a prompt's KV to the decode replica "
+                                    "admitting the request.", buckets=buckets,
+                                    sum_value=t.seconds_sum)
+
+
 GAUGES = (
     ("replica_up", "1 while the replica serves, 0 once it is lost (its ranks died or hung)."),
     ("num_requests_running", "Requests in the running batch."),
@@ -100,7 +139,9 @@ class ServerMetrics:
 
     def __init__(self, stats: Callable[[], SchedulerStats],
                  replicas: Callable[[], list[ReplicaState]],
-                 num_open_streams: Callable[[], int]) -> None:
+                 num_open_streams: Callable[[], int],
+                 transfers: Callable[[], TransferStats | None] = lambda: None) -> None:
+        """`transfers`: disaggregated serving's KV transfer counters (None: colocated)."""
         self._stats = stats
         self._roles = {rep.index: rep.role for rep in replicas()}
         self._num_blocks = sum(rep.num_blocks for rep in replicas())
@@ -133,6 +174,7 @@ class ServerMetrics:
                         "handler.", registry=r)
         streams.set_function(lambda: float(num_open_streams()))
         r.register(_EngineCollector(replicas))
+        r.register(_TransferCollector(transfers))
         for index, role in self._roles.items():  # every series exists from the start
             labels = (str(index), role)
             for metric in (self.ttft, self.tpot, self.e2e, self.prompt_tokens,

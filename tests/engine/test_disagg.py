@@ -128,6 +128,7 @@ def test_a_lapsed_lease_fails_the_request_or_recomputes(make_checkpoint, prompts
         outs = run_until(engine, lambda o: any(x.finished for x in o))
         (last,) = [o for o in outs if o.finished]
         assert last.request_id == rid and engine.role.num_expired == 1
+        assert engine.transfers.num_expired == 1
         assert engine.transfers.num_failed == 1 and engine.transfers.num_transfers == 0
         if on_failure == "fail":
             assert last.finish_reason == "error" and "disagg.kv_lease_s=0.2" in last.error

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from meshserve.engine.disagg import _may_hop
 from meshserve.engine.disagg_config import DisaggConfig, PhaseLayout
-from meshserve.engine.kv_transfer import FAULT_ENV, fault_delays
+from meshserve.engine.kv_transfer import FAULT_ENV, decode_params, fault_delays
 from meshserve.engine.runtime_config import load_runtime_config
+from meshserve.engine.sampling_params import SamplingParams, StructuredOutputs
 
 
 def test_presets_and_overrides() -> None:
@@ -42,3 +44,15 @@ def test_fault_delays(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(FAULT_ENV, "send=1")
     with pytest.raises(ValueError, match="allowed: want=S, pull=S"):
         fault_delays()
+
+
+def test_what_hops_and_what_the_decode_side_is_left_with() -> None:
+    assert _may_hop(SamplingParams(max_tokens=8, stop=("\n",), repetition_penalty=1.2))
+    assert not _may_hop(SamplingParams(max_tokens=1))  # the prefill replica finishes it
+    assert not _may_hop(SamplingParams(max_tokens=8, presence_penalty=0.5))
+    assert not _may_hop(SamplingParams(max_tokens=8, frequency_penalty=0.5))
+    assert not _may_hop(SamplingParams(max_tokens=8,
+                                       structured_outputs=StructuredOutputs(regex="[ab]+")))
+    rest = decode_params(SamplingParams(max_tokens=8, min_tokens=3, temperature=0.7))
+    assert (rest.max_tokens, rest.min_tokens, rest.temperature) == (7, 2, 0.7)
+    assert decode_params(SamplingParams(max_tokens=8)).min_tokens == 0
