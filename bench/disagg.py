@@ -32,7 +32,7 @@ from meshserve.engine.runtime_config import load_runtime_config
 from meshserve.models.arch import ModelArch
 
 LAYOUTS = {
-    "1P+1D": ["parallel=single", "threads=1", "disagg=manual", "disagg.connector=auto"],
+    "1P+1D": ["parallel=single", "threads=1", "disagg=manual"],
     "dp=2": ["parallel=single", "threads=1", "parallel.dp=2"],
     "tp=2": ["parallel.tp=2", "threads=1"],
     "1x-auto": ["parallel=single", "threads=2", "engine.max_num_batched_tokens=auto"],
@@ -47,6 +47,10 @@ def main() -> None:
     ap.add_argument("--model", default="tiny", help="a bench checkpoint or HF directory")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--connector", default="auto", choices=["auto", "nixl", "torch"])
+    ap.add_argument("--prefill-step-tokens", type=int, default=512,
+                    help="1P+1D's engine.max_num_batched_tokens (short prefill steps keep "
+                         "the front, which runs the prefill replica, answering)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     path = checkpoints.resolve(args.model)
@@ -61,7 +65,11 @@ def main() -> None:
         names = args.layouts if i % 2 == 0 else list(reversed(args.layouts))
         rows = {}
         for name in names:
-            runner = MeshserveRunner(load_runtime_config([*base, *LAYOUTS[name]]), name=name)
+            extra = ([f"disagg.connector={args.connector}",
+                      f"engine.max_num_batched_tokens={args.prefill_step_tokens}"]
+                     if name == "1P+1D" else [])
+            runner = MeshserveRunner(load_runtime_config([*base, *LAYOUTS[name], *extra]),
+                                     name=name)
             try:
                 res = runner.run(reqs)
                 engine = runner.llm.engine
@@ -79,7 +87,10 @@ def main() -> None:
                 secs = list(transfers.recent)
                 row["kv"] = {"transfers": transfers.num_transfers,
                              "failed": transfers.num_failed, "bytes": transfers.bytes,
-                             "bytes_per_s": round(transfers.bytes / transfers.seconds_sum),
+                             "wire_bytes_per_s": round(transfers.bytes
+                                                       / max(transfers.wire_seconds_sum, 1e-9)),
+                             "handoff_bytes_per_s": round(transfers.bytes
+                                                          / transfers.seconds_sum),
                              "transfer_p50_ms": round(statistics.median(secs) * 1e3, 1),
                              "transfer_over_ttft_p50": round(
                                  statistics.median(secs) / s["ttft_s"]["p50"], 3)}

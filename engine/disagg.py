@@ -80,6 +80,8 @@ class TransferStats:
     num_skipped: int = 0
     """Requests that did not hop (short, cached, or their params need the whole run)."""
     bytes: int = 0
+    wire_seconds_sum: float = 0.0
+    """Time the bytes themselves took (the decode replica's pulls)."""
     seconds_sum: float = 0.0
     bucket_counts: list[int] = field(default_factory=lambda: [0] * len(TRANSFER_BUCKETS))
     """Transfers of at most each bound of TRANSFER_BUCKETS (not cumulative); longer ones
@@ -88,9 +90,10 @@ class TransferStats:
     """The latest transfers' times: from the prefill replica holding the KV to the decode
     replica admitting the request."""
 
-    def observe(self, nbytes: int, seconds: float) -> None:
+    def observe(self, nbytes: int, seconds: float, wire_seconds: float) -> None:
         self.num_transfers += 1
         self.bytes += nbytes
+        self.wire_seconds_sum += wire_seconds
         self.seconds_sum += seconds
         self.recent.append(seconds)
         i = bisect.bisect_left(TRANSFER_BUCKETS, seconds)
@@ -276,12 +279,12 @@ class DisaggEngine(DataParallelEngine):
                 self._tell(hop.decode, "denied", rid, why)
                 return self._transfer_failed(rid, hop, str(why))
         elif kind == "imported":
-            nbytes, _seconds = args
+            nbytes, wire_s = args
             if rid not in self._transfers and hop is not None:  # nothing was read:
                 self._tell(hop.prefill, "abort", rid)  # the lease just goes
             start = self._end_transfer(rid)
             if nbytes and start is not None:
-                self.transfers.observe(int(nbytes), time.monotonic() - start)
+                self.transfers.observe(int(nbytes), time.monotonic() - start, float(wire_s))
             if hop is not None:
                 hop.stage = "decode"
         elif kind == "import_failed":

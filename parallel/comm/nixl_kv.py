@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -72,8 +73,17 @@ class CacheLayout:
                 for base in self.bases for b in blocks]
 
 
+PUMP_S = 0.001
+"""How often this side's agent is progressed while it serves reads (NIXL's own progress
+thread spins a whole core, which a replica sharing the host's cores cannot spare)."""
+
+
 class NixlKV:
-    """This process's NIXL agent over its KV cache; peers are found by name in `store`."""
+    """This process's NIXL agent over its KV cache; peers are found by name in `store`.
+
+    NIXL's progress thread is off (it busy-polls a core); a thread of ours progresses the
+    agent every PUMP_S instead (a peer's READ over TCP needs this side to progress) and
+    collects the notifications. Every agent call holds one lock."""
 
     def __init__(self, name: str, cache: Cache, store: dist.Store,
                  timeout_s: float = 60.0) -> None:
@@ -81,18 +91,35 @@ class NixlKV:
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name, self.store, self.timeout_s = name, store, timeout_s
-        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False,
+                                                        backends=["UCX"]))
         self.layout = CacheLayout.of(cache)
         self._reg = self.agent.register_memory([t for kv in cache for t in kv])
         self._peers: dict[str, CacheLayout] = {}
+        self._lock = threading.Lock()
+        self._notifs: set[tuple[str, bytes]] = set()
+        self._stopped = threading.Event()
         self.bytes_read = 0
         store.set(f"nixl/{name}/meta", self.agent.get_agent_metadata())
         store.set(f"nixl/{name}/layout", json.dumps(self.layout.__dict__))
+        self._pump_thread = threading.Thread(target=self._pump, name=f"meshserve-nixl-{name}",
+                                             daemon=True)
+        self._pump_thread.start()
+
+    def _pump(self) -> None:
+        while not self._stopped.wait(PUMP_S):
+            with self._lock:
+                if self._stopped.is_set():
+                    return
+                notifs = self.agent.get_new_notifs()
+            for peer, msgs in notifs.items():
+                self._notifs.update((peer, m) for m in msgs)
 
     def _peer(self, name: str) -> CacheLayout:
         if name not in self._peers:
             self.store.wait([f"nixl/{name}/meta", f"nixl/{name}/layout"])
-            self.agent.add_remote_agent(self.store.get(f"nixl/{name}/meta"))
+            with self._lock:
+                self.agent.add_remote_agent(self.store.get(f"nixl/{name}/meta"))
             fields = json.loads(self.store.get(f"nixl/{name}/layout"))
             layout = CacheLayout(**{**fields, "bases": tuple(fields["bases"])})
             if (layout.block_bytes, len(layout.bases)) != (self.layout.block_bytes,
@@ -112,33 +139,41 @@ class NixlKV:
         if len(remote_blocks) != len(local_blocks):
             raise ValueError(f"{len(remote_blocks)} remote blocks for {len(local_blocks)} "
                              "local ones")
+        tag = f"kv:{transfer_id};".encode()
         if not remote_blocks:
-            self.agent.send_notif(peer, f"kv:{transfer_id};".encode())
+            self._peer(peer)
+            with self._lock:
+                self.agent.send_notif(peer, tag)
             return
         layout = self._peer(peer)
-        local = self.agent.get_xfer_descs(self.layout.descs(local_blocks), self.layout.mem_type)
-        remote = self.agent.get_xfer_descs(layout.descs(remote_blocks), layout.mem_type)
-        handle = self.agent.initialize_xfer("READ", local, remote, peer,
-                                            f"kv:{transfer_id};".encode())
-        try:
+        with self._lock:
+            local = self.agent.get_xfer_descs(self.layout.descs(local_blocks),
+                                              self.layout.mem_type)
+            remote = self.agent.get_xfer_descs(layout.descs(remote_blocks), layout.mem_type)
+            handle = self.agent.initialize_xfer("READ", local, remote, peer, tag)
             state = self.agent.transfer(handle)
+        try:
             deadline = time.monotonic() + self.timeout_s
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"NIXL read of {len(remote_blocks)} KV blocks from "
                                        f"{peer!r} took over {self.timeout_s} s")
-                time.sleep(0.0005)
-                state = self.agent.check_xfer_state(handle)
+                time.sleep(0.0002)
+                with self._lock:
+                    state = self.agent.check_xfer_state(handle)
             if state != "DONE":
                 raise RuntimeError(f"NIXL read of KV blocks from {peer!r} failed ({state})")
         finally:
-            self.agent.release_xfer_handle(handle)
+            with self._lock:
+                self.agent.release_xfer_handle(handle)
         self.bytes_read += len(local_blocks) * len(self.layout.bases) * self.layout.block_bytes
 
     def done(self, peer: str, transfer_id: int) -> bool:
         """Whether `peer` has finished reading transfer `transfer_id` from this side."""
-        return self.agent.check_remote_xfer_done(peer, f"kv:{transfer_id};".encode(),
-                                                 tag_is_prefix=False)
+        return (peer, f"kv:{transfer_id};".encode()) in self._notifs
 
     def close(self) -> None:
-        self.agent.deregister_memory(self._reg)
+        self._stopped.set()
+        self._pump_thread.join(timeout=5)
+        with self._lock:
+            self.agent.deregister_memory(self._reg)
