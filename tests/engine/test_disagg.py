@@ -5,6 +5,8 @@ block held on either side; a lapsed lease fails the request (or is recomputed)."
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 
@@ -37,7 +39,7 @@ def assert_no_blocks_held(engine: DisaggEngine) -> None:
     bm.check_invariants()
     assert bm.num_used_blocks == 0
     for state in engine.replica_states():
-        assert state.stats.num_used_blocks == 0, state
+        assert not state.up or state.stats.num_used_blocks == 0, state
 
 
 @pytest.mark.parametrize("connector", CONNECTORS)
@@ -135,6 +137,45 @@ def test_a_lapsed_lease_fails_the_request_or_recomputes(make_checkpoint, prompts
             assert last.token_ids == expected[i][:1]  # the first token was served; no more
         else:
             assert last.finish_reason == "length" and last.token_ids == expected[i]
+        assert_no_blocks_held(engine)
+    finally:
+        llm.shutdown()
+
+
+def test_a_killed_decode_replica_fails_its_requests_and_the_other_serves_on(
+        make_checkpoint, prompts, expected) -> None:
+    path = str(make_checkpoint("llama"))
+    llm = LLM(path, overrides=[*ONE_RANK, "disagg.decode.replicas=2", "disagg.connector=torch",
+                               "parallel.timeout_s=5", "disagg.transfer_timeout_s=5"], progress=False, min_replicas=2)
+    try:
+        engine = llm.engine
+        assert [s.role for s in engine.replica_states()] == ["prefill", "decode", "decode"]
+        long = [i for i, p in enumerate(prompts) if len(p) >= 16]
+        ids = {engine.add_request(prompts[i], GREEDY): i for i in long}
+        def decoding_on_2(_: list[RequestOutput]) -> bool:
+            return any(engine._owner.get(r) == 2 and engine._hops[r].stage == "decode"
+                       for r in ids)
+
+        outs = run_until(engine, decoding_on_2)  # then kill replica 2
+        victim = engine._remotes[1]
+        assert victim.index == 2 and victim.proc is not None
+        on_victim = {r for r in ids if engine._owner.get(r) == 2}
+        assert on_victim
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        outs += run_until(engine, lambda o: not engine.has_unfinished(), 60.0)
+        assert time.monotonic() - t0 < 30
+        finished = {o.request_id: o for o in outs if o.finished}
+        assert set(finished) == set(ids)
+        for rid, i in ids.items():
+            out = finished[rid]
+            if rid in on_victim:
+                assert out.finish_reason == "error" and "replica 2" in out.error, out.error
+            else:
+                assert out.token_ids == expected[i]
+        assert engine.down.keys() == {2}
+        again = llm.generate([prompts[long[0]]], GREEDY)  # goes to the survivor
+        assert again[0].token_ids == expected[long[0]] and again[0].replica == 1
         assert_no_blocks_held(engine)
     finally:
         llm.shutdown()
