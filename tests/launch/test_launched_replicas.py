@@ -49,3 +49,21 @@ def test_mpirun_replicas_match_one_process(text3: Path, one_rank_output: list[st
     assert f"{np_[1]} ranks ready (dp=2, tp={tp}, pp=1)" in out.stderr
     assert "2 data-parallel replicas ready (launched" in out.stderr
     assert printed(out.stdout) == one_rank_output
+
+
+DISAGG = ["disagg=manual", "disagg.min_prefill_tokens=0", "engine.block_size=4"]
+
+
+@pytest.mark.parametrize("launcher", [
+    [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"],
+    pytest.param(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x",
+                  "OMP_NUM_THREADS=1", sys.executable], marks=MPI),
+], ids=["torchrun", "mpirun"])
+def test_launched_prefill_and_decode_replicas_match_one_process(
+        text3: Path, one_rank_output: list[str], printed, launcher: list[str]) -> None:
+    out = subprocess.run([*launcher, *GENERATE, f"model.path='{text3}'", *DISAGG],
+                         capture_output=True, text=True, timeout=300, env=ENV)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "1 prefill + 1 decode replicas ready" in out.stderr, out.stderr[-3000:]
+    assert "KV of 3 requests moved from prefill to decode" in out.stderr, out.stderr[-3000:]
+    assert printed(out.stdout) == one_rank_output
