@@ -152,6 +152,13 @@ class ServerMetrics:
         self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds",
                               "Mean time per output token after the first, per request.",
                               LABELS, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram(f"{PREFIX}_request_queue_time_seconds",
+                               "Arrival to first scheduled (TTFT's wait for admission).",
+                               LABELS, buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram(f"{PREFIX}_request_prefill_time_seconds",
+                                 "First scheduled to first token (TTFT's prefill; with "
+                                 "disaggregation, on the prefill replica).", LABELS,
+                                 buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Arrival to last token.",
                              LABELS, buckets=E2E_BUCKETS, registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of started "
@@ -177,7 +184,8 @@ class ServerMetrics:
         r.register(_TransferCollector(transfers))
         for index, role in self._roles.items():  # every series exists from the start
             labels = (str(index), role)
-            for metric in (self.ttft, self.tpot, self.e2e, self.prompt_tokens,
+            for metric in (self.ttft, self.tpot, self.e2e, self.queue, self.prefill,
+                           self.prompt_tokens,
                            self.generation_tokens, self.failed):
                 metric.labels(*labels)
         # Plain totals for the tokens/s gauges (ints: safe to read from the loop thread).
@@ -203,7 +211,13 @@ class ServerMetrics:
                 continue
             self._num_finished += 1
             self.finished.labels(out.finish_reason or "unknown", *labels).inc()
-            for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e)):
+            queued = prefill = None
+            if m.first_scheduled_time is not None:
+                queued = m.first_scheduled_time - m.arrival_time
+                if m.first_token_time is not None:
+                    prefill = m.first_token_time - m.first_scheduled_time
+            for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e),
+                                (self.queue, queued), (self.prefill, prefill)):
                 if value is not None:
                     hist.labels(*labels).observe(value)
         self._num_generated += num_generated

@@ -50,6 +50,8 @@ def test_api_key_schema_and_metrics(offline: LLM) -> None:
         for name in ("meshserve_time_to_first_token_seconds_bucket",
                      "meshserve_time_per_output_token_seconds_count",
                      "meshserve_e2e_request_latency_seconds_sum", "meshserve_kv_blocks_used",
+                     "meshserve_request_queue_time_seconds_count",
+                     "meshserve_request_prefill_time_seconds_bucket",
                      "meshserve_num_requests_running", "meshserve_num_requests_waiting",
                      "meshserve_prefix_cache_queries_total", "meshserve_prefix_cache_hits_total",
                      "meshserve_num_preemptions_total", "meshserve_generation_tokens_per_second",

@@ -55,3 +55,8 @@ def test_prefill_and_decode_replicas_serve_like_one(start_server) -> None:
     assert m['meshserve_kv_blocks_used{replica="0",role="prefill"}'] == 0
     assert m['meshserve_kv_blocks_used{replica="1",role="decode"}'] == 0
     assert m['meshserve_generation_tokens_total{replica="1",role="decode"}'] > 0
+    # TTFT split: the queue and prefill on the prefill replica, the request ended on decode.
+    done = m['meshserve_requests_finished_total{finish_reason="length",replica="1",role="decode"}']
+    for part in ("queue", "prefill"):
+        assert m[f'meshserve_request_{part}_time_seconds_count{{replica="1",role="decode"}}'] \
+            == done == 4
