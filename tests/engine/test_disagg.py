@@ -146,7 +146,7 @@ def test_a_killed_decode_replica_fails_its_requests_and_the_other_serves_on(
         make_checkpoint, prompts, expected) -> None:
     path = str(make_checkpoint("llama"))
     llm = LLM(path, overrides=[*ONE_RANK, "disagg.decode.replicas=2", "disagg.connector=torch",
-                               "parallel.timeout_s=5", "disagg.transfer_timeout_s=5"], progress=False, min_replicas=2)
+                               "parallel.timeout_s=5"], progress=False, min_replicas=2)
     try:
         engine = llm.engine
         assert [s.role for s in engine.replica_states()] == ["prefill", "decode", "decode"]
