@@ -33,9 +33,8 @@ from typing import Any
 import torch.distributed as dist
 
 from meshserve.engine.data_parallel import STARTUP_TIMEOUT_S, DataParallelEngine
-from meshserve.engine.kv_connector import make_connector, resolve_connector
-from meshserve.engine.kv_exchange import kv_cache_of, kv_spec
-from meshserve.engine.kv_transfer import KVRole, decode_params
+from meshserve.engine.kv_connector import resolve_connector
+from meshserve.engine.kv_transfer import decode_params, kv_role
 from meshserve.engine.launched_replicas import launched_store
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.router import CACHE_THRESHOLD, PromptTree, Router
@@ -141,7 +140,6 @@ class DisaggEngine(DataParallelEngine):
     # --- start-up ------------------------------------------------------------------------
 
     def _connected(self) -> None:
-        d = self.run.config.disagg
         if self.run.env is not None:  # launched: every rank reaches the launcher's store
             store, addr = launched_store(self.run), (None, None)
         else:
@@ -151,10 +149,7 @@ class DisaggEngine(DataParallelEngine):
         self._store = store
         for r in self._remotes:
             r.send("kv", r.index, self.dp, *addr)
-        connector = make_connector(self.connector_name, 0, self.dp, store,
-                                   kv_cache_of(self.local), kv_spec(self.local),
-                                   d.transfer_timeout_s)
-        self.role = KVRole(self.local, connector, d.kv_lease_s)
+        self.role = kv_role(self.local, self.run, 0, self.dp, store)
 
     def _role(self, index: int) -> str:
         return PREFILL if index < self.num_prefill else DECODE
@@ -385,9 +380,9 @@ class DisaggEngine(DataParallelEngine):
         return kept
 
     def _busy_remotes(self) -> list[Any]:
+        reading = {p for p, _ in self._transfers.values()}  # prefill replicas still read from
         return [r for r in self._live_remotes()
-                if self.router.load[r.index] > 0 or any(
-                    p == r.index for p, _ in self._transfers.values())]
+                if self.router.load[r.index] > 0 or r.index in reading]
 
     def _stitch(self, out: RequestOutput) -> RequestOutput | None:
         """`out` as the user sees it: the first token from the prefill replica, the rest

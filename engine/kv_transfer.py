@@ -28,11 +28,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import torch.distributed as dist
+
 from meshserve.engine.block_manager import KVImport
 from meshserve.engine.engine import Engine
-from meshserve.engine.kv_connector import KVConnector
+from meshserve.engine.kv_connector import KVConnector, make_connector
+from meshserve.engine.kv_exchange import kv_cache_of, kv_spec
 from meshserve.engine.kv_leases import KVLeases, LeaseExpired
 from meshserve.engine.outputs import RequestOutput
+from meshserve.engine.run import Run
 from meshserve.engine.sampling_params import SamplingParams
 
 Message = tuple[object, ...]
@@ -73,6 +77,15 @@ class _Import:
     transfer_id: int
     running: bool = False
     aborted: bool = False
+
+
+def kv_role(engine: Engine, run: Run, index: int, world: int, store: dist.Store) -> KVRole:
+    """Replica `index`'s connector (made with every other replica's, after the handshake)
+    and its KV role."""
+    d = run.config.disagg
+    connector = make_connector(d.connector, index, world, store, kv_cache_of(engine),
+                               kv_spec(engine), d.transfer_timeout_s)
+    return KVRole(engine, connector, d.kv_lease_s)
 
 
 class KVRole:

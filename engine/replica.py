@@ -19,9 +19,7 @@ from multiprocessing.connection import Connection
 import torch.distributed as dist
 
 from meshserve.engine.engine import Engine
-from meshserve.engine.kv_connector import make_connector, resolve_connector
-from meshserve.engine.kv_exchange import kv_cache_of, kv_spec
-from meshserve.engine.kv_transfer import KVRole
+from meshserve.engine.kv_transfer import KVRole, kv_role
 from meshserve.engine.launched_replicas import connect_front, launched_store
 from meshserve.engine.run import Run
 
@@ -59,17 +57,14 @@ def serve_replica(conn: Connection) -> int:
 
 
 def _kv_role(engine: Engine, run: Run, kv: tuple[object, ...]) -> KVRole:
-    """This replica's connector (joined with every other replica's) and its KV role."""
+    """This replica's KV role, its store where the front's message says."""
     _, index, world, host, port = kv
-    d = run.config.disagg
     if host is None:  # launched: the launcher's store
         store = launched_store(run)
     else:
         store = dist.TCPStore(str(host), int(port), int(world), False,  # type: ignore[call-overload]
-                              timeout=timedelta(seconds=d.transfer_timeout_s))
-    connector = make_connector(resolve_connector(d.connector), int(index), int(world),  # type: ignore[call-overload]
-                               store, kv_cache_of(engine), kv_spec(engine), d.transfer_timeout_s)
-    return KVRole(engine, connector, d.kv_lease_s)
+                              timeout=timedelta(seconds=run.config.disagg.transfer_timeout_s))
+    return kv_role(engine, run, int(index), int(world), store)  # type: ignore[call-overload]
 
 
 def serve_launched_replica(run: Run, replica: int) -> int:
