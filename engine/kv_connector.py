@@ -31,6 +31,10 @@ from meshserve.engine.kv_handshake import KVSpec, check_handshake
 from meshserve.engine.worker.kv_blocks import KVCache, gather_blocks, scatter_blocks
 from meshserve.parallel.comm.nixl_kv import NixlKV, nixl_available
 
+KV_STARTUP_S = 300.0
+"""Longest a replica waits at start-up for the others' handshake and group (they load
+their models meanwhile); one transfer has disagg.transfer_timeout_s."""
+
 
 class KVConnector(ABC):
     """One replica's end of KV traffic; replica indices name the peers."""
@@ -66,8 +70,10 @@ class TorchKVConnector(KVConnector):
                  timeout_s: float) -> None:
         super().__init__(index, cache, timeout_s)
         self._timeout = timedelta(seconds=timeout_s)
+        # Its rendezvous waits for every replica to load; each send and recv below is
+        # bounded by disagg.transfer_timeout_s instead.
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("meshserve-kv", store), index,
-                                           world, self._timeout)
+                                           world, timedelta(seconds=KV_STARTUP_S))
 
     def _packed_shape(self, n: int) -> tuple[int, ...]:
         k = self.cache[0][0]
@@ -138,7 +144,7 @@ def make_connector(name: str, index: int, world: int, store: dist.Store, cache: 
     first the handshake: its KV spec against replica 0's, an error naming both sides."""
     store.set(f"meshserve-kv/spec/{index}", json.dumps(spec.__dict__))
     if index != 0:
-        store.wait(["meshserve-kv/spec/0"], timedelta(seconds=timeout_s))
+        store.wait(["meshserve-kv/spec/0"], timedelta(seconds=KV_STARTUP_S))
         first = KVSpec(**json.loads(store.get("meshserve-kv/spec/0")))
         check_handshake(first, spec)
     if resolve_connector(name) == "nixl":

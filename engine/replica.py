@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 import torch.distributed as dist
 
 from meshserve.engine.engine import Engine
+from meshserve.engine.kv_connector import KV_STARTUP_S
 from meshserve.engine.kv_transfer import KVRole, kv_role
 from meshserve.engine.launched_replicas import connect_front, launched_store
 from meshserve.engine.run import Run
@@ -63,7 +64,7 @@ def _kv_role(engine: Engine, run: Run, kv: tuple[object, ...]) -> KVRole:
         store = launched_store(run)
     else:
         store = dist.TCPStore(str(host), int(port), int(world), False,  # type: ignore[call-overload]
-                              timeout=timedelta(seconds=run.config.disagg.transfer_timeout_s))
+                              timeout=timedelta(seconds=KV_STARTUP_S))
     return kv_role(engine, run, int(index), int(world), store)  # type: ignore[call-overload]
 
 
