@@ -53,7 +53,7 @@ def resolve_layout(config: RuntimeConfig, arch: ModelArch, env: LaunchEnv | None
     wait for another's choice.
     """
     if config.disagg.enabled:
-        return disagg_layout(config)
+        return disagg_layout(config, launched=env is not None)
     if not config.parallel.auto:
         return config
     cluster = run_cluster(config, device)
@@ -74,10 +74,18 @@ def resolve_layout(config: RuntimeConfig, arch: ModelArch, env: LaunchEnv | None
     return dataclasses.replace(config, cluster=cluster, parallel=parallel)
 
 
-def disagg_layout(config: RuntimeConfig) -> RuntimeConfig:
-    """disagg.mode=manual: disagg.prefill.replicas + disagg.decode.replicas one-rank
-    replicas (parallel=auto plans nothing then; degrees given by hand must agree)."""
+def disagg_layout(config: RuntimeConfig, *, launched: bool = False) -> RuntimeConfig:
+    """disagg.mode=manual: disagg.prefill.replicas + disagg.decode.replicas replicas, as
+    data parallelism of that many (each replica's own tp and pp come from its phase;
+    parallel=auto plans nothing then; degrees given by hand must agree). Launched, each
+    replica is one rank for now."""
     par, n = config.parallel, config.disagg.num_replicas
+    d = config.disagg
+    if launched and max(d.ranks_per_replica) > 1:
+        raise ValueError(f"disagg.prefill.tp={d.prefill.tp}, pp={d.prefill.pp} and "
+                         f"disagg.decode.tp={d.decode.tp}, pp={d.decode.pp} under a launcher: "
+                         "allowed there is tp=pp=1 for both phases (started without a "
+                         "launcher, each phase may have its own tp and pp)")
     if not par.auto and (par.tp * par.pp != 1 or par.dp not in (1, n)):
         raise ValueError(f"disagg.mode=manual with parallel.tp={par.tp}, pp={par.pp}, "
                          f"dp={par.dp}: allowed is tp=pp=1 and dp=1 or {n} (the replicas "

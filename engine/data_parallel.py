@@ -211,8 +211,9 @@ class DataParallelEngine:
             self._remotes: list[_Remote] = []
         else:
             one = replica_run(run)
-            self._remotes = [_Remote.spawn(i, with_step_log_of(one, i))  # they load meanwhile
-                             for i in range(1, self.dp)]
+            self._remotes = [_Remote.spawn(i, with_step_log_of(self._replica_run(one, i), i))
+                             for i in range(1, self.dp)]  # they load meanwhile
+            one = self._replica_run(one, 0)
         self._finalizer = weakref.finalize(self, _stop_all, self._remotes)
         try:
             self.local = Engine(one, progress=progress)
@@ -250,6 +251,10 @@ class DataParallelEngine:
             how = "launched" if run.env is not None else "started here"
             print(f"meshserve: {self.dp} data-parallel replicas ready ({how}; "
                   f"parallel.router={config.parallel.router})", file=sys.stderr, flush=True)
+
+    def _replica_run(self, one: Run, index: int) -> Run:
+        """Hook: replica `index`'s run (every replica's is `one` here)."""
+        return one
 
     def _connected(self) -> None:
         """Hook: replica 0's engine is built and every other replica connected (they may

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import os
 import random
 import sys
 import time
@@ -149,10 +150,21 @@ class DisaggEngine(DataParallelEngine):
         self._store = store
         for r in self._remotes:
             r.send("kv", r.index, self.dp, *addr)
-        self.role = kv_role(self.local, self.run, 0, self.dp, store)
+        self.role = kv_role(self.local, self.run, 0, store, addr if addr[0] else None)
 
     def _role(self, index: int) -> str:
         return PREFILL if index < self.num_prefill else DECODE
+
+    def _replica_run(self, one: Run, index: int) -> Run:
+        """Replica `index` with its phase's tp and pp; on CPU without an explicit thread
+        count, the cores shared evenly by every rank of every replica."""
+        config = one.config
+        phase = config.disagg.phase_of(index)
+        new = replace(config, parallel=replace(config.parallel, tp=phase.tp, pp=phase.pp))
+        if self.run.config.threads is None and one.device_type == "cpu":
+            total = sum(config.disagg.ranks_per_replica)
+            new = replace(new, threads=max(1, (os.cpu_count() or 1) // total))
+        return one.with_config(new)
 
     # --- requests ------------------------------------------------------------------------
 

@@ -59,13 +59,10 @@ class DisaggConfig:
                 self.transfer_timeout_s, "a positive number of seconds")
         for phase in ("prefill", "decode"):
             layout: PhaseLayout = getattr(self, phase)
-            require(layout.replicas >= 1, f"disagg.{phase}.replicas", layout.replicas,
-                    "an int >= 1")
-            # Resharding between TP layouts exists (engine/worker/kv_blocks.py); moving KV
-            # in and out of a multi-rank replica's ranks is not wired up yet.
-            for degree in ("tp", "pp"):
-                require(getattr(layout, degree) == 1, f"disagg.{phase}.{degree}",
-                        getattr(layout, degree), "1 (each replica one rank, for now)")
+            for degree in ("replicas", "tp", "pp"):
+                value = getattr(layout, degree)
+                require(isinstance(value, int) and value >= 1, f"disagg.{phase}.{degree}",
+                        value, "an int >= 1")
 
     @property
     def enabled(self) -> bool:
@@ -74,3 +71,13 @@ class DisaggConfig:
     @property
     def num_replicas(self) -> int:
         return self.prefill.replicas + self.decode.replicas
+
+    @property
+    def ranks_per_replica(self) -> list[int]:
+        """Each replica's rank count, prefill replicas first."""
+        return ([self.prefill.tp * self.prefill.pp] * self.prefill.replicas
+                + [self.decode.tp * self.decode.pp] * self.decode.replicas)
+
+    def phase_of(self, replica: int) -> PhaseLayout:
+        """Replica `replica`'s phase layout (prefill replicas first)."""
+        return self.prefill if replica < self.prefill.replicas else self.decode

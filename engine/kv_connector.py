@@ -1,19 +1,23 @@
-"""How KV blocks move between replicas: one interface, two backends.
+"""How KV blocks move between replicas: one interface, two backends, one rank's end each.
 
+Every rank of every replica that moves KV has a connector over its own part of the cache
+(its pipeline stage's layers, its tensor-parallel share of the heads): a transfer between
+replicas of different layouts moves, for each pair of ranks, the piece both hold
+(engine/worker/kv_pieces.py), so heads are resharded and stages gathered on the way.
 The decode side has allocated the blocks the KV lands in before any byte moves, and the
 prefill side holds the blocks it reads from under a lease (engine/kv_transfer.py), so a
-transfer never touches a block anything else may use. Both calls run off the replica's
-main thread (one thread per transfer) and are bounded by disagg.transfer_timeout_s.
+transfer never touches a block anything else may use. Calls run off the main thread (one
+thread per transfer) and are bounded by disagg.transfer_timeout_s.
 
-- `nixl`: the decode side READs the prefill side's registered cache straight into its
+- `nixl`: the decode rank READs each source rank's registered cache straight into its
   own blocks over UCX (shared memory or TCP between processes' host memory; NVLink or
-  InfiniBand between GPUs); the prefill side's thread does nothing.
-- `torch`: torch.distributed point-to-point over a gloo group of every replica's driver:
-  the prefill side sends the packed blocks, the decode side receives them (a GPU cache is
-  staged through host memory).
+  InfiniBand between GPUs); the prefill side does nothing.
+- `torch`: torch.distributed point-to-point over a gloo group of every rank of every
+  replica: each prefill rank sends its pieces, each decode rank receives its own (a GPU
+  cache is staged through host memory).
 
-Replicas find each other (addresses, NIXL metadata, the KV spec the handshake compares)
-through one TCP store the front hosts.
+Ranks find each other (where each one's KV sits, NIXL metadata, the KV spec the
+handshake compares) through one TCP store the front hosts.
 """
 
 from __future__ import annotations
@@ -28,97 +32,159 @@ import torch
 import torch.distributed as dist
 
 from meshserve.engine.kv_handshake import KVSpec, check_handshake
-from meshserve.engine.worker.kv_blocks import KVCache, gather_blocks, scatter_blocks
+from meshserve.engine.worker.kv_blocks import KVCache
+from meshserve.engine.worker.kv_pieces import (
+    Piece,
+    RankKV,
+    pack,
+    piece_shape,
+    pieces_for,
+    pieces_from,
+    unpack,
+)
 from meshserve.parallel.comm.nixl_kv import NixlKV, nixl_available
 
 KV_STARTUP_S = 300.0
-"""Longest a replica waits at start-up for the others' handshake and group (they load
+"""Longest a rank waits at start-up for the others' handshake and group (they load
 their models meanwhile); one transfer has disagg.transfer_timeout_s."""
 
 
+class KVPeers:
+    """Every replica's ranks as the KV store lists them (each rank publishes its own)."""
+
+    def __init__(self, store: dist.Store, sizes: Sequence[int]) -> None:
+        self.store, self.sizes = store, list(sizes)
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self._ranks: dict[int, list[RankKV]] = {}
+        self._lock = threading.Lock()  # transfer threads share the store connection
+
+    @property
+    def world(self) -> int:
+        return sum(self.sizes)
+
+    def publish(self, me: RankKV) -> None:
+        self.store.set(f"meshserve-kv/rank/{me.rank}", json.dumps(
+            {"layers": list(me.layers), "heads": list(me.heads)}))
+
+    def ranks(self, replica: int) -> list[RankKV]:
+        """Replica `replica`'s ranks (waiting for them to publish, at first)."""
+        with self._lock:
+            return self._ranks_of(replica)
+
+    def _ranks_of(self, replica: int) -> list[RankKV]:
+        if replica not in self._ranks:
+            first = self.offsets[replica]
+            keys = [f"meshserve-kv/rank/{g}" for g in range(first, first + self.sizes[replica])]
+            self.store.wait(keys, timedelta(seconds=KV_STARTUP_S))
+            found = [json.loads(self.store.get(k)) for k in keys]
+            self._ranks[replica] = [RankKV(first + i, tuple(f["layers"]), tuple(f["heads"]))
+                                    for i, f in enumerate(found)]  # type: ignore[arg-type]
+        return self._ranks[replica]
+
+
 class KVConnector(ABC):
-    """One replica's end of KV traffic; replica indices name the peers."""
+    """One rank's end of KV traffic: replica indices name the peers."""
 
     name: str
     pushes: bool
     """Whether the prefill side must send (else the decode side reads alone)."""
 
-    def __init__(self, index: int, cache: KVCache, timeout_s: float) -> None:
-        self.index, self.cache, self.timeout_s = index, cache, timeout_s
+    def __init__(self, me: RankKV, replica: int, cache: KVCache, peers: KVPeers,
+                 timeout_s: float) -> None:
+        self.me, self.replica, self.cache, self.peers = me, replica, cache, peers
+        self.timeout_s = timeout_s
         self.bytes_moved = 0
 
-    def send(self, dst: int, transfer_id: int, blocks: Sequence[int]) -> None:
-        """Prefill side: send `blocks` of this cache to replica `dst` (pushing backends)."""
+    def send(self, dst: int, transfer_id: int, blocks: Sequence[int]) -> int:
+        """Prefill side: send this rank's pieces of `blocks` to replica `dst`'s ranks
+        (pushing backends); the bytes sent."""
         raise NotImplementedError(f"the {self.name} connector does not push")
 
     @abstractmethod
     def pull(self, src: int, transfer_id: int, src_blocks: Sequence[int],
              dst_blocks: Sequence[int]) -> int:
-        """Decode side: bring replica `src`'s `src_blocks` into this cache's `dst_blocks`;
-        the bytes moved. Raises RuntimeError naming the peer when it fails or times out."""
+        """Decode side: bring this rank's pieces of replica `src`'s `src_blocks` into this
+        cache's `dst_blocks`; the bytes moved. Raises RuntimeError naming the peer when it
+        fails or times out."""
+
+    def _incoming(self, src: int) -> list[Piece]:
+        return pieces_for(self.peers.ranks(src), self.me)
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Release what the backend holds."""
 
 
 class TorchKVConnector(KVConnector):
-    """torch.distributed point-to-point over a gloo group of the replicas."""
+    """torch.distributed point-to-point over a gloo group of every replica's ranks."""
 
     name, pushes = "torch", True
 
-    def __init__(self, index: int, world: int, store: dist.Store, cache: KVCache,
+    def __init__(self, me: RankKV, replica: int, cache: KVCache, peers: KVPeers,
                  timeout_s: float) -> None:
-        super().__init__(index, cache, timeout_s)
+        super().__init__(me, replica, cache, peers, timeout_s)
         self._timeout = timedelta(seconds=timeout_s)
-        # Its rendezvous waits for every replica to load; each send and recv below is
+        # Its rendezvous waits for every rank to load; each send and recv below is
         # bounded by disagg.transfer_timeout_s instead.
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore("meshserve-kv", store), index,
-                                           world, timedelta(seconds=KV_STARTUP_S))
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore("meshserve-kv", peers.store),
+                                           me.rank, peers.world,
+                                           timedelta(seconds=KV_STARTUP_S))
 
-    def _packed_shape(self, n: int) -> tuple[int, ...]:
-        k = self.cache[0][0]
-        return (len(self.cache), 2, n, *k.shape[1:])
-
-    def send(self, dst: int, transfer_id: int, blocks: Sequence[int]) -> None:
-        packed = gather_blocks(self.cache, blocks).cpu().contiguous()
+    def send(self, dst: int, transfer_id: int, blocks: Sequence[int]) -> int:
+        out = pieces_from(self.me, self.peers.ranks(self.replica), self.peers.ranks(dst))
+        bufs = [pack(self.cache, self.me, p, blocks).cpu() for p in out]
         try:
-            self.group.send([packed], dst, transfer_id).wait(self._timeout)
+            works = [self.group.send([b], p.dst.rank, transfer_id) for p, b in zip(out, bufs,
+                                                                                 strict=True)]
+            for w in works:
+                w.wait(self._timeout)
         except RuntimeError as e:
             raise RuntimeError(f"sending {len(blocks)} KV blocks to replica {dst} failed "
                                f"(torch connector): {e}") from None
-        self.bytes_moved += packed.numel() * packed.element_size()
+        n = sum(b.numel() * b.element_size() for b in bufs)
+        self.bytes_moved += n
+        return n
 
     def pull(self, src: int, transfer_id: int, src_blocks: Sequence[int],
              dst_blocks: Sequence[int]) -> int:
-        k = self.cache[0][0]
-        buf = torch.empty(self._packed_shape(len(dst_blocks)), dtype=k.dtype)
+        pieces = self._incoming(src)
+        dtype = self.cache[0][0].dtype
+        bufs = [torch.empty(piece_shape(self.cache, p, len(dst_blocks)), dtype=dtype)
+                for p in pieces]
         try:
-            self.group.recv([buf], src, transfer_id).wait(self._timeout)
+            works = [self.group.recv([b], p.src.rank, transfer_id) for p, b in zip(pieces, bufs,
+                                                                                 strict=True)]
+            for w in works:
+                w.wait(self._timeout)
         except RuntimeError as e:
             raise RuntimeError(f"receiving {len(dst_blocks)} KV blocks from replica {src} "
                                f"failed or took over disagg.transfer_timeout_s="
                                f"{self.timeout_s} s (torch connector): {e}") from None
-        scatter_blocks(self.cache, dst_blocks, buf)
-        n = buf.numel() * buf.element_size()
+        for p, b in zip(pieces, bufs, strict=True):
+            unpack(self.cache, self.me, p, dst_blocks, b)
+        n = sum(b.numel() * b.element_size() for b in bufs)
         self.bytes_moved += n
         return n
 
 
 class NixlKVConnector(KVConnector):
-    """NIXL READs of the prefill side's registered cache."""
+    """NIXL READs of the source ranks' registered caches."""
 
     name, pushes = "nixl", False
 
-    def __init__(self, index: int, store: dist.Store, cache: KVCache, timeout_s: float) -> None:
-        super().__init__(index, cache, timeout_s)
-        self.nixl = NixlKV(f"replica{index}", cache, store, timeout_s)
+    def __init__(self, me: RankKV, replica: int, cache: KVCache, peers: KVPeers,
+                 timeout_s: float) -> None:
+        super().__init__(me, replica, cache, peers, timeout_s)
+        self.nixl = NixlKV(f"kv{me.rank}", cache, peers.store, timeout_s)
         self._lock = threading.Lock()  # one NIXL call at a time from this process
 
     def pull(self, src: int, transfer_id: int, src_blocks: Sequence[int],
              dst_blocks: Sequence[int]) -> int:
         with self._lock:
+            pieces = self._incoming(src)
             before = self.nixl.bytes_read
-            self.nixl.read(f"replica{src}", src_blocks, dst_blocks, transfer_id)
+            for p in pieces:
+                self.nixl.read(f"kv{p.src.rank}", src_blocks, dst_blocks, transfer_id,
+                               remote_part=p.local(p.src), local_part=p.local(self.me))
             n = self.nixl.bytes_read - before
         self.bytes_moved += n
         return n
@@ -138,15 +204,19 @@ def resolve_connector(name: str) -> str:
     return name
 
 
-def make_connector(name: str, index: int, world: int, store: dist.Store, cache: KVCache,
-                   spec: KVSpec, timeout_s: float) -> KVConnector:
-    """Replica `index`'s connector (every replica makes its own at start-up, together);
-    first the handshake: its KV spec against replica 0's, an error naming both sides."""
+def handshake(store: dist.Store, index: int, spec: KVSpec) -> None:
+    """Replica `index`'s KV spec against replica 0's: an error naming both sides."""
     store.set(f"meshserve-kv/spec/{index}", json.dumps(spec.__dict__))
     if index != 0:
         store.wait(["meshserve-kv/spec/0"], timedelta(seconds=KV_STARTUP_S))
         first = KVSpec(**json.loads(store.get("meshserve-kv/spec/0")))
         check_handshake(first, spec)
-    if resolve_connector(name) == "nixl":
-        return NixlKVConnector(index, store, cache, timeout_s)
-    return TorchKVConnector(index, world, store, cache, timeout_s)
+
+
+def make_connector(name: str, me: RankKV, replica: int, cache: KVCache, peers: KVPeers,
+                   timeout_s: float) -> KVConnector:
+    """This rank's connector (every rank of every replica makes its own at start-up,
+    together)."""
+    peers.publish(me)
+    cls = NixlKVConnector if resolve_connector(name) == "nixl" else TorchKVConnector
+    return cls(me, replica, cache, peers, timeout_s)

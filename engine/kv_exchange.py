@@ -6,8 +6,8 @@ prefill leaves them there); the importing engine pins the full blocks it already
 takes fresh blocks for the rest, asks for only those, writes them and caches them, so
 the prompt's admission is a prefix hit and computes only its last, partial block. The
 two must pass the handshake first. Here both engines hold their whole cache in this
-process (one rank each); ranks of a TP or PP layout take their share through
-`engine/worker/kv_blocks.py`.
+process (one rank each); the ranks of a TP or PP replica move their own pieces
+(`engine/worker/kv_pieces.py`, `engine/worker/kv_agent.py`).
 """
 
 from __future__ import annotations
@@ -20,28 +20,41 @@ from meshserve.engine.engine import Engine
 from meshserve.engine.kv_handshake import KVSpec
 from meshserve.engine.sequence import Sequence
 from meshserve.engine.worker.kv_blocks import KVCache, gather_blocks, scatter_blocks
+from meshserve.engine.worker.worker import Worker
 
 Fetch = Callable[[int], torch.Tensor]
 """fetch(first_block) -> the packed KV of the prompt's full blocks from that index on."""
+
+
+def driver_worker(engine: Engine) -> Worker:
+    """The worker of this process: the engine's only one, or its driver rank's (stage 0,
+    TP rank 0) in a multi-rank replica."""
+    worker = getattr(engine.executor, "worker", None)
+    if not isinstance(worker, Worker) or worker.runner is None:
+        raise ValueError(f"moving KV in and out of an engine needs its worker in this "
+                         f"process; this one runs {type(engine.executor).__name__}")
+    return worker
 
 
 def kv_cache_of(engine: Engine) -> KVCache:
     """The engine's KV cache, when its replica is one rank (this process's own worker: in
     process, or a launched replica's driver)."""
     par = engine.config.parallel
-    worker = getattr(engine.executor, "worker", None)
-    runner = getattr(worker, "runner", None)
-    if par.tp * par.pp != 1 or runner is None:
-        raise ValueError(f"moving KV in and out of an engine needs its whole cache in this "
-                         f"process (one rank); this one runs "
-                         f"{type(engine.executor).__name__} with parallel.tp={par.tp}, "
-                         f"pp={par.pp}: allowed is tp=pp=1")
+    if par.tp * par.pp != 1:
+        raise ValueError(f"moving a whole KV cache in and out of an engine needs it in this "
+                         f"process (one rank); this one has parallel.tp={par.tp}, "
+                         f"pp={par.pp}: allowed is tp=pp=1 (a multi-rank replica moves KV "
+                         "rank by rank: engine/worker/kv_agent.py)")
+    runner = driver_worker(engine).runner
+    assert runner is not None
     return runner.kv_cache
 
 
 def kv_spec(engine: Engine) -> KVSpec:
     """What the other side of a transfer must match."""
-    k = kv_cache_of(engine)[0][0]
+    runner = driver_worker(engine).runner
+    assert runner is not None
+    k = runner.kv_cache[0][0]
     c = engine.config
     return KVSpec(model=str(engine.model_dir.name), block_size=c.engine.block_size,
                   dtype=str(k.dtype).removeprefix("torch."), num_layers=engine.arch.num_hidden_layers,

@@ -32,12 +32,20 @@ import torch.distributed as dist
 
 from meshserve.engine.block_manager import KVImport
 from meshserve.engine.engine import Engine
-from meshserve.engine.kv_connector import KVConnector, make_connector
-from meshserve.engine.kv_exchange import kv_cache_of, kv_spec
+from meshserve.engine.kv_connector import (
+    KVConnector,
+    KVPeers,
+    handshake,
+    make_connector,
+    resolve_connector,
+)
+from meshserve.engine.kv_exchange import driver_worker, kv_spec
 from meshserve.engine.kv_leases import KVLeases, LeaseExpired
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.run import Run
 from meshserve.engine.sampling_params import SamplingParams
+from meshserve.engine.worker.kv_agent import FannedOut, store_opener, tell_ranks
+from meshserve.engine.worker.kv_pieces import RankKV
 
 Message = tuple[object, ...]
 
@@ -79,12 +87,35 @@ class _Import:
     aborted: bool = False
 
 
-def kv_role(engine: Engine, run: Run, index: int, world: int, store: dist.Store) -> KVRole:
-    """Replica `index`'s connector (made with every other replica's, after the handshake)
-    and its KV role."""
+def kv_role(engine: Engine, run: Run, index: int, store: dist.Store,
+            addr: tuple[str, int] | None) -> KVRole:
+    """Replica `index`'s KV role and connector, made with every other rank's after the
+    handshake. `store` is the KV world's store, at `addr` (None: the launcher's), where a
+    multi-rank replica's other ranks connect too."""
     d = run.config.disagg
-    connector = make_connector(d.connector, index, world, store, kv_cache_of(engine),
-                               kv_spec(engine), d.transfer_timeout_s)
+    handshake(store, index, kv_spec(engine))
+    peers = KVPeers(store, d.ranks_per_replica)
+    worker = driver_worker(engine)
+    assert worker.runner is not None
+    cache = worker.runner.kv_cache
+    par = engine.config.parallel
+    me = RankKV.of(peers.offsets[index], worker.layer_range, 0, par.tp,
+                   engine.arch.num_key_value_heads)
+    name = resolve_connector(d.connector)
+    num_ranks = par.tp * par.pp
+    ranks_store = None
+    if num_ranks > 1:  # the other ranks join the KV world before this rank waits on it
+        port = getattr(engine.executor, "rendezvous_port", None)
+        if addr is None or port is None:
+            raise ValueError(f"disagg with a replica of tp={par.tp}, pp={par.pp} under a "
+                             "launcher: allowed there is tp=pp=1 for both phases (a launched "
+                             "multi-rank replica's ranks do not reach the KV store yet)")
+        ranks_store = store_opener("127.0.0.1", port)
+        tell_ranks(ranks_store(), addr[0], addr[1], index, d.ranks_per_replica, name,
+                   d.transfer_timeout_s)
+    connector = make_connector(name, me, index, cache, peers, d.transfer_timeout_s)
+    if ranks_store is not None:
+        connector = FannedOut(connector, ranks_store, num_ranks)
     return KVRole(engine, connector, d.kv_lease_s)
 
 
@@ -220,19 +251,14 @@ class KVRole:
     def _send(self, rid: str, dst: int, transfer_id: int, blocks: list[int]) -> None:
         t0 = time.perf_counter()
         try:
-            self.connector.send(dst, transfer_id, blocks)
+            nbytes = self.connector.send(dst, transfer_id, blocks)
         except Exception as e:  # noqa: BLE001 - reported on the main thread
             self._results.put(("sent", rid, 0, time.perf_counter() - t0, str(e)))
             return
-        nbytes = len(blocks) * self._block_bytes()
         self._results.put(("sent", rid, nbytes, time.perf_counter() - t0, None))
 
     def _end_read(self, rid: str) -> None:
         self.bm.unpin(self.leases.end_read(rid))
-
-    def _block_bytes(self) -> int:
-        k = self.connector.cache[0][0]
-        return 2 * len(self.connector.cache) * k[0].numel() * k.element_size()
 
     # --- decode side ---------------------------------------------------------------------
 

@@ -65,7 +65,8 @@ def _kv_role(engine: Engine, run: Run, kv: tuple[object, ...]) -> KVRole:
     else:
         store = dist.TCPStore(str(host), int(port), int(world), False,  # type: ignore[call-overload]
                               timeout=timedelta(seconds=KV_STARTUP_S))
-    return kv_role(engine, run, int(index), int(world), store)  # type: ignore[call-overload]
+    return kv_role(engine, run, int(index), store,  # type: ignore[call-overload]
+                   None if host is None else (str(host), int(port)))  # type: ignore[call-overload]
 
 
 def serve_launched_replica(run: Run, replica: int) -> int:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from meshserve.engine.run import Run
 from meshserve.engine.worker.executor import rank_device
+from meshserve.engine.worker.kv_agent import start_kv_thread
 from meshserve.engine.worker.worker import StatsRequest, Worker
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.comm.broadcast import (
@@ -185,6 +186,12 @@ def run_worker_rank(run: Run) -> int:
         store = launcher_store(env, timedelta(seconds=STARTUP_TIMEOUT_S))
         groups, worker = start_rank(run, env, store)
         label = f"meshserve {groups.describe()}"
+        if run.config.disagg.enabled:  # this rank's share of the replica's KV transfers
+            assert worker.runner is not None
+            start_kv_thread((env.master_addr, env.master_port), env.rank,
+                            worker.layer_range[0], len(worker.runner.kv_cache),
+                            groups.tp_rank, groups.dims.tp, run.arch.num_key_value_heads,
+                            worker.runner.kv_cache)
         serve_steps(groups, worker, max_in_flight(run), store)
     except Exception as e:  # noqa: BLE001 - every failure ends the rank
         reason = failure_reason(e)

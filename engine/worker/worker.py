@@ -90,6 +90,8 @@ class Worker:
         """`model`: weights already on the device in the run's dtype (a benchmark's random
         model, say) instead of loading the run's model directory."""
         self.run, self.groups, self.device = run, groups, device
+        self.layer_range = layer_range or (0, run.arch.num_hidden_layers)
+        """The global layers this rank's stage holds, [start, stop)."""
         self.dtype = compute_dtype(run)
         arch, ec = run.arch, run.config.engine
         self.head_split = lm_head_split(run.config, arch.vocab_size, device.type)

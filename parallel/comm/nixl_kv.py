@@ -47,13 +47,24 @@ def nixl_available() -> bool:
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """Where a cache's blocks are: base addresses of each layer's K then V, block bytes."""
+    """Where a cache's blocks are: base addresses of each layer's K then V, and the bytes
+    of one block, of one token's row of it (every head) and of one head in a row."""
 
     bases: tuple[int, ...]
     block_bytes: int
     num_blocks: int
     device_id: int
     mem_type: str
+    row_bytes: int = 0
+    head_bytes: int = 0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.bases) // 2
+
+    @property
+    def num_heads(self) -> int:
+        return self.row_bytes // self.head_bytes
 
     @classmethod
     def of(cls, cache: Cache) -> CacheLayout:
@@ -65,12 +76,22 @@ class CacheLayout:
         block_bytes = k[0].numel() * k.element_size()
         dev = (k.device.index or 0) if k.device.type == "cuda" else 0
         return cls(tuple(t.data_ptr() for kv in cache for t in kv), block_bytes, k.shape[0],
-                   dev, "VRAM" if k.device.type == "cuda" else "DRAM")
+                   dev, "VRAM" if k.device.type == "cuda" else "DRAM",
+                   k[0, 0].numel() * k.element_size(), k.shape[3] * k.element_size())
 
-    def descs(self, blocks: Sequence[int]) -> list[tuple[int, int, int]]:
-        """(address, bytes, device) of each block in each layer's K and V, in that order."""
-        return [(base + b * self.block_bytes, self.block_bytes, self.device_id)
-                for base in self.bases for b in blocks]
+    def descs(self, blocks: Sequence[int], layers: slice = slice(None),
+              heads: slice | None = None) -> list[tuple[int, int, int]]:
+        """(address, bytes, device) of `blocks` in each of `layers`' K and V, in that order:
+        whole blocks, or with `heads` each token's row of those heads."""
+        bases = [b for i in range(self.num_layers)[layers]
+                 for b in self.bases[2 * i:2 * i + 2]]
+        if heads is None:
+            return [(base + b * self.block_bytes, self.block_bytes, self.device_id)
+                    for base in bases for b in blocks]
+        rows = self.block_bytes // self.row_bytes
+        at, size = heads.start * self.head_bytes, (heads.stop - heads.start) * self.head_bytes
+        return [(base + b * self.block_bytes + t * self.row_bytes + at, size, self.device_id)
+                for base in bases for b in blocks for t in range(rows)]
 
 
 PUMP_S = 0.001
@@ -122,20 +143,24 @@ class NixlKV:
                 self.agent.add_remote_agent(self.store.get(f"nixl/{name}/meta"))
             fields = json.loads(self.store.get(f"nixl/{name}/layout"))
             layout = CacheLayout(**{**fields, "bases": tuple(fields["bases"])})
-            if (layout.block_bytes, len(layout.bases)) != (self.layout.block_bytes,
-                                                           len(self.layout.bases)):
+            if (layout.head_bytes, layout.block_bytes // layout.row_bytes) != (
+                    self.layout.head_bytes, self.layout.block_bytes // self.layout.row_bytes):
                 raise ValueError(
-                    f"NIXL peer {name!r} has KV blocks of {layout.block_bytes} bytes over "
-                    f"{len(layout.bases) // 2} layers, this side {self.layout.block_bytes} "
-                    f"over {len(self.layout.bases) // 2}: allowed is the same on both sides")
+                    f"NIXL peer {name!r} has KV heads of {layout.head_bytes} bytes in blocks "
+                    f"of {layout.block_bytes // layout.row_bytes} tokens, this side "
+                    f"{self.layout.head_bytes} in {self.layout.block_bytes // self.layout.row_bytes}"
+                    ": allowed is the same on both sides")
             self._peers[name] = layout
         return self._peers[name]
 
     def read(self, peer: str, remote_blocks: Sequence[int], local_blocks: Sequence[int],
-             transfer_id: int) -> None:
+             transfer_id: int, *, remote_part: tuple[slice, slice] | None = None,
+             local_part: tuple[slice, slice] | None = None) -> None:
         """Copy `peer`'s blocks into this cache's `local_blocks` (already allocated here);
-        the peer is notified with the transfer id once they have landed. Bounded by
-        `timeout_s`; raises RuntimeError naming the peer on failure."""
+        the peer is notified with the transfer id once they have landed. A part, (layers,
+        heads) of each side's own cache, reads only those (the same count on both sides);
+        by default every layer and head. Bounded by `timeout_s`; raises RuntimeError
+        naming the peer on failure."""
         if len(remote_blocks) != len(local_blocks):
             raise ValueError(f"{len(remote_blocks)} remote blocks for {len(local_blocks)} "
                              "local ones")
@@ -146,10 +171,18 @@ class NixlKV:
                 self.agent.send_notif(peer, tag)
             return
         layout = self._peer(peer)
+        r_layers, r_heads = remote_part or (slice(None), slice(0, layout.num_heads))
+        l_layers, l_heads = local_part or (slice(None), slice(0, self.layout.num_heads))
+        whole = (r_heads.stop - r_heads.start == layout.num_heads
+                 and l_heads.stop - l_heads.start == self.layout.num_heads)
+        local_descs = self.layout.descs(local_blocks, l_layers, None if whole else l_heads)
+        remote_descs = layout.descs(remote_blocks, r_layers, None if whole else r_heads)
+        if len(local_descs) != len(remote_descs):
+            raise ValueError(f"a NIXL read of {len(remote_descs)} remote pieces into "
+                             f"{len(local_descs)} local ones")
         with self._lock:
-            local = self.agent.get_xfer_descs(self.layout.descs(local_blocks),
-                                              self.layout.mem_type)
-            remote = self.agent.get_xfer_descs(layout.descs(remote_blocks), layout.mem_type)
+            local = self.agent.get_xfer_descs(local_descs, self.layout.mem_type)
+            remote = self.agent.get_xfer_descs(remote_descs, layout.mem_type)
             handle = self.agent.initialize_xfer("READ", local, remote, peer, tag)
             state = self.agent.transfer(handle)
         try:
@@ -166,7 +199,7 @@ class NixlKV:
         finally:
             with self._lock:
                 self.agent.release_xfer_handle(handle)
-        self.bytes_read += len(local_blocks) * len(self.layout.bases) * self.layout.block_bytes
+        self.bytes_read += sum(size for _, size, _ in local_descs)
 
     def done(self, peer: str, transfer_id: int) -> bool:
         """Whether `peer` has finished reading transfer `transfer_id` from this side."""

@@ -71,6 +71,35 @@ def test_one_prefill_one_decode_equals_transformers(make_checkpoint, prompts, ex
         llm.shutdown()
 
 
+SIDES = [pytest.param(("disagg.prefill.tp=2",), id="prefill-tp2"),
+         pytest.param(("disagg.decode.tp=2",), id="decode-tp2"),
+         pytest.param(("disagg.prefill.pp=2",), id="prefill-pp2"),
+         pytest.param(("disagg.decode.pp=2",), id="decode-pp2")]
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+@pytest.mark.parametrize("side", SIDES)
+def test_sides_of_other_tp_and_pp_equal_transformers(make_checkpoint, prompts, expected,
+                                                     connector: str,
+                                                     side: tuple[str, ...]) -> None:
+    """KV heads resharded (tp 2 -> 1, 1 -> 2) and stages gathered or split (pp 2 <-> 1)
+    on the way: every rank moves its own piece; the same tokens, the same bytes."""
+    llm = disagg_llm(str(make_checkpoint("llama")), f"disagg.connector={connector}", *side)
+    try:
+        engine = llm.engine
+        assert isinstance(engine, DisaggEngine)
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == expected
+        hopped = [p for p in prompts if len(p) >= 16]
+        t = engine.transfers
+        assert t.num_transfers == len(hopped) and t.num_failed == 0
+        block_bytes = 2 * 2 * 8 * 2 * 16 * 4  # every layer and head once, whatever the split
+        assert t.bytes == sum((len(p) - 1) // 8 for p in hopped) * block_bytes
+        assert_no_blocks_held(engine)
+    finally:
+        llm.shutdown()
+
+
 def run_until(engine: DisaggEngine, done: Callable[[list[RequestOutput]], bool],
               timeout_s: float = 60.0) -> list[RequestOutput]:
     outs: list[RequestOutput] = []

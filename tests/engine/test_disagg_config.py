@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from meshserve.engine.auto_layout import disagg_layout
 from meshserve.engine.disagg import _may_hop
 from meshserve.engine.disagg_config import DisaggConfig, PhaseLayout
 from meshserve.engine.kv_transfer import FAULT_ENV, decode_params, fault_delays
@@ -26,11 +27,24 @@ def test_presets_and_overrides() -> None:
     ({"kv_lease_s": 0}, "disagg.kv_lease_s"),
     ({"min_prefill_tokens": -1}, "disagg.min_prefill_tokens"),
     ({"prefill": PhaseLayout(replicas=0)}, "disagg.prefill.replicas"),
-    ({"decode": PhaseLayout(tp=2)}, "disagg.decode.tp"),
+    ({"decode": PhaseLayout(tp=0)}, "disagg.decode.tp"),
+    ({"prefill": PhaseLayout(pp=-1)}, "disagg.prefill.pp"),
 ])
 def test_bad_values_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         DisaggConfig(**kwargs)
+
+
+def test_each_phase_has_its_own_layout() -> None:
+    d = DisaggConfig(mode="manual", prefill=PhaseLayout(replicas=2, tp=2),
+                     decode=PhaseLayout(pp=2))
+    assert d.ranks_per_replica == [2, 2, 2]
+    assert d.phase_of(1).tp == 2 and d.phase_of(2).pp == 2
+    config = load_runtime_config(["disagg=manual", "disagg.prefill.tp=2"])
+    laid = disagg_layout(config)
+    assert (laid.parallel.dp, laid.parallel.tp) == (2, 1)  # the phases set each replica's
+    with pytest.raises(ValueError, match=r"disagg\.prefill\.tp=2.*under a launcher"):
+        disagg_layout(config, launched=True)
 
 
 def test_a_bad_override_names_the_key() -> None:

@@ -1,0 +1,163 @@
+"""KV transfers of a multi-rank replica: its driver fans each one out to every rank.
+
+Each rank holds its own share of the replica's KV (engine/worker/kv_pieces.py), so a
+transfer in or out of a tp x pp replica is one transfer per rank. The driver's KV role
+decides (engine/kv_transfer.py); `FannedOut` runs the driver's own part in the calling
+thread and tells every other rank through the replica's store, then waits for all of
+them. A TCP store connection is not safe to share between threads that wait on it, so
+each transfer has a connection of its own. On every other rank a thread, `serve_kv`, waits for where the KV world is, makes
+that rank's connector and runs each transfer it is told in a thread of its own, so
+transfers overlap there as on the driver. Steps never wait for it: a transfer touches
+only blocks the driver's block manager holds pinned for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import pickle
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from meshserve.engine.kv_connector import KV_STARTUP_S, KVConnector, KVPeers, make_connector
+from meshserve.engine.worker.kv_blocks import KVCache
+from meshserve.engine.worker.kv_pieces import RankKV
+
+CONNECT_KEY = "meshserve-kv-rank/connect"
+"""Where the driver tells its ranks where the KV world is (JSON)."""
+
+_IDLE_WAIT_S = 3600.0
+
+
+def _cmd_key(rank: int, seq: int) -> str:
+    return f"meshserve-kv-rank/cmd/{rank}/{seq}"
+
+
+def _done_key(rank: int, seq: int) -> str:
+    return f"meshserve-kv-rank/done/{rank}/{seq}"
+
+
+class FannedOut(KVConnector):
+    """The driver's connector, with every transfer also run by the replica's other ranks."""
+
+    def __init__(self, own: KVConnector, open_store: Callable[[], dist.Store],
+                 num_ranks: int) -> None:
+        self.own, self.open_store, self.num_ranks = own, open_store, num_ranks
+        self.store = open_store()  # (for the commands, under the lock)
+        self.name, self.pushes = own.name, own.pushes
+        self.me, self.replica, self.cache, self.peers = own.me, own.replica, own.cache, own.peers
+        self.timeout_s = own.timeout_s
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+
+    @property  # type: ignore[override]
+    def bytes_moved(self) -> int:
+        return self.own.bytes_moved
+
+    def _fan(self, kind: str, args: tuple[object, ...],
+             mine: Callable[[], int]) -> int:
+        with self._lock:  # every rank is told the transfers in one order
+            seq = next(self._seq)
+            for r in range(1, self.num_ranks):
+                self.store.set(_cmd_key(r, seq), pickle.dumps((kind, args)))
+        total = mine()
+        store = self.open_store()
+        for r in range(1, self.num_ranks):
+            key = _done_key(r, seq)
+            try:
+                store.wait([key], timedelta(seconds=self.timeout_s))
+            except RuntimeError:
+                raise RuntimeError(f"rank {r} of replica {self.replica} did not finish its "
+                                   f"part of a KV transfer within disagg.transfer_timeout_s="
+                                   f"{self.timeout_s} s") from None
+            nbytes, error = json.loads(store.get(key))
+            store.delete_key(key)
+            if error is not None:
+                raise RuntimeError(f"rank {r} of replica {self.replica}: {error}")
+            total += nbytes
+        return total
+
+    def send(self, dst: int, transfer_id: int, blocks: Sequence[int]) -> int:
+        return self._fan("send", (dst, transfer_id, list(blocks)),
+                         lambda: self.own.send(dst, transfer_id, blocks))
+
+    def pull(self, src: int, transfer_id: int, src_blocks: Sequence[int],
+             dst_blocks: Sequence[int]) -> int:
+        args = (src, transfer_id, list(src_blocks), list(dst_blocks))
+        return self._fan("pull", args, lambda: self.own.pull(*args))  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        with self._lock:
+            seq = next(self._seq)
+            for r in range(1, self.num_ranks):
+                self.store.set(_cmd_key(r, seq), pickle.dumps(("stop", ())))
+        self.own.close()
+
+
+def tell_ranks(store: dist.Store, host: str, port: int, replica: int, sizes: Sequence[int],
+               connector: str, timeout_s: float) -> None:
+    """The driver: where the KV world is, for its other ranks' `serve_kv` threads."""
+    store.set(CONNECT_KEY, json.dumps({"host": host, "port": port, "replica": replica,
+                                       "sizes": list(sizes), "connector": connector,
+                                       "timeout_s": timeout_s}))
+
+
+def serve_kv(open_store: Callable[[], dist.Store], rank: int, first_layer: int,
+             num_layers: int, tp_rank: int, tp: int, num_kv_heads: int, cache: KVCache) -> None:
+    """A non-driver rank's KV thread: join the KV world, then run what the driver says
+    until told to stop (or the replica's store is gone)."""
+    store = open_store()
+    store.wait([CONNECT_KEY], timedelta(seconds=KV_STARTUP_S))
+    info = json.loads(store.get(CONNECT_KEY))
+    kv_store = dist.TCPStore(info["host"], int(info["port"]), is_master=False,
+                             timeout=timedelta(seconds=KV_STARTUP_S))
+    peers = KVPeers(kv_store, info["sizes"])
+    replica = int(info["replica"])
+    me = RankKV.of(peers.offsets[replica] + rank, (first_layer, first_layer + num_layers),
+                   tp_rank, tp, num_kv_heads)
+    connector = make_connector(info["connector"], me, replica, cache, peers,
+                               float(info["timeout_s"]))
+    for seq in itertools.count():
+        key = _cmd_key(rank, seq)
+        while True:
+            try:
+                store.wait([key], timedelta(seconds=_IDLE_WAIT_S))
+                break
+            except RuntimeError as e:
+                if "timeout" not in str(e).lower():
+                    return  # the store is gone: the replica is ending
+        kind, args = pickle.loads(store.get(key))
+        store.delete_key(key)
+        if kind == "stop":
+            connector.close()
+            return
+        threading.Thread(target=_run, args=(open_store, rank, seq, connector, kind, args),
+                         name=f"meshserve-kv-{kind}-{seq}", daemon=True).start()
+
+
+def _run(open_store: Callable[[], dist.Store], rank: int, seq: int, connector: KVConnector,
+         kind: str, args: tuple[object, ...]) -> None:
+    try:
+        n = connector.send(*args) if kind == "send" else connector.pull(*args)  # type: ignore[arg-type]
+        result = (n, None)
+    except Exception as e:  # noqa: BLE001 - reported to the driver
+        result = (0, f"{type(e).__name__}: {e}")
+    open_store().set(_done_key(rank, seq), json.dumps(result))
+
+
+def start_kv_thread(env_addr: tuple[str, int], rank: int, first_layer: int, num_layers: int,
+                    tp_rank: int, tp: int, num_kv_heads: int, cache: KVCache) -> None:
+    """Start `serve_kv` on connections of its own to the replica's store at `env_addr`
+    (its waits then never hold up the rank's other uses of the store)."""
+    threading.Thread(target=serve_kv, args=(store_opener(*env_addr), rank, first_layer,
+                                            num_layers, tp_rank, tp, num_kv_heads, cache),
+                     name="meshserve-kv-rank", daemon=True).start()
+
+
+def store_opener(host: str, port: int) -> Callable[[], dist.Store]:
+    """Opens a new client connection to the TCP store at host:port on each call."""
+    return lambda: dist.TCPStore(host, port, is_master=False,
+                                 timeout=timedelta(seconds=KV_STARTUP_S))

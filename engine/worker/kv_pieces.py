@@ -1,0 +1,124 @@
+"""Which rank's KV goes where when a prompt's blocks move between replicas of different
+layouts: a prefill replica of tp=2 and a decode replica of tp=1, a pipeline of two stages
+on one side and none on the other.
+
+Every rank holds a rectangle of the model's KV: a range of layers (its pipeline stage)
+by a range of KV heads (its tensor-parallel share), for every block. A destination rank
+takes each layer and head it holds from exactly one source rank: of the source ranks
+holding it (heads are replicated when TP exceeds them), the first. For one source and one
+destination the shared layers and heads are each a contiguous range, so every
+source-destination pair moves at most one piece: layers x heads x the blocks asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from meshserve.engine.worker.kv_blocks import KVCache, kv_head_range
+
+
+@dataclass(frozen=True)
+class RankKV:
+    """The part of the model's KV one rank holds. `rank` names it among every rank that
+    moves KV (all replicas'); `layers` and `heads` are global [start, stop) ranges."""
+
+    rank: int
+    layers: tuple[int, int]
+    heads: tuple[int, int]
+
+    @classmethod
+    def of(cls, rank: int, layers: tuple[int, int], tp_rank: int, tp: int,
+           num_kv_heads: int) -> RankKV:
+        h = kv_head_range(tp_rank, tp, num_kv_heads)
+        return cls(rank, (layers[0], layers[1]), (h.start, h.stop))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Global layers and heads that source rank `src` sends to destination rank `dst`."""
+
+    src: RankKV
+    dst: RankKV
+    layers: tuple[int, int]
+    heads: tuple[int, int]
+
+    def local(self, side: RankKV) -> tuple[slice, slice]:
+        """This piece's layers and heads in `side`'s own cache (its source or destination)."""
+        return (slice(self.layers[0] - side.layers[0], self.layers[1] - side.layers[0]),
+                slice(self.heads[0] - side.heads[0], self.heads[1] - side.heads[0]))
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+def pieces_for(sources: Sequence[RankKV], dst: RankKV) -> list[Piece]:
+    """What `dst` takes from each of `sources` (one replica's ranks): every layer and head
+    of `dst` exactly once, from the first source holding it. Raises ValueError when the
+    sources miss part of it."""
+    out: list[Piece] = []
+    for layer_lo, layer_hi in _stage_ranges(sources, dst.layers):
+        head = dst.heads[0]
+        while head < dst.heads[1]:
+            src = next((s for s in sources if s.layers[0] <= layer_lo < s.layers[1]
+                        and s.heads[0] <= head < s.heads[1]), None)
+            if src is None:
+                raise ValueError(f"no source rank holds layer {layer_lo}, KV head {head} "
+                                 f"(sources: {list(sources)})")
+            stop = min(src.heads[1], dst.heads[1])
+            out.append(Piece(src, dst, (layer_lo, min(layer_hi, src.layers[1])),
+                             (head, stop)))
+            head = stop
+    return out
+
+
+def _stage_ranges(sources: Sequence[RankKV], want: tuple[int, int]) -> list[tuple[int, int]]:
+    """`want` cut where the sources' layer ranges start and end."""
+    cuts = sorted({want[0], want[1]} | {b for s in sources for b in s.layers
+                                        if want[0] < b < want[1]})
+    return list(zip(cuts, cuts[1:], strict=False))
+
+
+def pieces_from(src: RankKV, sources: Sequence[RankKV], dests: Sequence[RankKV]) -> list[Piece]:
+    """What source rank `src` (one of `sources`) sends to each of `dests`."""
+    return [p for d in dests for p in pieces_for(sources, d) if p.src == src]
+
+
+def pack(cache: KVCache, me: RankKV, piece: Piece, blocks: Sequence[int]) -> torch.Tensor:
+    """The piece's KV of `blocks` from this rank's cache: [layers, 2, n, block_size, heads,
+    head_dim], contiguous (a copy)."""
+    layers, heads = piece.local(me)
+    idx = torch.as_tensor(list(blocks), dtype=torch.long, device=cache[0][0].device)
+    return torch.stack([torch.stack((k.index_select(0, idx)[:, :, heads],
+                                     v.index_select(0, idx)[:, :, heads]))
+                        for k, v in list(cache)[layers]]).contiguous()
+
+
+def piece_shape(cache: KVCache, piece: Piece, num_blocks: int) -> tuple[int, ...]:
+    """The shape `pack` gives for `piece` over `num_blocks` blocks."""
+    k = cache[0][0]
+    return (piece.layers[1] - piece.layers[0], 2, num_blocks, k.shape[1],
+            piece.heads[1] - piece.heads[0], k.shape[3])
+
+
+def unpack(cache: KVCache, me: RankKV, piece: Piece, blocks: Sequence[int],
+           packed: torch.Tensor) -> None:
+    """Write a packed piece into `blocks` of this rank's cache, in place."""
+    layers, heads = piece.local(me)
+    want = piece_shape(cache, piece, len(blocks))
+    if tuple(packed.shape) != want:
+        raise ValueError(f"a KV piece of shape {tuple(packed.shape)} does not fit: this rank "
+                         f"takes {want} for {len(blocks)} blocks")
+    k0 = cache[0][0]
+    idx = torch.as_tensor(list(blocks), dtype=torch.long, device=k0.device)
+    packed = packed.to(device=k0.device, dtype=k0.dtype)
+    for i, (k, v) in enumerate(list(cache)[layers]):
+        for t, part in ((k, packed[i, 0]), (v, packed[i, 1])):
+            if heads == slice(0, t.shape[2]):
+                t.index_copy_(0, idx, part)
+            else:
+                t[:, :, heads].index_copy_(0, idx, part)  # a view: writes through
