@@ -62,6 +62,8 @@ class _Hop:
     held_blocks: list[int] | None = None
     """The prefill replica's pinned blocks of the prompt, once it holds them."""
     held_at: float = 0.0
+    granted: bool = False
+    """Whether the prefill replica granted the read (the blocks may be moving)."""
 
 
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -267,8 +269,10 @@ class DisaggEngine(DataParallelEngine):
             if hop.first is not None:  # (else once its output is seen, in `_stitch`)
                 self._import(rid, hop)
         elif kind == "want":
-            if hop is None:
+            if hop is None or hop.stage == "decode":  # aborted, or already failed over
                 return []
+            if hop.prefill in self.down:
+                return self._on_message(hop.prefill, ("denied", rid, self._gone(hop.prefill)))
             transfer_id, first_block = args
             hop.stage = "import"
             self._transfers[rid] = (hop.prefill, hop.held_at)
@@ -278,6 +282,7 @@ class DisaggEngine(DataParallelEngine):
                 self._end_transfer(rid)
                 return []
             assert hop.decode is not None
+            hop.granted = True
             self._tell(hop.decode, "granted", rid)
         elif kind == "denied":
             (why,) = args
@@ -441,6 +446,16 @@ class DisaggEngine(DataParallelEngine):
         super()._lose(index, reason)
         for rid in [rid for rid in self._hops if rid not in self._owner]:
             del self._hops[rid]
+        # KV held on a lost prefill replica that nobody began reading will never move: the
+        # decode replica frees what it allocated, and the request fails or is recomputed
+        # (a read already granted fails on its own, bounded by disagg.transfer_timeout_s).
+        for rid, hop in list(self._hops.items()):
+            if hop.prefill == index and hop.decode is not None and not hop.granted \
+                    and hop.stage in ("held", "import") and hop.decode not in self.down:
+                self._buffered += self._on_message(index, ("denied", rid, self._gone(index)))
+
+    def _gone(self, index: int) -> str:
+        return f"prefill replica {index} was lost ({self.down.get(index, 'down')})"
 
     def shutdown(self) -> None:
         """Stop every replica, then this side's connector and the KV store."""

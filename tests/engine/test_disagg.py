@@ -208,3 +208,48 @@ def test_a_killed_decode_replica_fails_its_requests_and_the_other_serves_on(
         assert_no_blocks_held(engine)
     finally:
         llm.shutdown()
+
+
+def test_a_killed_prefill_replica_fails_or_recomputes_what_it_held(
+        make_checkpoint, prompts, expected, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2P+1D with the decode side's asks held back 1 s, replica 1 (a prefill replica)
+    killed while it holds KV for the decode replica: the requests it was still prefilling
+    end in an error naming it; those whose first token was out are prefilled again on the
+    decode replica (on_failure=recompute) and keep transformers' tokens."""
+    monkeypatch.setenv(FAULT_ENV, "want=1.0")
+    path = str(make_checkpoint("llama"))
+    llm = LLM(path, overrides=[*ONE_RANK, "disagg.prefill.replicas=2", "disagg.connector=torch",
+                               "disagg.on_failure=recompute", "parallel.timeout_s=5"],
+              progress=False, min_replicas=2)
+    try:
+        engine = llm.engine
+        assert [s.role for s in engine.replica_states()] == ["prefill", "prefill", "decode"]
+        long = [i for i, p in enumerate(prompts) if len(p) >= 16]
+        ids = {engine.add_request(prompts[i], GREEDY): i for i in long}
+
+        def held_on_1(_: list[RequestOutput]) -> bool:
+            return any(h.prefill == 1 and h.decode is not None and h.stage == "held"
+                       for h in engine._hops.values())
+
+        outs = run_until(engine, held_on_1)
+        held = {r for r, h in engine._hops.items()
+                if h.prefill == 1 and h.decode is not None and not h.granted}
+        victim = engine._remotes[0]
+        assert victim.index == 1 and victim.proc is not None
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        outs += run_until(engine, lambda o: not engine.has_unfinished(), 60.0)
+        assert time.monotonic() - t0 < 30
+        finished = {o.request_id: o for o in outs if o.finished}
+        assert set(finished) == set(ids)
+        for rid, i in ids.items():
+            out = finished[rid]
+            if out.finish_reason == "error":
+                assert rid not in held and "replica 1" in out.error, out.error
+            else:
+                assert out.token_ids == expected[i], rid
+        assert held and all(finished[r].finish_reason == "length" for r in held)
+        assert engine.down.keys() == {1}
+        assert_no_blocks_held(engine)
+    finally:
+        llm.shutdown()
