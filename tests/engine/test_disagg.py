@@ -110,6 +110,19 @@ def run_until(engine: DisaggEngine, done: Callable[[list[RequestOutput]], bool],
     return outs
 
 
+def kill_and_finish(engine: DisaggEngine, index: int, outs: list[RequestOutput]
+                    ) -> dict[str, RequestOutput]:
+    """SIGKILL replica `index`, run every request to its end (within 30 s of the kill);
+    the finished outputs so far and since, by request id."""
+    victim = engine._remotes[index - 1]
+    assert victim.index == index and victim.proc is not None
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    outs = outs + run_until(engine, lambda o: not engine.has_unfinished(), 60.0)
+    assert time.monotonic() - t0 < 30
+    return {o.request_id: o for o in outs if o.finished}
+
+
 @pytest.fixture()
 def slow_transfers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv(FAULT_ENV, "pull=0.6")
@@ -186,15 +199,9 @@ def test_a_killed_decode_replica_fails_its_requests_and_the_other_serves_on(
                        for r in ids)
 
         outs = run_until(engine, decoding_on_2)  # then kill replica 2
-        victim = engine._remotes[1]
-        assert victim.index == 2 and victim.proc is not None
         on_victim = {r for r in ids if engine._owner.get(r) == 2}
         assert on_victim
-        os.kill(victim.proc.pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        outs += run_until(engine, lambda o: not engine.has_unfinished(), 60.0)
-        assert time.monotonic() - t0 < 30
-        finished = {o.request_id: o for o in outs if o.finished}
+        finished = kill_and_finish(engine, 2, outs)
         assert set(finished) == set(ids)
         for rid, i in ids.items():
             out = finished[rid]
@@ -234,13 +241,7 @@ def test_a_killed_prefill_replica_fails_or_recomputes_what_it_held(
         outs = run_until(engine, held_on_1)
         held = {r for r, h in engine._hops.items()
                 if h.prefill == 1 and h.decode is not None and not h.granted}
-        victim = engine._remotes[0]
-        assert victim.index == 1 and victim.proc is not None
-        os.kill(victim.proc.pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        outs += run_until(engine, lambda o: not engine.has_unfinished(), 60.0)
-        assert time.monotonic() - t0 < 30
-        finished = {o.request_id: o for o in outs if o.finished}
+        finished = kill_and_finish(engine, 1, outs)
         assert set(finished) == set(ids)
         for rid, i in ids.items():
             out = finished[rid]
