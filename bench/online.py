@@ -73,9 +73,10 @@ def request_body(api: str, info: ServerInfo, req: BenchRequest,
     if decode is None:
         raise ValueError(f"bench.api={api!r} sends text: it needs the model's tokenizer")
     body: dict[str, Any] = {"model": info.model, "prompt": decode(req.prompt_token_ids),
-                            "max_tokens": n, "temperature": 0, "stream": True}
+                            "max_tokens": n, "temperature": 0, "stream": True,
+                            "stream_options": {"include_usage": True}}
     if api == "text":
-        return {**body, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        return {**body, "ignore_eos": True}
     if api == "transformers":  # no ignore_eos there: a minimum length in its own config
         gen = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
         return {**body, "generation_config": json.dumps(gen)}
