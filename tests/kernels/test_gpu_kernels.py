@@ -97,6 +97,7 @@ def test_decode_graphs_match_eager(make_checkpoint) -> None:
         def __init__(self, i: int, ids: list[int], start: int) -> None:
             self.seq_id, self.token_ids, self.start_pos = i, ids, start
             self.block_table, self.sample = [3 * i, 3 * i + 1, 3 * i + 2], True
+            self.num_drafts = 0
 
     steps = [[Seq(i, list(range(5 + i, 25 + 2 * i)), 0) for i in range(3)]]
     steps += [[Seq(i, [7 + t], 20 + i + t) for i in range(3)] for t in range(4)]
