@@ -1,15 +1,19 @@
-"""parallel=auto at startup: the planner picks tp and pp for the ranks this run has."""
+"""parallel=auto and disagg=auto at startup: the planner picks tp and pp (or a prefill/decode
+split) for the ranks this run has."""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
 
+from meshserve.engine.disagg_config import PhaseLayout
 from meshserve.engine.runtime_config import RuntimeConfig
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.comm.discovery import LaunchEnv
 from meshserve.parallel.planner.cluster import ClusterConfig
-from meshserve.parallel.planner.search import plan_for
+from meshserve.parallel.planner.disagg_search import SplitCandidate, choose_kind
+from meshserve.parallel.planner.model_shape import ModelShape
+from meshserve.parallel.planner.search import options_for, plan_for, resolve_dtype
 from meshserve.parallel.planner.topology import detect_cluster
 
 
@@ -52,6 +56,8 @@ def resolve_layout(config: RuntimeConfig, arch: ModelArch, env: LaunchEnv | None
     Every rank computes the same answer (the planner is deterministic), so no rank has to
     wait for another's choice.
     """
+    if config.disagg.mode == "auto":
+        config = disagg_auto(config, arch, env, device, announce=announce, max_dp=max_dp)
     if config.disagg.enabled:
         return disagg_layout(config, launched=env is not None)
     if not config.parallel.auto:
@@ -92,3 +98,45 @@ def disagg_layout(config: RuntimeConfig, *, launched: bool = False) -> RuntimeCo
                          "come from disagg.prefill.replicas and disagg.decode.replicas)")
     return dataclasses.replace(config, parallel=dataclasses.replace(
         par, auto=False, tp=1, pp=1, dp=n))
+
+
+def one_rank_phases(split: SplitCandidate) -> str | None:
+    """Under a launcher each replica is one rank for now: a split of larger ones can't run."""
+    if max(split.prefill.tp * split.prefill.pp, split.decode.tp * split.decode.pp) > 1:
+        return "under a launcher a replica is one rank (tp=pp=1)"
+    return None
+
+
+def disagg_auto(config: RuntimeConfig, arch: ModelArch, env: LaunchEnv | None, device: str,
+                *, announce: bool = True, max_dp: int | None = 1) -> RuntimeConfig:
+    """disagg=auto: the planner weighs colocated layouts against prefill/decode splits on
+    the run's cluster (the launched ranks, all of them; else up to the cluster's devices)
+    and `config` becomes the better one: disagg=manual with the split's phases, or
+    disagg=none with the colocated degrees (parallel=auto's choice, at most `max_dp`
+    replicas; degrees set by hand stay)."""
+    cluster = run_cluster(config, device)
+    if env is not None:
+        cluster = launched_cluster(cluster, env)
+    dtype = resolve_dtype(config.model.dtype, arch.dtype, cluster.device_type)
+    options = dataclasses.replace(options_for(config), fill_cluster=env is not None,
+                                  max_dp=max_dp)
+    choice = choose_kind(ModelShape.from_arch(arch, dtype), cluster, config.scenario, options,
+                         one_rank_phases if env is not None else None)
+    if announce and (env is None or env.rank == 0):
+        print(f"meshserve: disagg=auto chose {choice.kind} serving for {cluster.num_nodes} "
+              f"node(s) x {cluster.devices_per_node} {cluster.device_type} rank(s): "
+              f"{choice.explanation}", file=sys.stderr)
+    split = choice.split
+    if choice.kind == "disaggregated" and split is not None:
+        disagg = dataclasses.replace(
+            config.disagg, mode="manual",
+            prefill=PhaseLayout(replicas=split.prefill.replicas, tp=split.prefill.tp,
+                                pp=split.prefill.pp),
+            decode=PhaseLayout(replicas=split.decode.replicas, tp=split.decode.tp,
+                               pp=split.decode.pp))
+        return dataclasses.replace(config, cluster=cluster, disagg=disagg,
+                                   parallel=dataclasses.replace(config.parallel, auto=False,
+                                                                tp=1, pp=1, dp=1))
+    colocated = dataclasses.replace(config, disagg=dataclasses.replace(config.disagg,
+                                                                        mode="none"))
+    return resolve_layout(colocated, arch, env, device, announce=announce, max_dp=max_dp)

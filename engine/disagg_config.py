@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from meshserve.validation import require
 
-MODES = ("none", "manual")
+MODES = ("none", "manual", "auto")
 CONNECTORS = ("auto", "nixl", "torch")
 ON_FAILURE = ("fail", "recompute")
 
@@ -27,7 +27,9 @@ class DisaggConfig:
     mode: str = "none"
     """none: every replica prefills and decodes (colocated); manual: `prefill.replicas`
     replicas run prompts and produce each request's first token, `decode.replicas`
-    replicas receive the prompt's KV and run the request to its end."""
+    replicas receive the prompt's KV and run the request to its end; auto: the planner
+    weighs colocated layouts against prefill/decode splits for the cluster and scenario,
+    and the run starts the better one (the phases below are then its choice)."""
     prefill: PhaseLayout = field(default_factory=PhaseLayout)
     decode: PhaseLayout = field(default_factory=PhaseLayout)
     connector: str = "auto"

@@ -1,5 +1,8 @@
 """`meshserve plan`: rank (tp, pp, dp) layouts of a model on a cluster for a scenario.
 
+With `disagg=auto` it also ranks prefill/decode splits (each phase's replicas, tp and pp,
+the KV hop priced on the link it crosses) and says which kind serves the scenario better.
+
 `meshserve plan model=llama-3-70b cluster=dgx-h100-2node scenario=chatbot [format=json]`
 prints every candidate (memory per device, KV capacity, predicted TTFT / TPOT / throughput,
 or why it was rejected), the choice with its reasons, and the chosen rank map.
@@ -18,6 +21,12 @@ from meshserve.models.arch import ModelArch
 from meshserve.models.bundled import resolve_model_dir
 from meshserve.models.config import ModelConfig
 from meshserve.parallel.planner.cluster import ClusterConfig
+from meshserve.parallel.planner.disagg_search import (
+    KindChoice,
+    Phase,
+    SplitCandidate,
+    choose_kind,
+)
 from meshserve.parallel.planner.model_shape import ModelShape
 from meshserve.parallel.planner.placement import Plan
 from meshserve.parallel.planner.prediction import DRAFT_STEP_FRACTION, SPEC_ACCEPTED, SPEC_TOKENS
@@ -68,12 +77,79 @@ def run(overrides: list[str]) -> int:
     shape = model_shape(cfg, cluster)
     options = PlannerOptions(**{**asdict(options_for(cfg)),
                                 "allow_cross_domain_tp": cfg.plan.allow_cross_domain_tp})
-    chosen = plan(shape, cluster, cfg.scenario, options)
+    if cfg.disagg.mode == "auto":
+        choice = choose_kind(shape, cluster, cfg.scenario, options)
+        chosen = choice.colocated
+    else:
+        choice, chosen = None, plan(shape, cluster, cfg.scenario, options)
     if cfg.plan.format == "json":
-        print(json.dumps(plan_json(chosen, cfg, cluster, shape), indent=1))
+        doc = plan_json(chosen, cfg, cluster, shape)
+        if choice is not None:
+            doc["disagg"] = split_json(choice)
+        print(json.dumps(doc, indent=1))
     else:
         print(plan_table(chosen, cfg, cluster, shape))
+        if choice is not None:
+            print("\n" + split_table(choice, cfg.plan.top))
     return 0
+
+
+def split_dict(c: SplitCandidate) -> dict[str, Any]:
+    """One prefill/decode split for the JSON output."""
+    def phase(p: Phase) -> dict[str, Any]:
+        return {"replicas": p.replicas, "tp": p.tp, "pp": p.pp,
+                "weight_gb_per_device": round(p.sizing.weight_gb, 3),
+                "kv_capacity_tokens": p.sizing.kv_capacity_tokens}
+
+    return {"prefill": phase(c.prefill), "decode": phase(c.decode), "link": c.link,
+            "kv_bytes_per_request": round(c.kv_bytes), "transfer_ms": round(c.transfer_ms, 4),
+            "prefill_capacity_req_s": round(c.prefill_capacity_req_s, 4),
+            "decode_capacity_req_s": round(c.decode_capacity_req_s, 4),
+            "predicted": None if c.prediction is None else {
+                k: round(v, 4) if isinstance(v, float) else v
+                for k, v in asdict(c.prediction).items()},
+            "rejected": c.rejected}
+
+
+def split_json(choice: KindChoice) -> dict[str, Any]:
+    """disagg=auto's answer as JSON: the kind chosen, why, and every split."""
+    return {"chosen": choice.kind, "explanation": choice.explanation,
+            "splits": [split_dict(c) for c in choice.splits]}
+
+
+SPLIT_COLUMNS = ("", "prefill", "decode", "KV hop", "prefill req/s", "decode req/s",
+                 "batch", "TTFT ms", "TPOT ms", "tok/s", "goodput/s", "note")
+
+
+def split_row(i: int, c: SplitCandidate) -> list[str]:
+    """One split's row: its phases, the hop, each side's capacity and the predictions."""
+    head = [str(i + 1) if c.rejected is None else "-", c.prefill.text, c.decode.text]
+    p = c.prediction
+    if p is None:
+        return head + [""] * 8 + [f"rejected: {c.rejected}"]
+    note = f"bound by {c.bound_by}" + ("" if p.meets_slo else ", misses the SLOs")
+    return head + [f"{c.kv_bytes / 1e6:.3g} MB {c.transfer_ms:.2f} ms {c.link}",
+                   f"{c.prefill_capacity_req_s:.3g}", f"{c.decode_capacity_req_s:.3g}",
+                   str(p.batch), f"{p.ttft_ms:.1f}", f"{p.tpot_ms:.2f}",
+                   f"{p.throughput_tok_s:,.0f}", f"{p.goodput_req_s:.2f}", note]
+
+
+def split_table(choice: KindChoice, top: int) -> str:
+    """disagg=auto's splits, best first, and the kind chosen."""
+    shown = choice.splits if not top else choice.splits[:top]
+    lines = ["prefill/decode splits (disagg=auto):", ""]
+    lines += table([list(SPLIT_COLUMNS)] + [split_row(i, c) for i, c in enumerate(shown)], 0)
+    if len(shown) < len(choice.splits):
+        lines.append(f"... {len(choice.splits) - len(shown)} more (plan.top=0 shows all)")
+    lines += ["", f"chosen: {choice.kind} serving", textwrap.fill(choice.explanation, 100)]
+    split = choice.split
+    if choice.kind == "disaggregated" and split is not None:
+        lines.append(f"start it with: disagg=manual disagg.prefill.replicas="
+                     f"{split.prefill.replicas} disagg.prefill.tp={split.prefill.tp} "
+                     f"disagg.prefill.pp={split.prefill.pp} disagg.decode.replicas="
+                     f"{split.decode.replicas} disagg.decode.tp={split.decode.tp} "
+                     f"disagg.decode.pp={split.decode.pp} (or disagg=auto)")
+    return "\n".join(lines)
 
 
 def prediction_dict(c: Candidate) -> dict[str, Any] | None:

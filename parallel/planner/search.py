@@ -155,15 +155,16 @@ def stage_ranges(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioCo
     return stage_layer_ranges(shape.num_layers, pp, costs)
 
 
-def evaluate(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
-             degrees: tuple[int, int, int], options: PlannerOptions) -> Candidate:
-    """Check one (tp, pp, dp) against the rules and predict its figures."""
-    tp, pp, dp = degrees
-    base = Candidate(tp=tp, pp=pp, dp=dp)
+def sized(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig, tp: int,
+          pp: int, options: PlannerOptions) -> tuple[Candidate, CostModel | None]:
+    """One replica of tp x pp checked against the rules: its memory, KV capacity and cost
+    model, or why it can't run (then no cost model). A TP group across NVLink domains is
+    accepted with a warning."""
+    base = Candidate(tp=tp, pp=pp, dp=1)
     if err := shape.tp_error(tp):
-        return replace(base, rejected=err)
+        return replace(base, rejected=err), None
     if pp > shape.num_layers:
-        return replace(base, rejected=f"pp={pp} > {shape.num_layers} layers")
+        return replace(base, rejected=f"pp={pp} > {shape.num_layers} layers"), None
     ranges = stage_ranges(shape, cluster, scenario, tp, pp, options.split_lm_head)
     m = options.num_micro_batches or pp
     cost = CostModel(shape, cluster, layout_for(
@@ -179,16 +180,29 @@ def evaluate(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig
     if weights + act > usable:
         return replace(cand, rejected=(
             f"weights {gb(weights)} + activations {gb(act)} per device > {gb(usable)} usable "
-            f"({cluster.device_memory_gb:g} GB x {options.memory_utilization:g})"))
+            f"({cluster.device_memory_gb:g} GB x {options.memory_utilization:g})")), None
     if capacity < need:
-        return replace(cand, rejected=f"KV cache holds {capacity} tokens < one request's {need}")
+        return replace(cand, rejected=f"KV cache holds {capacity} tokens < one request's "
+                       f"{need}"), None
     if not tp_within_domain(tp, cluster):
         cand = replace(cand, warning=(
             f"TP={tp} over PCIe/network: the devices share no NVLink"
             if cluster.nvlink_domain_size == 1 else
             f"TP={tp} spans NVLink domains of {cluster.nvlink_domain_size} (runs over the "
             "slower link)"))
-    return replace(cand, prediction=predict(cost, scenario, dp=dp, kv_capacity_tokens=capacity))
+    return cand, cost
+
+
+def evaluate(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
+             degrees: tuple[int, int, int], options: PlannerOptions) -> Candidate:
+    """Check one (tp, pp, dp) against the rules and predict its figures."""
+    tp, pp, dp = degrees
+    cand, cost = sized(shape, cluster, scenario, tp, pp, options)
+    cand = replace(cand, dp=dp)
+    if cost is None:
+        return cand
+    return replace(cand, prediction=predict(cost, scenario, dp=dp,
+                                            kv_capacity_tokens=cand.kv_capacity_tokens))
 
 
 METRICS = {"latency": ("latency per request", "ms", False),
@@ -198,7 +212,14 @@ METRICS = {"latency": ("latency per request", "ms", False),
 """objective -> (first metric, unit, higher is better)."""
 
 
-def metric(c: Candidate, scenario: ScenarioConfig) -> float:
+class Predicted(Protocol):
+    """A layout with predicted figures (a Candidate, or a prefill/decode split)."""
+
+    @property
+    def prediction(self) -> Prediction | None: ...
+
+
+def metric(c: Predicted, scenario: ScenarioConfig) -> float:
     """The scenario's first metric for an accepted candidate (latency for the latency
     objective; generated tokens/s for utilization; requests/s within both SLOs otherwise)."""
     p = c.prediction
@@ -207,7 +228,7 @@ def metric(c: Candidate, scenario: ScenarioConfig) -> float:
         scenario.objective, p.goodput_req_s)
 
 
-def score(c: Candidate, scenario: ScenarioConfig) -> float:
+def score(c: Predicted, scenario: ScenarioConfig) -> float:
     """Higher is better: the scenario's first metric, negated when lower is better."""
     return metric(c, scenario) if METRICS[scenario.objective][2] else -metric(c, scenario)
 

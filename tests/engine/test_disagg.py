@@ -71,6 +71,22 @@ def test_one_prefill_one_decode_equals_transformers(make_checkpoint, prompts, ex
         llm.shutdown()
 
 
+def test_disagg_auto_runs_the_planned_split(make_checkpoint, prompts, expected) -> None:
+    llm = LLM(str(make_checkpoint("llama")), progress=False, overrides=[
+        "threads=1", "engine.block_size=8", "disagg.min_prefill_tokens=16", "disagg=auto",
+        "scenario=rag", "scenario.prompt_len=8000", "scenario.output_len=64",
+        "scenario.ttft_slo_ms=4000", "scenario.tpot_slo_ms=1"])
+    try:
+        engine = llm.engine
+        assert isinstance(engine, DisaggEngine)
+        assert [s.role for s in engine.replica_states()] == ["prefill", "decode"]
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+        assert engine.transfers.num_transfers > 0
+        assert_no_blocks_held(engine)
+    finally:
+        llm.shutdown()
+
+
 SIDES = [pytest.param(("disagg.prefill.tp=2",), id="prefill-tp2"),
          pytest.param(("disagg.decode.tp=2",), id="decode-tp2"),
          pytest.param(("disagg.prefill.pp=2",), id="prefill-pp2"),

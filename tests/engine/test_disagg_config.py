@@ -8,8 +8,14 @@ from meshserve.engine.auto_layout import disagg_layout
 from meshserve.engine.disagg import _may_hop
 from meshserve.engine.disagg_config import DisaggConfig, PhaseLayout
 from meshserve.engine.kv_transfer import FAULT_ENV, decode_params, fault_delays
+from meshserve.engine.run import resolve_run
 from meshserve.engine.runtime_config import load_runtime_config
 from meshserve.engine.sampling_params import SamplingParams, StructuredOutputs
+from meshserve.parallel.comm.discovery import LaunchEnv
+
+SPLITS = ["disagg=auto", "scenario=rag", "scenario.prompt_len=8000", "scenario.output_len=64",
+          "scenario.ttft_slo_ms=4000", "scenario.tpot_slo_ms=10"]
+"""A scenario whose long prompts under a tight TPOT SLO the planner splits on local-cpu."""
 
 
 def test_presets_and_overrides() -> None:
@@ -21,7 +27,7 @@ def test_presets_and_overrides() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
-    ({"mode": "auto"}, "disagg.mode"),
+    ({"mode": "split"}, "disagg.mode"),
     ({"connector": "rdma"}, "disagg.connector"),
     ({"on_failure": "retry"}, "disagg.on_failure"),
     ({"kv_lease_s": 0}, "disagg.kv_lease_s"),
@@ -70,3 +76,27 @@ def test_what_hops_and_what_the_decode_side_is_left_with() -> None:
     rest = decode_params(SamplingParams(max_tokens=8, min_tokens=3, temperature=0.7))
     assert (rest.max_tokens, rest.min_tokens, rest.temperature) == (7, 2, 0.7)
     assert decode_params(SamplingParams(max_tokens=8)).min_tokens == 0
+
+
+def test_disagg_auto_starts_the_better_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    split = resolve_run(load_runtime_config(SPLITS), env=None, max_dp=None).config
+    assert split.disagg.mode == "manual" and split.disagg.num_replicas == 2
+    assert (split.disagg.prefill.tp, split.disagg.decode.tp) == (1, 1)
+    assert split.parallel.dp == 2 and not split.parallel.auto
+    assert "disagg=auto chose disaggregated serving" in capsys.readouterr().err
+    chat = resolve_run(load_runtime_config(["disagg=auto", "scenario=chatbot"]), env=None,
+                       max_dp=None).config
+    assert chat.disagg.mode == "none" and not chat.disagg.enabled
+    assert chat.parallel.tp * chat.parallel.pp * chat.parallel.dp >= 1
+    assert "disagg=auto chose colocated serving" in capsys.readouterr().err
+
+
+def test_disagg_auto_under_a_launcher_splits_into_one_rank_replicas() -> None:
+    env = LaunchEnv(launcher="torchrun", rank=0, world_size=4, local_rank=0,
+                    local_world_size=4, node_rank=0, num_nodes=1, master_addr="127.0.0.1",
+                    master_port=29500)
+    cluster = ["cluster.devices_per_node=4", "cluster.nvlink_domain_size=4"]
+    config = resolve_run(load_runtime_config([*SPLITS, *cluster]), env=env,
+                         max_dp=None, announce=False).config
+    d = config.disagg
+    assert d.mode == "manual" and d.num_replicas == 4 and max(d.ranks_per_replica) == 1

@@ -92,3 +92,26 @@ def test_plan_says_where_speculation_does_not_pay() -> None:
     text = " ".join(out.stdout.split())
     assert "assuming 2 of 4 drafts accepted per verify step" in text
     assert "it does not pay there" in text
+
+
+def test_plan_disagg_auto_prints_both_kinds_and_picks() -> None:
+    args = ("plan", "model=llama-3-70b", "cluster=dgx-h100", "scenario=rag",
+            "scenario.prompt_len=2000", "scenario.output_len=64", "scenario.ttft_slo_ms=4000",
+            "scenario.tpot_slo_ms=25", "disagg=auto")
+    out = meshserve(*args, "format=json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["candidates"] and doc["disagg"]["chosen"] == "disaggregated"
+    best = doc["disagg"]["splits"][0]
+    assert best["predicted"]["goodput_req_s"] > doc["predicted"]["goodput_req_s"]
+    assert best["prefill"]["tp"] * best["prefill"]["replicas"] * best["prefill"]["pp"] \
+        + best["decode"]["tp"] * best["decode"]["replicas"] * best["decode"]["pp"] == 8
+    assert best["link"] == "intra" and best["kv_bytes_per_request"] > 0
+    text = meshserve(*args, "plan.top=3")
+    assert text.returncode == 0, text.stderr
+    assert "prefill/decode splits (disagg=auto)" in text.stdout
+    assert "chosen: disaggregated serving" in text.stdout
+    assert "start it with: disagg=manual disagg.prefill.replicas=" in text.stdout
+    chat = meshserve("plan", "model=llama-3-8b", "cluster=dgx-h100", "scenario=chatbot",
+                     "disagg=auto", "format=json")
+    assert json.loads(chat.stdout)["disagg"]["chosen"] == "colocated"

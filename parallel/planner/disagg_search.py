@@ -1,0 +1,331 @@
+"""Prefill/decode splits beside colocated layouts (disagg=auto; DistServe's placement search).
+
+A split gives `prefill.replicas` replicas of prefill.tp x prefill.pp devices the prompts
+and `decode.replicas` replicas of decode.tp x decode.pp devices the rest of every request;
+each request's prompt KV crosses from one to the other. Ranks are placed as the runtime
+starts them: prefill replicas first, device by device, then decode replicas.
+
+The figures, for the scenario's typical request (prompt p, output o):
+  - prefill replica: busy D = the prompt's prefill for each request; arrivals at rate λ per
+    replica queue as an M/D/1 queue, so TTFT = λD² / 2(1 - λD) + the prefill alone. The
+    first token comes from the prefill replica.
+  - KV hop: the prompt's KV bytes over the link the two replicas share (NVLink or shared
+    memory inside a node, InfiniBand across nodes when the replicas span nodes), every rank
+    moving its own piece at once; it delays the second token, so it is spread over TPOT.
+  - decode replica: decode-only steps at batch b (no prefill between them): TPOT = the step
+    + the hop / (o - 1).
+Goodput is the largest arrival rate both sides carry within the SLOs: the prefill replicas'
+rate at which TTFT meets its SLO, or the decode replicas' at the largest batch meeting the
+TPOT SLO, whichever is lower.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from meshserve.parallel.comm.mesh import divisors
+from meshserve.parallel.planner.cluster import ClusterConfig
+from meshserve.parallel.planner.cost_model import CostModel, StepWork, p2p_s
+from meshserve.parallel.planner.model_shape import ModelShape
+from meshserve.parallel.planner.placement import Plan
+from meshserve.parallel.planner.prediction import Prediction, cached_tokens
+from meshserve.parallel.planner.scenario import ScenarioConfig
+from meshserve.parallel.planner.search import (
+    METRICS,
+    Candidate,
+    PlannerOptions,
+    figure,
+    metric,
+    plan,
+    score,
+    sized,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Phase:
+    """One phase's replicas: their degrees, and the sizing of one of them."""
+
+    tp: int
+    pp: int
+    replicas: int
+    sizing: Candidate
+    """tp x pp of one replica as the colocated planner sizes it (memory, KV capacity)."""
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.replicas
+
+    @property
+    def text(self) -> str:
+        """'2 x (tp=2 pp=1)'."""
+        return f"{self.replicas} x (tp={self.tp} pp={self.pp})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitCandidate:
+    """One prefill/decode split the planner weighed."""
+
+    prefill: Phase
+    decode: Phase
+    link: str = "intra"
+    """The link the KV hop crosses: intra (inside a node) or inter (across nodes)."""
+    kv_bytes: float = 0.0
+    """Prompt KV one request moves (its cached prefix is not sent)."""
+    transfer_ms: float = 0.0
+    """The hop of one request's KV."""
+    prefill_capacity_req_s: float = 0.0
+    """Requests/s the prefill replicas carry within the TTFT SLO."""
+    decode_capacity_req_s: float = 0.0
+    """Requests/s the decode replicas carry within the TPOT SLO."""
+    prediction: Prediction | None = None
+    rejected: str | None = None
+
+    @property
+    def degrees(self) -> str:
+        """'P 1 x (tp=1 pp=1) + D 1 x (tp=2 pp=1)'."""
+        return f"P {self.prefill.text} + D {self.decode.text}"
+
+    @property
+    def bound_by(self) -> str:
+        """Which side limits goodput."""
+        return ("prefill" if self.prefill_capacity_req_s <= self.decode_capacity_req_s
+                else "decode")
+
+
+def mdl_wait_s(rate: float, service_s: float) -> float:
+    """Mean wait of an M/D/1 queue (Poisson arrivals, fixed service); inf when saturated."""
+    load = rate * service_s
+    return float("inf") if load >= 1 else rate * service_s ** 2 / (2 * (1 - load))
+
+
+def rate_within(budget_s: float, service_s: float) -> float:
+    """The largest arrival rate whose M/D/1 mean wait is at most `budget_s`."""
+    if budget_s <= 0:
+        return 0.0
+    return 2 * budget_s / (service_s ** 2 + 2 * budget_s * service_s)
+
+
+def last_true(n: int, holds: Callable[[int], bool]) -> int:
+    """The largest b in 1..n where `holds` (true up to some b, false after), else 0."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if holds(mid) else (lo, mid - 1)
+    return lo
+
+
+def kv_link(prefill: Phase, decode: Phase, cluster: ClusterConfig) -> str:
+    """intra when every rank of the split sits on one node, else inter: with prefill
+    replicas placed first, some prefill/decode pair then crosses nodes."""
+    return "intra" if prefill.devices + decode.devices <= cluster.devices_per_node else "inter"
+
+
+def hop_s(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig, prefill: Phase,
+          decode: Phase, link: str) -> tuple[float, float]:
+    """(bytes, seconds) of one request's KV hop: every rank pair moves its piece at once, so
+    the bytes spread over as many links as the smaller side has ranks."""
+    nbytes = (scenario.prompt_len - cached_tokens(scenario)) * shape.num_layers \
+        * shape.kv_bytes_per_token(1)
+    lanes = min(prefill.tp * prefill.pp, decode.tp * decode.pp)
+    if link == "intra":
+        bw, lat = cluster.intra_node_bandwidth_gbs * 1e9, cluster.intra_node_latency_us * 1e-6
+    else:
+        bw, lat = cluster.inter_node_bandwidth_gbs * 1e9, cluster.inter_node_latency_us * 1e-6
+    return nbytes, p2p_s(nbytes / lanes, bw, lat)
+
+
+def predict_split(prefill_cost: CostModel, decode_cost: CostModel, scenario: ScenarioConfig,
+                  prefill: Phase, decode: Phase, transfer_s: float
+                  ) -> tuple[Prediction, float, float]:
+    """The split's figures (at its goodput rate, or at saturation when it has none), and
+    the rates its prefill and decode replicas carry within the SLOs."""
+    p, o = scenario.prompt_len, scenario.output_len
+    cached = cached_tokens(scenario)
+    busy = prefill_cost.prefill_busy_s(p, cached)
+    alone = prefill_cost.ttft_s(p, cached)
+    context = p + o / 2
+    concurrency = decode.sizing.kv_capacity_tokens // (p + o)
+    largest = max(1, min(scenario.max_batch, concurrency))
+
+    def step_s(b: int) -> float:
+        return decode_cost.tpot_s(b, context)
+
+    def tpot_s(b: int) -> float:
+        return step_s(b) + transfer_s / max(1, o - 1)
+
+    top = last_true(largest, lambda b: tpot_s(b) * 1e3 <= scenario.tpot_slo_ms)
+    decode_cap = decode.replicas * top / (step_s(top) * o) if top else 0.0
+    prefill_cap = prefill.replicas * rate_within(scenario.ttft_slo_ms / 1e3 - alone, busy)
+    good = min(prefill_cap, decode_cap)
+    saturated = min(prefill.replicas / busy * 0.99,
+                    decode.replicas * largest / (step_s(largest) * o))
+    if scenario.objective == "latency":  # the colocated planner's load: max_batch in all
+        batch = min(-(-scenario.max_batch // decode.replicas), largest)
+        rate = min(decode.replicas * batch / (step_s(batch) * o), saturated)
+    else:  # the goodput rate, else what the slower side carries at all
+        rate = good or saturated
+        per_decode = rate / decode.replicas  # the smallest batch carrying it
+        batch = min(largest, 1 + last_true(largest, lambda b: b / (step_s(b) * o)
+                                           < per_decode))
+    ttft = (alone + mdl_wait_s(rate / prefill.replicas, busy)) * 1e3
+    tpot = tpot_s(batch) * 1e3
+    decode_step = decode_cost.step(StepWork.decode(batch, context))
+    pred = Prediction(
+        batch=batch, max_concurrency=concurrency, ttft_ms=ttft,
+        latency_ms=ttft + (o - 1) * tpot, tpot_ms=tpot, decode_ms=decode_step.total_s * 1e3,
+        bubble_fraction=decode_step.bubble_s / decode_step.total_s,
+        throughput_tok_s=rate * o, goodput_req_s=good,
+        meets_slo=good > 0 and ttft <= scenario.ttft_slo_ms and tpot <= scenario.tpot_slo_ms)
+    return pred, prefill_cap, decode_cap
+
+
+def phases(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
+           num_devices: int, options: PlannerOptions
+           ) -> list[tuple[Phase, CostModel | None]]:
+    """Every phase layout on exactly `num_devices`: replicas x tp x pp."""
+    out = []
+    for tp in divisors(num_devices):
+        for pp in divisors(num_devices // tp):
+            sizing, cost = sized(shape, cluster, scenario, tp, pp, options)
+            out.append((Phase(tp=tp, pp=pp, replicas=num_devices // tp // pp, sizing=sizing),
+                        cost))
+    return out
+
+
+def evaluate_split(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
+                   prefill: tuple[Phase, CostModel | None],
+                   decode: tuple[Phase, CostModel | None],
+                   options: PlannerOptions) -> SplitCandidate:
+    """One split's figures, or why it can't run."""
+    (pre, pre_cost), (dec, dec_cost) = prefill, decode
+    cand = SplitCandidate(prefill=pre, decode=dec)
+    for side, phase in (("prefill", pre), ("decode", dec)):
+        if phase.sizing.rejected:
+            return replace(cand, rejected=f"{side}: {phase.sizing.rejected}")
+        if phase.sizing.warning and not options.allow_cross_domain_tp:
+            return replace(cand, rejected=f"{side}: {phase.sizing.warning}")
+    assert pre_cost is not None and dec_cost is not None
+    link = kv_link(pre, dec, cluster)
+    nbytes, transfer = hop_s(shape, cluster, scenario, pre, dec, link)
+    pred, pre_cap, dec_cap = predict_split(pre_cost, dec_cost, scenario, pre, dec, transfer)
+    return replace(cand, link=link, kv_bytes=nbytes, transfer_ms=transfer * 1e3,
+                   prefill_capacity_req_s=pre_cap, decode_capacity_req_s=dec_cap,
+                   prediction=pred)
+
+
+def splits(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
+           options: PlannerOptions | None = None) -> list[SplitCandidate]:
+    """Every prefill/decode split of the cluster's devices (all of them, or with
+    fill_cluster false any count from 2 up), accepted ones best first by the scenario's
+    objective, then the rejected."""
+    options = options or PlannerOptions()
+    counts = [cluster.num_devices] if options.fill_cluster else range(2, cluster.num_devices + 1)
+    by_count: dict[int, list[tuple[Phase, CostModel | None]]] = {}
+
+    def layouts(n: int) -> list[tuple[Phase, CostModel | None]]:
+        if n not in by_count:
+            by_count[n] = phases(shape, cluster, scenario, n, options)
+        return by_count[n]
+
+    cands = [evaluate_split(shape, cluster, scenario, pre, dec, options)
+             for n in counts for n_pre in range(1, n)
+             for pre in layouts(n_pre) for dec in layouts(n - n_pre)]
+    ok = [c for c in cands if c.rejected is None]
+
+    def key(c: SplitCandidate) -> tuple[bool, float]:
+        assert c.prediction is not None
+        return (not c.prediction.meets_slo, -score(c, scenario))
+
+    def simplicity(c: SplitCandidate) -> tuple[int, int, int, float]:
+        assert c.prediction is not None
+        return (c.prefill.devices + c.decode.devices, c.prefill.pp + c.decode.pp,
+                c.prefill.tp + c.decode.tp, c.prediction.ttft_ms)
+
+    ordered = sorted(ok, key=key)
+    if ordered:  # the simplest split within the margin of the best leads
+        top, meets = score(ordered[0], scenario), key(ordered[0])[0]
+        close = [c for c in ordered if key(c)[0] == meets
+                 and score(c, scenario) >= top - options.simplicity_margin * abs(top)]
+        chosen = min(close, key=simplicity)
+        ordered = [chosen] + [c for c in ordered if c is not chosen]
+    return ordered + [c for c in cands if c.rejected is not None]
+
+
+def better_kind(colocated: Candidate, split: SplitCandidate | None,
+                scenario: ScenarioConfig, margin: float) -> str:
+    """'disaggregated' when the best split beats the best colocated layout by more than
+    `margin` on the scenario's metric (meeting the SLOs first), else 'colocated': the
+    simpler service wins a near-tie."""
+    if split is None or split.prediction is None:
+        return "colocated"
+    assert colocated.prediction is not None
+    if split.prediction.meets_slo != colocated.prediction.meets_slo:
+        return "disaggregated" if split.prediction.meets_slo else "colocated"
+    top = score(colocated, scenario)
+    return ("disaggregated" if score(split, scenario) > top + margin * abs(top)
+            else "colocated")
+
+
+def describe(c: SplitCandidate, scenario: ScenarioConfig) -> str:
+    """A sentence on one split's figures."""
+    p = c.prediction
+    assert p is not None
+    return (f"{c.degrees}: goodput {p.goodput_req_s:.3g} req/s (prefill side "
+            f"{c.prefill_capacity_req_s:.3g}, decode side {c.decode_capacity_req_s:.3g}: "
+            f"bound by {c.bound_by}); TTFT {p.ttft_ms:.1f} ms, TPOT {p.tpot_ms:.2f} ms at "
+            f"batch {p.batch}; KV hop {c.kv_bytes / 1e6:.3g} MB in {c.transfer_ms:.2f} ms "
+            f"over the {'in-node' if c.link == 'intra' else 'cross-node'} link")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KindChoice:
+    """disagg=auto's answer: the best colocated plan, every split, and which kind won."""
+
+    colocated: Plan
+    splits: list[SplitCandidate]
+    kind: str
+    """colocated or disaggregated."""
+    explanation: str
+
+    @property
+    def split(self) -> SplitCandidate | None:
+        """The best accepted split, if any."""
+        return self.splits[0] if self.splits and self.splits[0].rejected is None else None
+
+
+def choose_kind(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
+                options: PlannerOptions | None = None,
+                accept: Callable[[SplitCandidate], str | None] | None = None) -> KindChoice:
+    """Colocated layouts and prefill/decode splits for the scenario, and the better kind.
+    `accept`: why a split can't run here (a launcher's one-rank replicas, say), else None."""
+    options = options or PlannerOptions()
+    colocated = plan(shape, cluster, scenario, options)
+    found = splits(shape, cluster, scenario, options)
+    if accept is not None:
+        marked = [c if c.rejected or (why := accept(c)) is None else replace(c, rejected=why)
+                  for c in found]
+        found = [c for c in marked if c.rejected is None] + [c for c in marked if c.rejected]
+    best = colocated.candidates[0]
+    top = found[0] if found and found[0].rejected is None else None
+    kind = better_kind(best, top, scenario, options.simplicity_margin)
+    name, unit, _ = METRICS[scenario.objective]
+    if top is None:
+        why = (f"No prefill/decode split fits ({found[0].degrees}: {found[0].rejected})"
+               if found else "No prefill/decode split: the cluster has one device")
+        text = f"{why}; colocated {best.degrees}."
+    else:
+        a, b = metric(best, scenario), metric(top, scenario)
+        rel = (b - a) / a if a else 0.0
+        if kind == "disaggregated":
+            verdict = "so the split wins"
+        elif score(top, scenario) > score(best, scenario):
+            verdict = (f"within the {options.simplicity_margin:.0%} margin, so the simpler "
+                       "colocated service wins")
+        else:
+            verdict = "so colocated serving wins"
+        text = (f"Best colocated {best.degrees}: {name} {figure(a)} {unit}. Best split "
+                f"{describe(top, scenario)}; {name} {figure(b)} {unit} ({rel:+.1%}), "
+                f"{verdict}.")
+    return KindChoice(colocated=colocated, splits=found, kind=kind, explanation=text)

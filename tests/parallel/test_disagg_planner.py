@@ -1,0 +1,132 @@
+"""The prefill/decode split search: the queue model, every split of the devices, the KV hop
+priced on its link, and the choice between split and colocated serving."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from meshserve.launch.config import load_config
+from meshserve.launch.plan import model_shape
+from meshserve.parallel.planner.cluster import ClusterConfig
+from meshserve.parallel.planner.disagg_search import (
+    choose_kind,
+    last_true,
+    mdl_wait_s,
+    rate_within,
+    splits,
+)
+from meshserve.parallel.planner.model_shape import ModelShape
+from meshserve.parallel.planner.scenario import ScenarioConfig
+from meshserve.parallel.planner.search import metric, options_for
+
+
+def setup(*overrides: str) -> tuple[ModelShape, ClusterConfig, ScenarioConfig, object]:
+    cfg = load_config(list(overrides))
+    return model_shape(cfg, cfg.cluster), cfg.cluster, cfg.scenario, options_for(cfg)
+
+
+LONG_PROMPTS_TIGHT_TPOT = ("model=llama-3-70b", "cluster=dgx-h100", "scenario=rag",
+                           "scenario.prompt_len=2000", "scenario.output_len=64",
+                           "scenario.ttft_slo_ms=4000", "scenario.tpot_slo_ms=25")
+
+
+@given(st.floats(1e-4, 10.0), st.floats(1e-4, 100.0))
+def test_rate_within_inverts_the_md1_wait(service_s: float, budget_s: float) -> None:
+    rate = rate_within(budget_s, service_s)
+    assert 0 < rate < 1 / service_s  # never the saturated rate
+    assert mdl_wait_s(rate, service_s) == pytest.approx(budget_s, rel=1e-6)
+    assert mdl_wait_s(rate * 1.01, service_s) > budget_s
+
+
+@given(st.integers(0, 200), st.integers(0, 200))
+def test_last_true_bisects_a_monotone_predicate(n: int, edge: int) -> None:
+    assert last_true(n, lambda b: b <= edge) == min(n, edge)
+
+
+def test_md1_edges() -> None:
+    assert rate_within(0.0, 1.0) == 0.0 and rate_within(-1.0, 1.0) == 0.0
+    assert mdl_wait_s(1.0, 1.0) == float("inf") and mdl_wait_s(0.0, 1.0) == 0.0
+
+
+def test_every_split_uses_every_device_and_prices_its_hop() -> None:
+    shape, cluster, scenario, options = setup("model=llama-3-8b", "cluster=dgx-h100",
+                                              "scenario=rag")
+    found = splits(shape, cluster, scenario, options)
+    ok = [c for c in found if c.rejected is None]
+    assert ok and all(c.prefill.devices + c.decode.devices == 8 for c in found)
+    assert all(c.link == "intra" for c in ok)  # one node
+    kv = (scenario.prompt_len - int(scenario.prompt_len * scenario.shared_prefix_fraction)) \
+        * shape.num_layers * shape.kv_bytes_per_token(1)
+    assert {c.kv_bytes for c in ok} == {kv}
+    # every rank pair moves its own piece: twice the ranks on both sides, half the hop
+    one = next(c for c in ok if (c.prefill.tp, c.decode.tp, c.prefill.replicas) == (1, 1, 4))
+    two = next(c for c in ok if (c.prefill.tp, c.decode.tp, c.prefill.replicas) == (2, 2, 2))
+    assert two.transfer_ms < one.transfer_ms
+    for c in ok:
+        p = c.prediction
+        assert p is not None
+        assert p.goodput_req_s == pytest.approx(min(c.prefill_capacity_req_s,
+                                                    c.decode_capacity_req_s))
+        assert c.bound_by in ("prefill", "decode")
+
+
+def test_a_hop_between_nodes_is_priced_on_the_slower_link() -> None:
+    shape, cluster, scenario, options = setup("model=llama-3-70b", "cluster=dgx-h100-2node",
+                                              "scenario=rag")
+    ok = [c for c in splits(shape, cluster, scenario, options) if c.rejected is None]
+    assert ok and all(c.link == "inter" for c in ok)  # 16 devices never share one node
+    one_node = dataclasses.replace(cluster, num_nodes=1, devices_per_node=16,
+                                   nvlink_domain_size=8)
+    same = [c for c in splits(shape, one_node, scenario, options) if c.rejected is None]
+    pick = {(c.prefill.text, c.decode.text): c for c in same}
+    for c in ok[:5]:
+        twin = pick[(c.prefill.text, c.decode.text)]
+        assert twin.link == "intra" and twin.transfer_ms < c.transfer_ms
+
+
+def test_memory_rules_reject_a_phase_that_does_not_fit() -> None:
+    shape, cluster, scenario, options = setup("model=llama-3-70b", "cluster=dgx-h100",
+                                              "scenario=rag")
+    found = splits(shape, cluster, scenario, options)
+    one_gpu = [c for c in found if c.prefill.tp * c.prefill.pp == 1]
+    assert one_gpu and all(c.rejected and c.rejected.startswith("prefill: weights")
+                           for c in one_gpu)
+
+
+def test_long_prompts_under_a_tight_tpot_slo_split() -> None:
+    shape, cluster, scenario, options = setup(*LONG_PROMPTS_TIGHT_TPOT)
+    choice = choose_kind(shape, cluster, scenario, options)
+    assert choice.kind == "disaggregated"
+    split, colocated = choice.split, choice.colocated.candidates[0]
+    assert split is not None and split.prediction is not None
+    assert metric(split, scenario) > 1.1 * metric(colocated, scenario)
+    assert split.prediction.tpot_ms <= scenario.tpot_slo_ms
+    assert "so the split wins" in choice.explanation
+
+
+def test_short_chats_stay_colocated() -> None:
+    shape, cluster, scenario, options = setup("model=llama-3-8b", "cluster=dgx-h100",
+                                              "scenario=chatbot")
+    choice = choose_kind(shape, cluster, scenario, options)
+    assert choice.kind == "colocated" and choice.split is not None
+    assert "colocated" in choice.explanation
+
+
+def test_a_split_the_run_cannot_start_is_turned_down() -> None:
+    shape, cluster, scenario, options = setup(*LONG_PROMPTS_TIGHT_TPOT)
+    choice = choose_kind(shape, cluster, scenario, options,
+                         accept=lambda c: "one rank each" if c.prefill.tp > 1 else None)
+    assert all(c.prefill.tp == 1 for c in choice.splits if c.rejected is None)
+    assert any(c.rejected == "one rank each" for c in choice.splits)
+
+
+def test_one_device_has_no_split() -> None:
+    shape, cluster, scenario, options = setup("model=meshcoder", "cluster=local-cpu")
+    one = dataclasses.replace(cluster, devices_per_node=1, nvlink_domain_size=1)
+    choice = choose_kind(shape, one, scenario, options)
+    assert choice.kind == "colocated" and choice.splits == []
+    assert "one device" in choice.explanation
