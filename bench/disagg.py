@@ -13,7 +13,10 @@ The SLOs are arguments, fixed before the run. Prints per rate and layout: goodpu
 per second meeting both SLOs), TTFT and TPOT p50/p99, throughput; for 1P+1D the KV moved
 (bytes, bytes/s, transfer time p50) and how the transfer compares with TTFT (the first
 token comes from the prefill replica, so the transfer delays the second token, not the
-first); and the ratios of 1P+1D to the best colocated layout at that rate.
+first); and the ratios of 1P+1D to the best colocated layout at that rate. Before the run,
+the planner's predicted goodput of 1P+1D, dp=2 and tp=2 on the `--cluster` preset for the
+workload's mean prompt and output; each row then has the prediction at its rate (goodput
+cannot exceed the offered rate) and measured / predicted.
 """
 
 from __future__ import annotations
@@ -21,15 +24,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import replace
 
 import torch
 
 from meshserve.bench import checkpoints, workloads
 from meshserve.bench.harness import MeshserveRunner
+from meshserve.bench.layout_check import load_cluster
 from meshserve.bench.metrics import summarize
 from meshserve.engine.disagg import DisaggEngine
 from meshserve.engine.runtime_config import load_runtime_config
 from meshserve.models.arch import ModelArch
+from meshserve.parallel.planner.cluster import ClusterConfig
+from meshserve.parallel.planner.disagg_search import splits
+from meshserve.parallel.planner.model_shape import ModelShape
+from meshserve.parallel.planner.search import evaluate, options_for
 
 LAYOUTS = {
     "1P+1D": ["parallel=single", "threads=1", "disagg=manual"],
@@ -37,6 +46,36 @@ LAYOUTS = {
     "tp=2": ["parallel.tp=2", "threads=1"],
     "1x-auto": ["parallel=single", "threads=2", "engine.max_num_batched_tokens=auto"],
 }
+
+
+PLANNED = {"1P+1D": None, "dp=2": (1, 1, 2), "tp=2": (2, 1, 1)}
+"""The layouts the planner predicts: the split, and colocated (tp, pp, dp); 1x-auto (one
+replica on two threads) is no layout of its devices."""
+
+
+def predicted_goodput(arch: ModelArch, reqs: list, ttft_ms: float, tpot_ms: float,
+                      cluster: ClusterConfig) -> dict[str, float]:
+    """The planner's goodput (req/s) of each planned layout on `cluster`, for the workload's
+    mean prompt and output and the bench's SLOs; no prefix is shared."""
+    config = load_runtime_config()
+    prompt = round(statistics.mean(len(r.prompt_token_ids) for r in reqs))
+    output = round(statistics.mean(r.max_new_tokens for r in reqs))
+    scenario = replace(config.scenario, name="rag-bench", objective="throughput",
+                       prompt_len=prompt, output_len=output, shared_prefix_fraction=0.0,
+                       ttft_slo_ms=ttft_ms, tpot_slo_ms=tpot_ms, max_batch=len(reqs))
+    shape = ModelShape.from_arch(arch, "float32")
+    options = replace(options_for(config), max_num_batched_tokens=512)
+    out = {}
+    for name, degrees in PLANNED.items():
+        if degrees is None:
+            found = [c for c in splits(shape, cluster, scenario, options)
+                     if c.rejected is None and c.prefill.devices == c.decode.devices == 1]
+            pred = found[0].prediction if found else None
+        else:
+            pred = evaluate(shape, cluster, scenario, degrees, options).prediction
+        if pred is not None:
+            out[name] = pred.goodput_req_s
+    return out
 
 
 def main() -> None:
@@ -51,6 +90,9 @@ def main() -> None:
     ap.add_argument("--prefill-step-tokens", type=int, default=512,
                     help="1P+1D's engine.max_num_batched_tokens (short prefill steps keep "
                          "the front, which runs the prefill replica, answering)")
+    ap.add_argument("--cluster", default="local-cpu",
+                    help="the cluster preset the planner predicts with: a name in conf/cluster "
+                         "or a YAML file `meshserve calibrate calibrate.out=F` wrote")
     args = ap.parse_args()
     torch.set_num_threads(1)
     path = checkpoints.resolve(args.model)
@@ -59,6 +101,12 @@ def main() -> None:
             f"scenario.tpot_slo_ms={args.tpot_ms}", f"scenario.ttft_slo_ms={args.ttft_ms}"]
     print(json.dumps({"slo": {"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms},
                       "workload": "rag", "num_requests": args.num_requests}), flush=True)
+    reqs = workloads.resolve("rag", arch.vocab_size, rate=args.rates[0],
+                             num_requests=args.num_requests)
+    cluster = load_cluster(args.cluster)
+    planned = predicted_goodput(arch, reqs, args.ttft_ms, args.tpot_ms, cluster)
+    print(json.dumps({"predicted_goodput_req_s": {n: round(g, 4) for n, g in planned.items()},
+                      "cluster": cluster.name, "cluster_source": cluster.source}), flush=True)
     for i, rate in enumerate(args.rates):
         reqs = workloads.resolve("rag", arch.vocab_size, rate=rate,
                                  num_requests=args.num_requests)
@@ -94,6 +142,11 @@ def main() -> None:
                              "transfer_p50_ms": round(statistics.median(secs) * 1e3, 1),
                              "transfer_over_ttft_p50": round(
                                  statistics.median(secs) / s["ttft_s"]["p50"], 3)}
+            if name in planned:  # goodput cannot exceed the offered rate
+                expect = min(rate, planned[name])
+                row["predicted_goodput_req_s"] = round(expect, 4)
+                row["measured_over_predicted"] = round(row["goodput_req_s"] / expect, 3) \
+                    if expect else None
             rows[name] = row
             print(json.dumps({"rate": rate, "layout": name, **row}), flush=True)
         colocated = {n: r for n, r in rows.items() if n != "1P+1D"}
