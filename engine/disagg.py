@@ -81,6 +81,9 @@ class TransferStats:
     """Leases that lapsed on a prefill replica with nobody reading them."""
     num_skipped: int = 0
     """Requests that did not hop (short, cached, or their params need the whole run)."""
+    num_granted_at_import: int = 0
+    """Reads the front began as it sent the import (KV held in its own process, a pulling
+    connector), so the decode replica never asked."""
     bytes: int = 0
     wire_seconds_sum: float = 0.0
     """Time the bytes themselves took (the decode replica's pulls)."""
@@ -311,14 +314,27 @@ class DisaggEngine(DataParallelEngine):
         return []
 
     def _import(self, rid: str, hop: _Hop) -> None:
-        """The prompt's KV is held and its first token known: send it to a decode replica."""
+        """The prompt's KV is held and its first token known: send it to a decode replica.
+
+        When the KV is held here (replica 0) and the connector pulls, the lease's read
+        begins now and the decode replica pulls as soon as it has its blocks: no ask comes
+        back through this loop, which may be in the middle of a prefill step."""
         assert hop.first is not None and hop.held_blocks is not None
         target = self._pick_decode()
         self._move(rid, hop.prefill, target)
         hop.decode, hop.stage = target, "held"
+        transfer_id = next(self._transfer_ids)
+        if hop.prefill == 0 and not self.role.connector.pushes:
+            (reply,) = self.role.command("export", (rid, transfer_id, 0, target))
+            if reply[0] == "denied":
+                self._buffered += self._transfer_failed(rid, hop, str(reply[2]))
+                return
+            hop.stage, hop.granted = "import", True
+            self._transfers[rid] = (0, hop.held_at)
+            self.transfers.num_granted_at_import += 1
         self._tell(target, "import", rid, hop.ids + hop.first.token_ids,
                    decode_params(hop.params), hop.arrival, hop.prefill, hop.held_blocks,
-                   next(self._transfer_ids))
+                   transfer_id, hop.granted)
 
     def _end_transfer(self, rid: str) -> float | None:
         """A decode replica is done reading `rid`'s KV: the prefill replica unpins it."""

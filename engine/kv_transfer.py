@@ -10,7 +10,8 @@ disagg.kv_lease_s and are counted.
 A decode replica told to "import" a request pins what its prefix cache already holds of
 the prompt and takes fresh blocks for the rest (`BlockManager.begin_import`); if nothing
 is missing, or no block is free, it admits the request at once (then it prefills what it
-lacks itself). Otherwise it asks ("want"), and once granted a thread pulls the blocks in;
+lacks itself). Otherwise it asks ("want"), and once granted a thread pulls the blocks in
+(an import may come granted already: the front began the read of KV it holds itself);
 when the thread is done the blocks enter its prefix cache and the request (its prompt
 plus the first token) is admitted, a prefix hit for all but its last block. An abort at
 any point frees what the request holds on this side, once no thread still uses it.
@@ -263,7 +264,10 @@ class KVRole:
     # --- decode side ---------------------------------------------------------------------
 
     def _import(self, rid: str, ids: list[int], params: SamplingParams, arrival: float,
-                src: int, src_blocks: list[int], transfer_id: int) -> list[Message]:
+                src: int, src_blocks: list[int], transfer_id: int,
+                granted: bool = False) -> list[Message]:
+        """Take blocks for what the prefix cache lacks of the prompt, then ask for the read
+        (or, `granted` already, pull at once)."""
         bs = self.bm.block_size
         shipped = ids[:len(src_blocks) * bs + 1]  # what the prefill side holds, + 1 token
         imp = self.bm.begin_import(shipped) if src_blocks else None
@@ -273,6 +277,9 @@ class KVRole:
             self.engine.add_request(ids, params, rid, arrival)
             return [("imported", rid, 0, 0.0)]
         self._imports[rid] = _Import(imp, ids, params, arrival, src, src_blocks, transfer_id)
+        if granted:
+            self._start_pull(rid)
+            return []
         want: Message = ("want", rid, transfer_id, imp.first_block)
         if "want" in self._delays:
             self._held_back.append((self.clock() + self._delays["want"], want))

@@ -59,6 +59,8 @@ def test_one_prefill_one_decode_equals_transformers(make_checkpoint, prompts, ex
         t = engine.transfers
         assert t.num_skipped == len(prompts) - len(hopped)  # short prompts prefill on decode
         assert t.num_transfers == len(hopped) and t.num_failed == 0
+        # NIXL pulls: the front began each read itself, so no ask waited on its steps
+        assert t.num_granted_at_import == (len(hopped) if connector == "nixl" else 0)
         block_bytes = 2 * 2 * 8 * 2 * 16 * 4  # layers x K/V x block x kv heads x head dim x fp32
         assert t.bytes == sum((len(p) - 1) // 8 for p in hopped) * block_bytes
         assert_no_blocks_held(engine)
@@ -109,6 +111,8 @@ def test_sides_of_other_tp_and_pp_equal_transformers(make_checkpoint, prompts, e
         hopped = [p for p in prompts if len(p) >= 16]
         t = engine.transfers
         assert t.num_transfers == len(hopped) and t.num_failed == 0
+        # NIXL pulls: the front began each read itself, so no ask waited on its steps
+        assert t.num_granted_at_import == (len(hopped) if connector == "nixl" else 0)
         block_bytes = 2 * 2 * 8 * 2 * 16 * 4  # every layer and head once, whatever the split
         assert t.bytes == sum((len(p) - 1) // 8 for p in hopped) * block_bytes
         assert_no_blocks_held(engine)
@@ -146,8 +150,10 @@ def slow_transfers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("slow_transfers")
-def test_an_abort_at_any_stage_frees_both_sides(make_checkpoint, prompts) -> None:
-    llm = disagg_llm(str(make_checkpoint("llama")), "disagg.connector=torch")
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_an_abort_at_any_stage_frees_both_sides(make_checkpoint, prompts,
+                                                connector: str) -> None:
+    llm = disagg_llm(str(make_checkpoint("llama")), f"disagg.connector={connector}")
     try:
         engine = llm.engine
         long = [p for p in prompts if len(p) >= 16]
