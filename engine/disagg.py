@@ -64,6 +64,8 @@ class _Hop:
     held_at: float = 0.0
     granted: bool = False
     """Whether the prefill replica granted the read (the blocks may be moving)."""
+    import_sent_at: float = 0.0
+    """When the front told the decode replica to import (its clock)."""
 
 
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -242,6 +244,16 @@ class DisaggEngine(DataParallelEngine):
             for reply in self.role.command(kind, tuple(args)):
                 self._buffered += self._on_message(0, reply)
 
+    def _tell_or_lose(self, index: int, *msg: Any) -> None:
+        """`_tell`, where a replica found gone is lost (its requests fail or are recomputed)
+        rather than the one whose message is being handled."""
+        if index in self.down:
+            return
+        try:
+            self._tell(index, *msg)
+        except RankFailure as e:
+            self._lose(index, str(e))
+
     def abort(self, request_id: str) -> bool:
         """Stop a request on every replica that holds something of it."""
         owner = self._owner.get(request_id)
@@ -279,27 +291,30 @@ class DisaggEngine(DataParallelEngine):
             transfer_id, first_block = args
             hop.stage = "import"
             self._transfers[rid] = (hop.prefill, hop.held_at)
-            self._tell(hop.prefill, "export", rid, transfer_id, first_block, index)
+            self._tell_or_lose(hop.prefill, "export", rid, transfer_id, first_block, index)
         elif kind == "granted":
             if hop is None:  # aborted after the read began: end it
                 self._end_transfer(rid)
                 return []
             assert hop.decode is not None
             hop.granted = True
-            self._tell(hop.decode, "granted", rid)
+            self._tell_or_lose(hop.decode, "granted", rid)
         elif kind == "denied":
             (why,) = args
             self._transfers.pop(rid, None)
             if hop is not None and hop.decode is not None:
-                self._tell(hop.decode, "denied", rid, why)
+                self._tell_or_lose(hop.decode, "denied", rid, why)
                 return self._transfer_failed(rid, hop, str(why))
         elif kind == "imported":
-            nbytes, wire_s = args
+            nbytes, wire_s, admit_s = args
             if rid not in self._transfers and hop is not None:  # nothing was read:
-                self._tell(hop.prefill, "abort", rid)  # the lease just goes
+                self._tell_or_lose(hop.prefill, "abort", rid)  # the lease just goes
             start = self._end_transfer(rid)
-            if nbytes and start is not None:
-                self.transfers.observe(int(nbytes), time.monotonic() - start, float(wire_s))
+            if nbytes and start is not None and hop is not None:
+                # held -> import sent here, then import -> admitted there: not when this
+                # loop, busy with a prefill step, got around to reading the reply
+                self.transfers.observe(int(nbytes), hop.import_sent_at - start
+                                       + float(admit_s), float(wire_s))
             if hop is not None:
                 hop.stage = "decode"
         elif kind == "import_failed":
@@ -332,9 +347,10 @@ class DisaggEngine(DataParallelEngine):
             hop.stage, hop.granted = "import", True
             self._transfers[rid] = (0, hop.held_at)
             self.transfers.num_granted_at_import += 1
-        self._tell(target, "import", rid, hop.ids + hop.first.token_ids,
-                   decode_params(hop.params), hop.arrival, hop.prefill, hop.held_blocks,
-                   transfer_id, hop.granted)
+        hop.import_sent_at = time.monotonic()
+        self._tell_or_lose(target, "import", rid, hop.ids + hop.first.token_ids,
+                           decode_params(hop.params), hop.arrival, hop.prefill,
+                           hop.held_blocks, transfer_id, hop.granted)
 
     def _end_transfer(self, rid: str) -> float | None:
         """A decode replica is done reading `rid`'s KV: the prefill replica unpins it."""
@@ -354,8 +370,8 @@ class DisaggEngine(DataParallelEngine):
         assert hop.decode is not None and hop.first is not None
         if self.disagg.on_failure == "recompute":
             hop.stage = "decode"
-            self._tell(hop.decode, "add", hop.ids + hop.first.token_ids,
-                       decode_params(hop.params), rid, hop.arrival)
+            self._tell_or_lose(hop.decode, "add", hop.ids + hop.first.token_ids,
+                               decode_params(hop.params), rid, hop.arrival)
             return []
         return [RequestOutput(rid, hop.ids, finished=True, finish_reason="error",  # (after
                               metrics=hop.first.metrics, replica=hop.decode,  # the first token)

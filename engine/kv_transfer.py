@@ -84,6 +84,8 @@ class _Import:
     src: int
     src_blocks: list[int]
     transfer_id: int
+    received: float = 0.0
+    """When the import came (this side's clock)."""
     running: bool = False
     aborted: bool = False
 
@@ -275,8 +277,9 @@ class KVRole:
             if imp is not None:
                 self.bm.finish_import(imp, written=True)
             self.engine.add_request(ids, params, rid, arrival)
-            return [("imported", rid, 0, 0.0)]
-        self._imports[rid] = _Import(imp, ids, params, arrival, src, src_blocks, transfer_id)
+            return [("imported", rid, 0, 0.0, 0.0)]
+        self._imports[rid] = _Import(imp, ids, params, arrival, src, src_blocks, transfer_id,
+                                     self.clock())
         if granted:
             self._start_pull(rid)
             return []
@@ -317,4 +320,4 @@ class KVRole:
             return [("import_failed", rid, error)]
         self.bytes_received += nbytes
         self.engine.add_request(job.ids, job.params, rid, job.arrival)
-        return [("imported", rid, nbytes, seconds)]
+        return [("imported", rid, nbytes, seconds, self.clock() - job.received)]

@@ -276,3 +276,38 @@ def test_a_killed_prefill_replica_fails_or_recomputes_what_it_held(
         assert_no_blocks_held(engine)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_a_prefill_replica_killed_during_a_granted_read_recomputes_it(
+        make_checkpoint, prompts, expected, monkeypatch: pytest.MonkeyPatch,
+        connector: str) -> None:
+    """2P+1D with every pull starting 1.5 s late: replica 1 is killed once it granted a
+    read, before the bytes moved. The read fails within disagg.transfer_timeout_s and the
+    request is prefilled again on the decode replica, keeping transformers' tokens."""
+    monkeypatch.setenv(FAULT_ENV, "pull=1.5")
+    path = str(make_checkpoint("llama"))
+    llm = LLM(path, overrides=[*ONE_RANK, "disagg.prefill.replicas=2",
+                               f"disagg.connector={connector}", "disagg.on_failure=recompute",
+                               "disagg.transfer_timeout_s=5", "parallel.timeout_s=5"],
+              progress=False, min_replicas=2)
+    try:
+        engine = llm.engine
+        long = [i for i, p in enumerate(prompts) if len(p) >= 16]
+        ids = {engine.add_request(prompts[i], GREEDY): i for i in long}
+
+        def granted_on_1(_: list[RequestOutput]) -> bool:
+            return any(h.prefill == 1 and h.granted and h.stage == "import"
+                       for h in engine._hops.values())
+
+        outs = run_until(engine, granted_on_1)
+        reading = {r for r, h in engine._hops.items() if h.prefill == 1 and h.granted}
+        finished = kill_and_finish(engine, 1, outs)
+        assert set(finished) == set(ids)
+        for rid in reading:
+            assert finished[rid].finish_reason == "length"
+            assert finished[rid].token_ids == expected[ids[rid]], rid
+        assert engine.transfers.num_failed >= len(reading)
+        assert_no_blocks_held(engine)
+    finally:
+        llm.shutdown()

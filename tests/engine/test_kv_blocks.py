@@ -1,5 +1,4 @@
-"""KV blocks in and out of a paged cache, and resharded between TP sizes: what a decode
-replica assembles equals what it would have computed itself."""
+"""KV blocks in and out of a paged cache, and the KV heads each TP rank holds."""
 
 from __future__ import annotations
 
@@ -9,8 +8,6 @@ import torch
 from meshserve.engine.worker.kv_blocks import (
     gather_blocks,
     kv_head_range,
-    reshard,
-    reshard_plan,
     scatter_blocks,
 )
 
@@ -45,23 +42,3 @@ def test_head_ranges_follow_the_qkv_sharding() -> None:
                                                          range(1, 2), range(1, 2)]
     with pytest.raises(ValueError, match="must divide or be a multiple"):
         kv_head_range(0, 3, 2)
-
-
-@pytest.mark.parametrize("heads", [1, 2, 4])
-@pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4),
-                                                (4, 1), (2, 2)])
-def test_resharding_gives_each_rank_its_own_heads(heads: int, src_tp: int, dst_tp: int
-                                                  ) -> None:
-    whole = gather_blocks(_cache(heads, 2), [3, 0, 8])  # the unsharded blocks
-    by_src = [whole[:, :, :, :, kv_head_range(s, src_tp, heads)] for s in range(src_tp)]
-    for d in range(dst_tp):
-        want = whole[:, :, :, :, kv_head_range(d, dst_tp, heads)]
-        assert torch.equal(reshard(by_src, heads, dst_tp, d), want)
-
-
-def test_a_plan_reads_contiguous_pieces_from_few_ranks() -> None:
-    plan = reshard_plan(4, src_tp=2, dst_tp=1, dst_rank=0)
-    assert [(p.src_rank, p.src, p.dst) for p in plan] == [(0, slice(0, 2), slice(0, 2)),
-                                                          (1, slice(0, 2), slice(2, 4))]
-    # Replicated heads are read once, from the first rank holding them.
-    assert [p.src_rank for p in reshard_plan(2, src_tp=4, dst_tp=1, dst_rank=0)] == [0, 2]
