@@ -134,13 +134,19 @@ def split_row(i: int, c: SplitCandidate) -> list[str]:
                    f"{p.throughput_tok_s:,.0f}", f"{p.goodput_req_s:.2f}", note]
 
 
+SPLIT_ROWS = 10
+"""Splits the table shows unless plan.top says otherwise (a large cluster has hundreds)."""
+
+
 def split_table(choice: KindChoice, top: int) -> str:
-    """disagg=auto's splits, best first, and the kind chosen."""
-    shown = choice.splits if not top else choice.splits[:top]
+    """disagg=auto's splits, best first (the first `top`, else SPLIT_ROWS), and the kind
+    chosen."""
+    shown = choice.splits[:top or SPLIT_ROWS]
     lines = ["prefill/decode splits (disagg=auto):", ""]
     lines += table([list(SPLIT_COLUMNS)] + [split_row(i, c) for i, c in enumerate(shown)], 0)
     if len(shown) < len(choice.splits):
-        lines.append(f"... {len(choice.splits) - len(shown)} more (plan.top=0 shows all)")
+        lines.append(f"... {len(choice.splits) - len(shown)} more (plan.top=N shows N; "
+                     "format=json lists all)")
     lines += ["", f"chosen: {choice.kind} serving", textwrap.fill(choice.explanation, 100)]
     split = choice.split
     if choice.kind == "disaggregated" and split is not None:

@@ -112,6 +112,7 @@ def test_plan_disagg_auto_prints_both_kinds_and_picks() -> None:
     assert "prefill/decode splits (disagg=auto)" in text.stdout
     assert "chosen: disaggregated serving" in text.stdout
     assert "start it with: disagg=manual disagg.prefill.replicas=" in text.stdout
+    assert "more (plan.top=N shows N; format=json lists all)" in text.stdout
     chat = meshserve("plan", "model=llama-3-8b", "cluster=dgx-h100", "scenario=chatbot",
                      "disagg=auto", "format=json")
     assert json.loads(chat.stdout)["disagg"]["chosen"] == "colocated"
