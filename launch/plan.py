@@ -33,6 +33,7 @@ from meshserve.parallel.planner.prediction import DRAFT_STEP_FRACTION, SPEC_ACCE
 from meshserve.parallel.planner.search import (
     Candidate,
     PlannerOptions,
+    Predicted,
     options_for,
     plan,
     resolve_dtype,
@@ -105,10 +106,7 @@ def split_dict(c: SplitCandidate) -> dict[str, Any]:
             "kv_bytes_per_request": round(c.kv_bytes), "transfer_ms": round(c.transfer_ms, 4),
             "prefill_capacity_req_s": round(c.prefill_capacity_req_s, 4),
             "decode_capacity_req_s": round(c.decode_capacity_req_s, 4),
-            "predicted": None if c.prediction is None else {
-                k: round(v, 4) if isinstance(v, float) else v
-                for k, v in asdict(c.prediction).items()},
-            "rejected": c.rejected}
+            "predicted": prediction_dict(c), "rejected": c.rejected}
 
 
 def split_json(choice: KindChoice) -> dict[str, Any]:
@@ -158,8 +156,8 @@ def split_table(choice: KindChoice, top: int) -> str:
     return "\n".join(lines)
 
 
-def prediction_dict(c: Candidate) -> dict[str, Any] | None:
-    """A candidate's predicted figures, rounded for reading."""
+def prediction_dict(c: Predicted) -> dict[str, Any] | None:
+    """A candidate's (or a split's) predicted figures, rounded for reading."""
     if c.prediction is None:
         return None
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(c.prediction).items()}

@@ -21,6 +21,13 @@ LINKS = ("intra", "inter")
 LOGITS_BYTES = 4  # logits are gathered in fp32
 
 
+def link_figures(cluster: ClusterConfig, link: str) -> tuple[float, float]:
+    """(bytes/s, seconds of latency) of an intra-node or inter-node link."""
+    if link == "intra":
+        return cluster.intra_node_bandwidth_gbs * 1e9, cluster.intra_node_latency_us * 1e-6
+    return cluster.inter_node_bandwidth_gbs * 1e9, cluster.inter_node_latency_us * 1e-6
+
+
 def ring_allreduce_s(n: int, nbytes: float, bandwidth: float, latency: float) -> float:
     """Seconds of a ring AllReduce of `nbytes` over `n` ranks (bytes/s, seconds per step)."""
     if n <= 1:
@@ -188,10 +195,7 @@ class CostModel:
         assert sum(self.layout.stage_layers) == self.shape.num_layers, self.layout.stage_layers
 
     def _link(self, link: str) -> tuple[float, float]:
-        c = self.cluster
-        if link == "intra":
-            return c.intra_node_bandwidth_gbs * 1e9, c.intra_node_latency_us * 1e-6
-        return c.inter_node_bandwidth_gbs * 1e9, c.inter_node_latency_us * 1e-6
+        return link_figures(self.cluster, link)
 
     def stage_weight_bytes(self, stage: int) -> int:
         """Weight bytes one device of `stage` holds."""

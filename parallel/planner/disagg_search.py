@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from meshserve.parallel.comm.mesh import divisors
 from meshserve.parallel.planner.cluster import ClusterConfig
-from meshserve.parallel.planner.cost_model import CostModel, StepWork, p2p_s
+from meshserve.parallel.planner.cost_model import CostModel, StepWork, link_figures, p2p_s
 from meshserve.parallel.planner.model_shape import ModelShape
 from meshserve.parallel.planner.placement import Plan
 from meshserve.parallel.planner.prediction import Prediction, cached_tokens
@@ -129,11 +129,7 @@ def hop_s(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig, p
     nbytes = (scenario.prompt_len - cached_tokens(scenario)) * shape.num_layers \
         * shape.kv_bytes_per_token(1)
     lanes = min(prefill.tp * prefill.pp, decode.tp * decode.pp)
-    if link == "intra":
-        bw, lat = cluster.intra_node_bandwidth_gbs * 1e9, cluster.intra_node_latency_us * 1e-6
-    else:
-        bw, lat = cluster.inter_node_bandwidth_gbs * 1e9, cluster.inter_node_latency_us * 1e-6
-    return nbytes, p2p_s(nbytes / lanes, bw, lat)
+    return nbytes, p2p_s(nbytes / lanes, *link_figures(cluster, link))
 
 
 def predict_split(prefill_cost: CostModel, decode_cost: CostModel, scenario: ScenarioConfig,
