@@ -11,7 +11,7 @@ from meshserve.engine.runtime_config import RuntimeConfig
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.comm.discovery import LaunchEnv
 from meshserve.parallel.planner.cluster import ClusterConfig
-from meshserve.parallel.planner.disagg_search import SplitCandidate, choose_kind
+from meshserve.parallel.planner.disagg_search import choose_kind
 from meshserve.parallel.planner.model_shape import ModelShape
 from meshserve.parallel.planner.search import options_for, plan_for, resolve_dtype
 from meshserve.parallel.planner.topology import detect_cluster
@@ -59,7 +59,7 @@ def resolve_layout(config: RuntimeConfig, arch: ModelArch, env: LaunchEnv | None
     if config.disagg.mode == "auto":
         config = disagg_auto(config, arch, env, device, announce=announce, max_dp=max_dp)
     if config.disagg.enabled:
-        return disagg_layout(config, launched=env is not None)
+        return disagg_layout(config)
     if not config.parallel.auto:
         return config
     cluster = run_cluster(config, device)
@@ -80,31 +80,17 @@ def resolve_layout(config: RuntimeConfig, arch: ModelArch, env: LaunchEnv | None
     return dataclasses.replace(config, cluster=cluster, parallel=parallel)
 
 
-def disagg_layout(config: RuntimeConfig, *, launched: bool = False) -> RuntimeConfig:
+def disagg_layout(config: RuntimeConfig) -> RuntimeConfig:
     """disagg.mode=manual: disagg.prefill.replicas + disagg.decode.replicas replicas, as
     data parallelism of that many (each replica's own tp and pp come from its phase;
-    parallel=auto plans nothing then; degrees given by hand must agree). Launched, each
-    replica is one rank for now."""
+    parallel=auto plans nothing then; degrees given by hand must agree)."""
     par, n = config.parallel, config.disagg.num_replicas
-    d = config.disagg
-    if launched and max(d.ranks_per_replica) > 1:
-        raise ValueError(f"disagg.prefill.tp={d.prefill.tp}, pp={d.prefill.pp} and "
-                         f"disagg.decode.tp={d.decode.tp}, pp={d.decode.pp} under a launcher: "
-                         "allowed there is tp=pp=1 for both phases (started without a "
-                         "launcher, each phase may have its own tp and pp)")
     if not par.auto and (par.tp * par.pp != 1 or par.dp not in (1, n)):
         raise ValueError(f"disagg.mode=manual with parallel.tp={par.tp}, pp={par.pp}, "
                          f"dp={par.dp}: allowed is tp=pp=1 and dp=1 or {n} (the replicas "
                          "come from disagg.prefill.replicas and disagg.decode.replicas)")
     return dataclasses.replace(config, parallel=dataclasses.replace(
         par, auto=False, tp=1, pp=1, dp=n))
-
-
-def one_rank_phases(split: SplitCandidate) -> str | None:
-    """Under a launcher each replica is one rank for now: a split of larger ones can't run."""
-    if max(split.prefill.tp * split.prefill.pp, split.decode.tp * split.decode.pp) > 1:
-        return "under a launcher a replica is one rank (tp=pp=1)"
-    return None
 
 
 def disagg_auto(config: RuntimeConfig, arch: ModelArch, env: LaunchEnv | None, device: str,
@@ -120,8 +106,7 @@ def disagg_auto(config: RuntimeConfig, arch: ModelArch, env: LaunchEnv | None, d
     dtype = resolve_dtype(config.model.dtype, arch.dtype, cluster.device_type)
     options = dataclasses.replace(options_for(config), fill_cluster=env is not None,
                                   max_dp=max_dp)
-    choice = choose_kind(ModelShape.from_arch(arch, dtype), cluster, config.scenario, options,
-                         one_rank_phases if env is not None else None)
+    choice = choose_kind(ModelShape.from_arch(arch, dtype), cluster, config.scenario, options)
     if announce and (env is None or env.rank == 0):
         print(f"meshserve: disagg=auto chose {choice.kind} serving for {cluster.num_nodes} "
               f"node(s) x {cluster.devices_per_node} {cluster.device_type} rank(s): "

@@ -31,7 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from meshserve.engine.engine import Engine
-from meshserve.engine.launched_replicas import FrontListener, launched_role
+from meshserve.engine.launched_replicas import (
+    FrontListener,
+    launched_replica_run,
+    launched_role,
+)
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.prefix_cache import PrefixCacheStats
 from meshserve.engine.replica import BEAT_S
@@ -206,7 +210,8 @@ class DataParallelEngine:
         self._timeout_s = config.parallel.timeout_s
         listener = None
         if run.env is not None:  # launched: the world's groups hold every replica
-            one, role = run, launched_role(run)
+            role = launched_role(run)
+            one = launched_replica_run(run, role)
             listener = FrontListener(run)
             self._remotes: list[_Remote] = []
         else:

@@ -141,9 +141,11 @@ class DisaggEngine(DataParallelEngine):
         self.transfers = TransferStats()
         self._progress = progress
         if progress:
+            p, dec = d.prefill, d.decode
             print(f"meshserve: {self.num_prefill} prefill + {self.dp - self.num_prefill} "
-                  f"decode replicas ready (disagg.connector={self.connector_name})",
-                  file=sys.stderr, flush=True)
+                  f"decode replicas ready (prefill tp={p.tp} pp={p.pp}, decode tp={dec.tp} "
+                  f"pp={dec.pp}; {'launched' if run.env is not None else 'started here'}; "
+                  f"disagg.connector={self.connector_name})", file=sys.stderr, flush=True)
 
     # --- start-up ------------------------------------------------------------------------
 

@@ -45,8 +45,14 @@ from meshserve.engine.kv_leases import KVLeases, LeaseExpired
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.run import Run
 from meshserve.engine.sampling_params import SamplingParams
-from meshserve.engine.worker.kv_agent import FannedOut, store_opener, tell_ranks
+from meshserve.engine.worker.kv_agent import (
+    FannedOut,
+    replica_store_address,
+    store_opener,
+    tell_ranks,
+)
 from meshserve.engine.worker.kv_pieces import RankKV
+from meshserve.parallel.comm.ranks import StoreAddress, launcher_store_address
 
 Message = tuple[object, ...]
 
@@ -108,13 +114,22 @@ def kv_role(engine: Engine, run: Run, index: int, store: dist.Store,
     num_ranks = par.tp * par.pp
     ranks_store = None
     if num_ranks > 1:  # the other ranks join the KV world before this rank waits on it
+        env = engine.run.env
         port = getattr(engine.executor, "rendezvous_port", None)
-        if addr is None or port is None:
-            raise ValueError(f"disagg with a replica of tp={par.tp}, pp={par.pp} under a "
-                             "launcher: allowed there is tp=pp=1 for both phases (a launched "
-                             "multi-rank replica's ranks do not reach the KV store yet)")
-        ranks_store = store_opener("127.0.0.1", port)
-        tell_ranks(ranks_store(), addr[0], addr[1], index, d.ranks_per_replica, name,
+        if port is not None:  # self-spawned ranks: their own run's store
+            ranks_at = StoreAddress("127.0.0.1", port)
+        elif env is not None and env.world is not None:  # a launched replica's own world
+            ranks_at = replica_store_address(env)
+        else:
+            raise ValueError(f"disagg with a replica of tp={par.tp}, pp={par.pp}: its ranks "
+                             "must be self-spawned or a launched replica's own world")
+        if addr is not None:
+            kv_world = StoreAddress(*addr)
+        else:  # launched: the KV world's store is the launched world's
+            assert env is not None and env.world is not None
+            kv_world = launcher_store_address(env.world)
+        ranks_store = store_opener(ranks_at)
+        tell_ranks(ranks_store(), kv_world, index, d.ranks_per_replica, name,
                    d.transfer_timeout_s)
     connector = make_connector(name, me, index, cache, peers, d.transfer_timeout_s)
     if ranks_store is not None:

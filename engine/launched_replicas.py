@@ -1,6 +1,8 @@
 """Data-parallel replicas under a launcher (torchrun, srun, mpirun): the launched world of
 dp x pp x tp ranks splits into dp replicas by the mesh's placement (each TP group on one
-node), every replica with its own driver, scheduler and KV cache.
+node), every replica with its own driver, scheduler and KV cache. Disaggregated replicas
+may differ in tp and pp: each then forms a world of its own (its own process groups, its
+keys under its namespace in the launched world's store), as self-spawned replicas do.
 
 World rank 0 drives replica 0 and hosts the front (the offline API or the HTTP server)
 and the router; the driver of replica d > 0 runs its engine and takes the front's
@@ -16,14 +18,14 @@ import hmac
 import secrets
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
 import torch.distributed as dist
 
 from meshserve.engine.run import Run
-from meshserve.parallel.comm.mesh import ParallelDims, place_ranks
+from meshserve.parallel.comm.mesh import ParallelDims, place_replicas
 from meshserve.parallel.comm.ranks import RankFailure, launcher_store
 
 FRONT_KEY = "dp/front"
@@ -41,6 +43,8 @@ class LaunchedRole:
     driver_ranks: tuple[int, ...]
     """Every replica's driver, by replica."""
     rank: int
+    members: tuple[int, ...] = ()
+    """Its replica's ranks in mesh order (pp, tp), the driver first."""
 
     @property
     def is_driver(self) -> bool:
@@ -54,12 +58,31 @@ class LaunchedRole:
 def _store(run: Run) -> dist.Store:
     assert run.env is not None
     timeout = max(STARTUP_TIMEOUT_S, run.config.parallel.timeout_s)
-    return launcher_store(run.env, timedelta(seconds=timeout))
+    return launcher_store(run.env.world or run.env, timedelta(seconds=timeout))
 
 
 def launched_store(run: Run) -> dist.Store:
-    """A client of the launched run's store (every rank reaches it)."""
+    """A client of the launched world's store (every rank of every replica reaches it)."""
     return _store(run)
+
+
+def replica_layouts(run: Run, world_size: int) -> list[tuple[int, int]]:
+    """(tp, pp) of each launched replica: disaggregated ones by phase (prefill first),
+    else dp alike."""
+    config = run.config
+    d = config.disagg
+    if d.enabled:
+        layouts = [(d.phase_of(i).tp, d.phase_of(i).pp) for i in range(d.num_replicas)]
+        if sum(tp * pp for tp, pp in layouts) != world_size:
+            raise ValueError(
+                f"disagg.prefill (replicas={d.prefill.replicas}, tp={d.prefill.tp}, "
+                f"pp={d.prefill.pp}) and disagg.decode (replicas={d.decode.replicas}, "
+                f"tp={d.decode.tp}, pp={d.decode.pp}) take "
+                f"{sum(tp * pp for tp, pp in layouts)} ranks, but the launcher started "
+                f"{world_size}: allowed are phases whose ranks add up to the world size")
+        return layouts
+    dims = ParallelDims.from_config(config.parallel, world_size)
+    return [(dims.tp, dims.pp)] * dims.dp
 
 
 def launched_role(run: Run) -> LaunchedRole:
@@ -67,16 +90,31 @@ def launched_role(run: Run) -> LaunchedRole:
     mesh's own placement: each TP group on one node, replicas in order of their ranks)."""
     env = run.env
     assert env is not None, "a launched run"
-    dims = ParallelDims.from_config(run.config.parallel, env.world_size)
+    layouts = replica_layouts(run, env.world_size)
     store = _store(run)
     store.set(f"dp/node/{env.rank}", env.node_id)
     keys = [f"dp/node/{r}" for r in range(env.world_size)]
     store.wait(keys, timedelta(seconds=max(STARTUP_TIMEOUT_S, run.config.parallel.timeout_s)))
-    order = place_ranks([store.get(k).decode() for k in keys], dims)
-    size = dims.tp * dims.pp
-    drivers = tuple(order[d * size] for d in range(dims.dp))
-    replica = order.index(env.rank) // size
-    return LaunchedRole(replica=replica, driver_ranks=drivers, rank=env.rank)
+    replicas = place_replicas([store.get(k).decode() for k in keys], layouts)
+    replica = next(i for i, ranks in enumerate(replicas) if env.rank in ranks)
+    return LaunchedRole(replica=replica, driver_ranks=tuple(r[0] for r in replicas),
+                        rank=env.rank, members=tuple(replicas[replica]))
+
+
+def launched_replica_run(run: Run, role: LaunchedRole) -> Run:
+    """This rank's replica as its ranks run it. Disaggregated: its phase's tp and pp in a
+    world of its own (a LaunchEnv whose rank and size count the replica's ranks). Else
+    the launched run as it is (data-parallel replicas share the launched world's
+    groups)."""
+    config = run.config
+    if not config.disagg.enabled:
+        return run
+    assert run.env is not None
+    phase = config.disagg.phase_of(role.replica)
+    own = replace(config, parallel=replace(config.parallel, tp=phase.tp, pp=phase.pp, dp=1))
+    env = replace(run.env, rank=role.members.index(role.rank), world_size=len(role.members),
+                  world=run.env, namespace=f"replica{role.replica}")
+    return replace(run.with_config(own), env=env)
 
 
 def _reachable_host(master_addr: str) -> str:

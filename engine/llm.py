@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from meshserve.compose import presets
 from meshserve.engine.data_parallel import make_engine, with_step_log_of
-from meshserve.engine.launched_replicas import launched_role
+from meshserve.engine.launched_replicas import launched_replica_run, launched_role
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.replica import serve_launched_replica
 from meshserve.engine.run import resolve_run
@@ -65,10 +65,11 @@ class LLM:
         run = resolve_run(config, env=env, max_dp=None)  # parallel=auto may plan replicas
         if env is not None and run.config.parallel.dp > 1:  # launched replicas
             role = launched_role(run)
+            mine = launched_replica_run(run, role)
             if not role.is_driver:
-                raise SystemExit(run_worker_rank(run))
+                raise SystemExit(run_worker_rank(mine))
             if not role.is_front:
-                raise SystemExit(serve_launched_replica(with_step_log_of(run, role.replica),
+                raise SystemExit(serve_launched_replica(with_step_log_of(mine, role.replica),
                                                         role.replica))
         elif env is not None and env.is_worker:
             raise SystemExit(run_worker_rank(run))

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from meshserve.engine.kv_connector import KV_STARTUP_S, KVConnector, KVPeers, make_connector
 from meshserve.engine.worker.kv_blocks import KVCache
 from meshserve.engine.worker.kv_pieces import RankKV
+from meshserve.parallel.comm.discovery import LaunchEnv
+from meshserve.parallel.comm.ranks import StoreAddress, launcher_store_address
 
 CONNECT_KEY = "meshserve-kv-rank/connect"
 """Where the driver tells its ranks where the KV world is (JSON)."""
@@ -97,10 +99,11 @@ class FannedOut(KVConnector):
         self.own.close()
 
 
-def tell_ranks(store: dist.Store, host: str, port: int, replica: int, sizes: Sequence[int],
+def tell_ranks(store: dist.Store, kv_world: StoreAddress, replica: int, sizes: Sequence[int],
                connector: str, timeout_s: float) -> None:
-    """The driver: where the KV world is, for its other ranks' `serve_kv` threads."""
-    store.set(CONNECT_KEY, json.dumps({"host": host, "port": port, "replica": replica,
+    """The driver: where the KV world's store is, for its other ranks' `serve_kv` threads."""
+    store.set(CONNECT_KEY, json.dumps({"host": kv_world.host, "port": kv_world.port,
+                                       "prefix": kv_world.prefix, "replica": replica,
                                        "sizes": list(sizes), "connector": connector,
                                        "timeout_s": timeout_s}))
 
@@ -112,8 +115,8 @@ def serve_kv(open_store: Callable[[], dist.Store], rank: int, first_layer: int,
     store = open_store()
     store.wait([CONNECT_KEY], timedelta(seconds=KV_STARTUP_S))
     info = json.loads(store.get(CONNECT_KEY))
-    kv_store = dist.TCPStore(info["host"], int(info["port"]), is_master=False,
-                             timeout=timedelta(seconds=KV_STARTUP_S))
+    kv_store = StoreAddress(info["host"], int(info["port"]), info["prefix"]).open(
+        timedelta(seconds=KV_STARTUP_S))
     peers = KVPeers(kv_store, info["sizes"])
     replica = int(info["replica"])
     me = RankKV.of(peers.offsets[replica] + rank, (first_layer, first_layer + num_layers),
@@ -148,16 +151,24 @@ def _run(open_store: Callable[[], dist.Store], rank: int, seq: int, connector: K
     open_store().set(_done_key(rank, seq), json.dumps(result))
 
 
-def start_kv_thread(env_addr: tuple[str, int], rank: int, first_layer: int, num_layers: int,
+def start_kv_thread(replica_store: StoreAddress, rank: int, first_layer: int, num_layers: int,
                     tp_rank: int, tp: int, num_kv_heads: int, cache: KVCache) -> None:
-    """Start `serve_kv` on connections of its own to the replica's store at `env_addr`
-    (its waits then never hold up the rank's other uses of the store)."""
-    threading.Thread(target=serve_kv, args=(store_opener(*env_addr), rank, first_layer,
+    """Start `serve_kv` on connections of its own to the replica's store (its waits then
+    never hold up the rank's other uses of the store)."""
+    threading.Thread(target=serve_kv, args=(store_opener(replica_store), rank, first_layer,
                                             num_layers, tp_rank, tp, num_kv_heads, cache),
                      name="meshserve-kv-rank", daemon=True).start()
 
 
-def store_opener(host: str, port: int) -> Callable[[], dist.Store]:
-    """Opens a new client connection to the TCP store at host:port on each call."""
-    return lambda: dist.TCPStore(host, port, is_master=False,
-                                 timeout=timedelta(seconds=KV_STARTUP_S))
+def replica_store_address(env: LaunchEnv) -> StoreAddress:
+    """Where a replica's driver and its other ranks meet for KV commands: a launched
+    replica's namespace in the launched world's store, else (self-spawned ranks) their
+    own run's store."""
+    if env.world is not None:
+        return launcher_store_address(env)
+    return StoreAddress(env.master_addr, env.master_port)
+
+
+def store_opener(address: StoreAddress) -> Callable[[], dist.Store]:
+    """Opens a new client connection to the store at `address` on each call."""
+    return lambda: address.open(timedelta(seconds=KV_STARTUP_S))

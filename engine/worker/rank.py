@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from meshserve.engine.run import Run
 from meshserve.engine.worker.executor import rank_device
-from meshserve.engine.worker.kv_agent import start_kv_thread
+from meshserve.engine.worker.kv_agent import replica_store_address, start_kv_thread
 from meshserve.engine.worker.worker import StatsRequest, Worker
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.comm.broadcast import (
@@ -188,7 +188,7 @@ def run_worker_rank(run: Run) -> int:
         label = f"meshserve {groups.describe()}"
         if run.config.disagg.enabled:  # this rank's share of the replica's KV transfers
             assert worker.runner is not None
-            start_kv_thread((env.master_addr, env.master_port), env.rank,
+            start_kv_thread(replica_store_address(env), env.rank,
                             worker.layer_range[0], len(worker.runner.kv_cache),
                             groups.tp_rank, groups.dims.tp, run.arch.num_key_value_heads,
                             worker.runner.kv_cache)

@@ -49,18 +49,25 @@ class LaunchEnv:
     master_port: int
     agent_store: bool = False
     """torchrun's agent already hosts the rendezvous store (rank 0 must not start one)."""
+    world: LaunchEnv | None = None
+    """For one replica's own world carved out of a launched one (`rank` and `world_size`
+    then count that replica's ranks): the launched world's environment. Node and local
+    fields stay the launched world's, so devices and hosts are the real ones."""
+    namespace: str = ""
+    """With `world`: the replica's keys in the launched world's store."""
 
     def __post_init__(self) -> None:
+        bound = self.world_size if self.world is None else self.world.world_size
         checks = (
             (self.world_size >= 1, "world size", self.world_size, ">= 1"),
             (0 <= self.rank < self.world_size, "rank", self.rank,
              f"0 <= rank < world size {self.world_size}"),
-            (1 <= self.local_world_size <= self.world_size, "local world size",
-             self.local_world_size, f"1 ..{self.world_size} (the world size)"),
+            (1 <= self.local_world_size <= bound, "local world size",
+             self.local_world_size, f"1 ..{bound} (the world size)"),
             (0 <= self.local_rank < self.local_world_size, "local rank", self.local_rank,
              f"0 <= local rank < local world size {self.local_world_size}"),
-            (1 <= self.num_nodes <= self.world_size, "node count", self.num_nodes,
-             f"1 ..{self.world_size} (the world size)"),
+            (1 <= self.num_nodes <= bound, "node count", self.num_nodes,
+             f"1 ..{bound} (the world size)"),
             (0 <= self.node_rank < self.num_nodes, "node index", self.node_rank,
              f"0 <= node index < node count {self.num_nodes}"),
             (0 < self.master_port < 65536, "rendezvous port", self.master_port, "1 ..65535"),

@@ -126,6 +126,34 @@ def place_ranks(node_ids: Sequence[str], dims: ParallelDims) -> list[int]:
     return order
 
 
+def place_replicas(node_ids: Sequence[str], layouts: Sequence[tuple[int, int]]
+                   ) -> list[list[int]]:
+    """Each replica's global ranks in its mesh order (pp, tp), for replicas of their own
+    (tp, pp) each: the ranks in `place_ranks`' order (by node) cut into consecutive
+    replicas, so replica 0 starts at rank 0 and each TP group stays on one node."""
+    require(len(node_ids) == sum(tp * pp for tp, pp in layouts), "node_ids", len(node_ids),
+            f"one per rank of the replicas ({sum(tp * pp for tp, pp in layouts)})")
+    by_node: dict[str, list[int]] = {}
+    for rank, node in enumerate(node_ids):
+        by_node.setdefault(node, []).append(rank)
+    order = [r for ranks in by_node.values() for r in ranks]
+    out, at = [], 0
+    for i, (tp, pp) in enumerate(layouts):
+        ranks = order[at:at + tp * pp]
+        at += tp * pp
+        for g in range(pp):
+            group = ranks[g * tp:(g + 1) * tp]
+            if len({node_ids[r] for r in group}) > 1:
+                raise ValueError(
+                    f"replica {i} (tp={tp}, pp={pp}): its tensor-parallel group of ranks "
+                    f"{group} would span nodes {sorted({node_ids[r] for r in group})}; "
+                    "allowed are replicas whose TP groups fit the ranks each node has "
+                    f"({', '.join(f'{n}: {len(r)}' for n, r in by_node.items())}), taken "
+                    "in order")
+        out.append(ranks)
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class ProcessGroups:
     """This rank's place in the mesh and every group it talks on.

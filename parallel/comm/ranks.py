@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -71,10 +72,18 @@ def self_spawned_driver(world_size: int, port: int) -> LaunchEnv:
 _stores: dict[tuple[str, int, int, str], dist.Store] = {}
 
 
+def _attempt_prefix() -> str:
+    return f"meshserve/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 def launcher_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
     """The run's rendezvous store, under a prefix unique to this attempt: torchrun's agent
     store when it hosts one, else a TCP store that rank 0 serves at the discovered address.
-    Made once per process (rank 0 serves it on one port) and shared by every caller."""
+    Made once per process (rank 0 serves it on one port) and shared by every caller. A
+    replica's own world (`env.world`) has its keys under its namespace in the launched
+    world's store."""
+    if env.world is not None:
+        return dist.PrefixStore(env.namespace, launcher_store(env.world, timeout))
     if env.agent_store:
         url = "env://"
     else:
@@ -84,8 +93,30 @@ def launcher_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
     if key not in _stores:
         store, _, _ = next(rendezvous(url, rank=env.rank, world_size=env.world_size,
                                       timeout=timeout))
-        _stores[key] = dist.PrefixStore(f"meshserve/{attempt}", store)
+        _stores[key] = dist.PrefixStore(_attempt_prefix(), store)
     return _stores[key]
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where a new client connection reaches a store's keys: a TCP store and a prefix."""
+
+    host: str
+    port: int
+    prefix: str = ""
+
+    def open(self, timeout: timedelta) -> dist.Store:
+        """A connection of its own (waits on it never hold up another's)."""
+        store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
+        return dist.PrefixStore(self.prefix, store) if self.prefix else store
+
+
+def launcher_store_address(env: LaunchEnv) -> StoreAddress:
+    """Where `launcher_store(env)`'s keys are, for connections of their own (torchrun's
+    agent store and rank 0's both serve at the rendezvous address)."""
+    world = env.world or env
+    prefix = _attempt_prefix() + (f"/{env.namespace}" if env.world is not None else "")
+    return StoreAddress(world.master_addr, world.master_port, prefix)
 
 
 def store_barrier(store: dist.Store, name: str, world_size: int, timeout_s: float,

@@ -136,20 +136,27 @@ def _wait_listening(rank0_out: Path, job_out: Path, timeout_s: float) -> str:
                        + (job_out.read_text() if job_out.exists() else ""))
 
 
+@pytest.mark.parametrize(("per_node", "phases", "layout"), [
+    (1, ["disagg.connector=torch"], "prefill tp=1 pp=1, decode tp=1 pp=1; launched; "
+                                    "disagg.connector=torch"),
+    (2, ["disagg.prefill.tp=2", "disagg.decode.tp=2", "disagg.connector=nixl"],
+     "prefill tp=2 pp=1, decode tp=2 pp=1; launched; disagg.connector=nixl"),
+], ids=["one-rank-torch", "tp2-nixl"])
 def test_prefill_on_one_node_decode_on_the_other(slurm: LocalSlurm, text3: Path,
                                                  one_rank_output: list[str], printed,
-                                                 tmp_path: Path) -> None:
+                                                 tmp_path: Path, per_node: int,
+                                                 phases: list[str], layout: str) -> None:
     logs = tmp_path / "logs"
-    job = slurm.sbatch([*CPU_JOB, "--nodes=2", "--ntasks-per-node=1",
+    job = slurm.sbatch([*CPU_JOB, "--nodes=2", f"--ntasks-per-node={per_node}",
                         f"--output={tmp_path}/job.out", str(REPO / "slurm/multinode.sbatch"),
                         "generate", f"model.path='{text3}'", "generate.max_tokens=8",
                         "disagg=manual", "disagg.min_prefill_tokens=0", "engine.block_size=4",
-                        "disagg.connector=torch"],
+                        *phases],
                        env=job_env(logs))
     out = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
     assert job.returncode == 0, job.stderr + out
     assert printed((logs / "rank0.out").read_text()) == one_rank_output
     err = (logs / "rank0.err").read_text()
-    assert "1 prefill + 1 decode replicas ready (disagg.connector=torch)" in err, err
+    assert f"1 prefill + 1 decode replicas ready ({layout})" in err, err
     moved = re.search(r"KV of (\d+) requests moved from prefill to decode", err)
     assert moved is not None and int(moved.group(1)) >= 1, err

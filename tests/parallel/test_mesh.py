@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from meshserve.parallel.comm.mesh import ParallelDims, ProcessGroups, place_ranks
+from meshserve.parallel.comm.mesh import ParallelDims, ProcessGroups, place_ranks, place_replicas
 from meshserve.parallel.config import ParallelConfig
 
 LLAMA = dict(num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=5,
@@ -59,6 +59,26 @@ def test_placement_rejects_tp_groups_that_would_span_nodes() -> None:
     with pytest.raises(ValueError, match=r"parallel.tp=4: node 'a' has 2 ranks, so a "
                                          r"tensor-parallel group would span nodes"):
         place_ranks(["a", "a", "b", "b"], ParallelDims(tp=4, world_size=4))
+
+
+def test_replicas_of_their_own_layouts_are_cut_in_rank_order() -> None:
+    # A tp=2 prefill replica and a one-rank decode replica on one node.
+    assert place_replicas(["a"] * 3, [(2, 1), (1, 1)]) == [[0, 1], [2]]
+    # Ranks dealt cyclically over two nodes: the TP pair is found on node a.
+    assert place_replicas(["a", "b", "a", "b"], [(2, 1), (1, 1), (1, 1)]) == [[0, 2], [1], [3]]
+    # Alike layouts cut place_ranks' order, as data-parallel replicas are.
+    nodes = ["a", "b", "a", "b"]
+    order = place_ranks(nodes, ParallelDims(tp=2, dp=2, world_size=4))
+    assert sum(place_replicas(nodes, [(2, 1), (2, 1)]), []) == order
+    assert place_replicas(["a"] * 4, [(1, 2), (2, 1)]) == [[0, 1], [2, 3]]
+
+
+def test_a_replica_whose_tp_group_would_span_nodes_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"replica 1 \(tp=2, pp=1\): its tensor-parallel "
+                                         r"group of ranks \[1, 2\] would span nodes"):
+        place_replicas(["a", "a", "b"], [(1, 1), (2, 1)])
+    with pytest.raises(ValueError, match="node_ids"):
+        place_replicas(["a"] * 2, [(2, 1), (1, 1)])
 
 
 def test_groups_on_a_single_gloo_rank() -> None:
