@@ -121,6 +121,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=10, help="prompts of the workload (<= 10)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
+    ap.add_argument("--step-log", default=None, metavar="FILE",
+                    help="the speculating engine's step records (for `meshserve diagnose`)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     method, device, dtype = args.method, torch.device(args.device), DTYPES[args.dtype]
@@ -131,8 +133,9 @@ def main() -> None:
         base += ["engine.num_gpu_blocks=4096", f"engine.max_num_seqs={max(args.batches)}"]
     texts = texts[:args.prompts]
     plain = LLM("meshcoder", overrides=base, progress=False)
+    log = [f"engine.step_log='{args.step_log}'"] if args.step_log else []
     spec = LLM("meshcoder", overrides=[*base, f"speculative={method}",
-                                       f"speculative.num_tokens={args.num_tokens}"],
+                                       f"speculative.num_tokens={args.num_tokens}", *log],
                progress=False)
     from transformers import AutoModelForCausalLM
 
@@ -189,6 +192,8 @@ def main() -> None:
         names = list(sides)
         rates: dict[str, list[float]] = {n: [] for n in names}
         before = spec.engine.stats.spec
+        switch = spec.engine.scheduler.switch
+        steps_before = (switch.num_drafted_steps, switch.num_plain_steps) if switch else (0, 0)
         for r in range(args.rounds):
             for name in names if r % 2 == 0 else names[::-1]:
                 rates[name].append(rate(sides[name]))
@@ -202,6 +207,13 @@ def main() -> None:
                f"{method}_over_none": round(mean[method] / mean["none"], 3),
                "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
                "mean_tokens_per_verify": round((accepted + steps) / steps, 2) if steps else None}
+        if switch is not None:  # how the run-time switch priced this batch size's steps
+            d_s, p_s = switch.step_seconds(batch)
+            row["switch"] = {
+                "drafted_steps": switch.num_drafted_steps - steps_before[0],
+                "plain_steps": switch.num_plain_steps - steps_before[1],
+                "drafted_step_ms": round(d_s * 1e3, 3) if d_s else None,
+                "plain_step_ms": round(p_s * 1e3, 3) if p_s else None}
         if batch == 1:
             for peer in ("transformers-prompt-lookup", "transformers-assisted"):
                 if peer in mean:

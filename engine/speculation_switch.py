@@ -15,6 +15,8 @@ the choice holds), so a change of machine load is followed. A bucket not yet tim
 ways times a plain step and prices drafting by the drafted-to-plain ratio of the nearest
 bucket that has (scaled as the cost model's prediction of that ratio grows between the
 two), else by the cost model's prediction alone (else it times a drafted step first).
+Only a price the cost model had a hand in rules drafting out untimed: without one, a
+neighbour's ratio is probed like any other price.
 """
 
 from __future__ import annotations
@@ -120,9 +122,12 @@ class SpeculationSwitch:
         if prefer != b.prefer:
             b.prefer, b.interval, b.since_other = prefer, PROBE_EVERY, 0
         # Too far behind for a probe to tell anything worth its cost, once priced by the
-        # cost model or by three timed steps (one alone may be a cold one).
+        # cost model or by three timed steps (one alone may be a cold one). A ratio carried
+        # from another batch size with no cost model to scale it is a guess: it orders
+        # the probes like any price, and drafting is timed here before it is ruled out.
         timed = len(b.drafted_s.samples)
-        if not prefer and promise < 1 / PROBE_BAND and (timed == 0 or timed >= 3):
+        modelled = timed == 0 and self.prior is not None
+        if not prefer and promise < 1 / PROBE_BAND and (modelled or timed >= 3):
             if timed == 0 or lag > MAX_CATCH_UP or b.since_other < MAX_PROBE_EVERY:
                 b.since_other += 1
                 return False

@@ -120,3 +120,16 @@ def test_a_price_set_in_a_slow_spell_is_probed_again_where_catching_up_is_cheap(
     first = after.index(True)
     assert first <= MAX_PROBE_EVERY  # probed: 3 tokens for 2x now, and the old times go
     assert sum(after[first:]) > 0.9 * len(after[first:])
+
+
+def test_a_neighbours_ratio_without_a_prior_is_timed_here_before_it_rules_drafting_out() -> None:
+    s = SpeculationSwitch()  # no cost model for this device
+    # Six sequences: drafting measured at 3x a plain step for 1.76 tokens, far behind.
+    run(s, [0.76] * 6, 40, drafted_s=0.003, plain_s=0.001)
+    # One sequence: nothing timed here; the carried ratio alone must not keep drafting
+    # untimed for good (here a drafted step costs 1.2x a plain one for 1.76 tokens).
+    alone = run(s, [0.76], 4 * PROBE_EVERY, drafted_s=0.0012, plain_s=0.001)
+    assert alone[0] is False  # plain timed first
+    first = alone.index(True)
+    assert first <= PROBE_EVERY + 1
+    assert sum(alone[first:]) > 0.9 * len(alone[first:])  # timed, it pays: drafting holds
