@@ -1,0 +1,190 @@
+"""Serving a list of requests, simulated step by step on the cost model (DistServe's
+simulator): each request's TTFT and TPOT, so goodput counts the requests that meet the
+SLOs, tails included, instead of pricing the mean request.
+
+A replica runs the engine's iteration-level schedule: each step takes its running
+sequences oldest first (a decode token each, or the next chunk of an unfinished prompt)
+and then admits waiting ones, up to the step's token budget and `max_seqs`; its time is
+the cost model's for that work. A request arriving during a step waits for the next.
+Replicas of one kind share arrivals by the least outstanding work. A split runs the
+prompts on prefill replicas (the first token), moves each prompt's KV in `hop_s`, and
+decodes on decode replicas, where the request starts from its prompt's cached KV.
+The KV cache's capacity is not simulated (no preemption).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from meshserve.parallel.planner.cost_model import StepWork
+
+StepTime = Callable[[StepWork], float]
+"""Seconds one step of this work takes (a replica's cost model)."""
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request: when it arrives, its prompt and output tokens, and how many of its
+    prompt tokens the replica already caches."""
+
+    arrival_s: float
+    prompt: int
+    output: int
+    cached: int = 0
+
+
+@dataclass
+class _Seq:
+    index: int
+    req: SimRequest
+    computed: int = 0
+    """Prompt and output tokens whose KV exists."""
+    generated: int = 0
+
+
+@dataclass
+class _Replica:
+    step_s: StepTime
+    budget: int
+    max_seqs: int
+    waiting: deque[_Seq] = field(default_factory=deque)
+    running: list[_Seq] = field(default_factory=list)
+    planned: list[tuple[_Seq, int]] = field(default_factory=list)
+    """The step in flight: each sequence and the tokens it computes."""
+    busy_until: float | None = None
+
+    @property
+    def outstanding(self) -> int:
+        """Tokens still to compute or generate (what the router balances)."""
+        return sum(s.req.prompt - s.computed + s.req.output - s.generated
+                   for s in (*self.waiting, *self.running))
+
+    def start(self, now: float) -> float | None:
+        """Plan the next step at `now`; its end, or None with nothing to run."""
+        left, work, plan = self.budget, StepWork(), []
+        for s in self.running:
+            if left <= 0:
+                break
+            n = 1 if s.computed >= s.req.prompt else min(left, s.req.prompt - s.computed)
+            plan.append((s, n))
+            work, left = work + _work(s, n), left - n
+        while self.waiting and left > 0 and len(self.running) < self.max_seqs:
+            s = self.waiting.popleft()
+            s.computed = max(s.computed, min(s.req.cached, s.req.prompt - 1))
+            n = min(left, s.req.prompt - s.computed)
+            self.running.append(s)
+            plan.append((s, n))
+            work, left = work + _work(s, n), left - n
+        if not plan:
+            self.busy_until = None
+            return None
+        self.planned = plan
+        self.busy_until = now + self.step_s(work)
+        return self.busy_until
+
+    def finish(self, now: float, first: list[float], done: list[float]) -> None:
+        """Apply the step that ends at `now`: tokens sampled, sequences finished."""
+        for s, n in self.planned:
+            s.computed += n
+            if s.computed < s.req.prompt:
+                continue  # a prompt chunk: no token yet
+            s.generated += 1
+            if s.generated == 1:
+                first[s.index] = now
+            if s.generated >= s.req.output:
+                done[s.index] = now
+                self.running.remove(s)
+        self.planned = []
+
+
+def _work(s: _Seq, n: int) -> StepWork:
+    if s.computed >= s.req.prompt:
+        return StepWork.decode(1, s.computed)
+    return StepWork.prefill(n, s.computed)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """When each request got its first token and its last (by the requests' order)."""
+
+    first_token_s: list[float]
+    finish_s: list[float]
+
+
+def simulate(requests: Sequence[SimRequest], step_s: StepTime, *, replicas: int = 1,
+             budget: int = 2048, max_seqs: int = 256) -> SimResult:
+    """Serve `requests` on `replicas` alike replicas (least outstanding work first)."""
+    reps = [_Replica(step_s, budget, max_seqs) for _ in range(replicas)]
+    first = [float("nan")] * len(requests)
+    done = [float("nan")] * len(requests)
+    arrivals = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+    ends: list[tuple[float, int]] = []  # (step end, replica)
+    a = 0
+    while a < len(arrivals) or ends:
+        if a < len(arrivals) and (not ends or requests[arrivals[a]].arrival_s <= ends[0][0]):
+            i = arrivals[a]
+            a += 1
+            now = requests[i].arrival_s
+            r = min(range(replicas), key=lambda k: reps[k].outstanding)
+            reps[r].waiting.append(_Seq(i, requests[i]))
+            if reps[r].busy_until is None and (end := reps[r].start(now)) is not None:
+                heapq.heappush(ends, (end, r))
+            continue
+        now, r = heapq.heappop(ends)
+        reps[r].finish(now, first, done)
+        if (end := reps[r].start(now)) is not None:
+            heapq.heappush(ends, (end, r))
+    return SimResult(first_token_s=first, finish_s=done)
+
+
+def simulate_split(requests: Sequence[SimRequest], prefill_step_s: StepTime,
+                   decode_step_s: StepTime, *, hop_s: Callable[[SimRequest], float],
+                   prefill_replicas: int = 1, decode_replicas: int = 1,
+                   prefill_budget: int = 2048, decode_budget: int = 2048,
+                   max_seqs: int = 256, block_size: int = 16) -> SimResult:
+    """Prompts on the prefill replicas (the first token), each prompt's KV moved in
+    `hop_s(request)`, the rest on the decode replicas from the moved KV (its last partial
+    block computed again there)."""
+    firsts = simulate([SimRequest(r.arrival_s, r.prompt, 1, r.cached) for r in requests],
+                      prefill_step_s, replicas=prefill_replicas, budget=prefill_budget,
+                      max_seqs=max_seqs).first_token_s
+    later = [SimRequest(f + hop_s(r), r.prompt + 1, r.output - 1,
+                        (r.prompt // block_size) * block_size)
+             for f, r in zip(firsts, requests, strict=True) if r.output > 1]
+    rest = simulate(later, decode_step_s, replicas=decode_replicas, budget=decode_budget,
+                    max_seqs=max_seqs).finish_s
+    it = iter(rest)
+    finish = [next(it) if r.output > 1 else f for f, r in zip(firsts, requests, strict=True)]
+    return SimResult(first_token_s=firsts, finish_s=finish)
+
+
+@dataclass(frozen=True)
+class Attainment:
+    """How a simulated run met the SLOs."""
+
+    goodput_req_s: float
+    """Requests meeting both SLOs per second of the run (first arrival to last finish)."""
+    ttft_s: list[float]
+    tpot_s: list[float]
+    """Per request with more than one output token."""
+
+
+def attainment(requests: Sequence[SimRequest], result: SimResult, ttft_slo_s: float,
+               tpot_slo_s: float) -> Attainment:
+    """Goodput as a benchmark counts it: requests whose TTFT and TPOT meet the SLOs, over
+    the run's wall time."""
+    ttft, tpot, good = [], [], 0
+    for r, f, d in zip(requests, result.first_token_s, result.finish_s, strict=True):
+        t = f - r.arrival_s
+        ttft.append(t)
+        per = (d - f) / (r.output - 1) if r.output > 1 else None
+        if per is not None:
+            tpot.append(per)
+        good += t <= ttft_slo_s and (per is None or per <= tpot_slo_s)
+    start = min(r.arrival_s for r in requests)
+    wall = max(result.finish_s) - start
+    return Attainment(goodput_req_s=good / wall if wall > 0 else 0.0, ttft_s=ttft,
+                      tpot_s=tpot)

@@ -1,0 +1,105 @@
+"""The serving simulator: the engine's schedule on a step-time function, per request."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshserve.parallel.planner.cost_model import StepWork
+from meshserve.parallel.planner.serving_sim import (
+    SimRequest,
+    attainment,
+    simulate,
+    simulate_split,
+)
+
+
+def flat(work: StepWork) -> float:
+    """Every step takes 1 s, whatever it holds."""
+    return 1.0
+
+
+def per_token(work: StepWork) -> float:
+    """1 ms a token run through the layers."""
+    return 1e-3 * work.num_new_tokens
+
+
+def test_one_request_alone_prefills_then_decodes_a_token_a_step() -> None:
+    res = simulate([SimRequest(0.0, prompt=10, output=4)], flat)
+    assert (res.first_token_s, res.finish_s) == ([1.0], [4.0])
+
+
+def test_a_prompt_over_the_budget_takes_a_step_per_chunk() -> None:
+    res = simulate([SimRequest(0.0, prompt=100, output=1)], flat, budget=32)
+    assert res.first_token_s == [4.0]  # 32 + 32 + 32 + 4
+
+
+def test_a_request_arriving_mid_step_waits_for_the_next() -> None:
+    res = simulate([SimRequest(0.0, 10, 3), SimRequest(0.5, 10, 2)], flat)
+    # Step 1 (0-1): prompt A. Step 2 (1-2): A decodes, B's prompt joins (first at 2).
+    assert res.first_token_s == [1.0, 2.0] and res.finish_s == [3.0, 3.0]
+
+
+def test_a_full_replica_queues_and_two_replicas_share_the_load() -> None:
+    reqs = [SimRequest(0.0, 10, 3), SimRequest(0.0, 10, 3)]
+    one = simulate(reqs, flat, max_seqs=1)
+    assert one.first_token_s == [1.0, 4.0]  # B starts when A is done
+    two = simulate(reqs, flat, replicas=2, max_seqs=1)
+    assert two.first_token_s == [1.0, 1.0] and two.finish_s == [3.0, 3.0]
+
+
+def test_decodes_share_a_step_with_a_chunk_of_the_next_prompt() -> None:
+    reqs = [SimRequest(0.0, 8, 5), SimRequest(0.0005, 100, 1)]
+    res = simulate(reqs, per_token, budget=20)
+    # A's prompt (8 ms); then each step: A's decode + 19 tokens of B's prompt.
+    assert res.first_token_s[0] == pytest.approx(0.008)
+    assert res.finish_s[0] == pytest.approx(0.008 + 4 * 0.020)
+
+
+def test_a_split_prefills_there_moves_the_kv_and_decodes_from_the_cached_prompt() -> None:
+    seen: list[StepWork] = []
+
+    def decode_side(work: StepWork) -> float:
+        seen.append(work)
+        return 1.0
+
+    res = simulate_split([SimRequest(0.0, prompt=40, output=3)], flat, decode_side,
+                         hop_s=lambda r: 0.25, block_size=16)
+    assert res.first_token_s == [1.0]
+    # Arrives at 1.25: recomputes its last partial block (41 - 32 = 9 tokens) and samples
+    # token 2 at 2.25, token 3 at 3.25.
+    assert res.finish_s == [3.25]
+    assert seen[0].num_new_tokens == 9 and seen[0].num_kv_read == 32
+
+
+def test_attainment_counts_the_requests_within_both_slos() -> None:
+    reqs = [SimRequest(0.0, 10, 3), SimRequest(0.0, 10, 3)]
+    res = simulate(reqs, flat, max_seqs=1)  # TTFT 1 and 4, TPOT 1 and 1
+    att = attainment(reqs, res, ttft_slo_s=2.0, tpot_slo_s=1.0)
+    assert att.ttft_s == [1.0, 4.0] and att.tpot_s == [1.0, 1.0]
+    assert att.goodput_req_s == pytest.approx(1 / 6)  # one good request over 6 s
+    assert attainment(reqs, res, 5.0, 0.5).goodput_req_s == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 5), st.integers(1, 300), st.integers(1, 20),
+                          st.integers(0, 300)), min_size=1, max_size=20),
+       st.integers(1, 3), st.integers(1, 64), st.integers(1, 8), st.booleans())
+def test_every_request_finishes_after_its_first_token(
+        spec: list[tuple[float, int, int, int]], replicas: int, budget: int, max_seqs: int,
+        split: bool) -> None:
+    reqs = [SimRequest(a, p, o, min(c, p)) for a, p, o, c in spec]
+    if split:
+        res = simulate_split(reqs, per_token, per_token, hop_s=lambda r: 0.01,
+                             prefill_replicas=replicas, prefill_budget=budget,
+                             decode_budget=budget, max_seqs=max_seqs)
+    else:
+        res = simulate(reqs, per_token, replicas=replicas, budget=budget, max_seqs=max_seqs)
+    for r, f, d in zip(reqs, res.first_token_s, res.finish_s, strict=True):
+        assert not math.isnan(f) and not math.isnan(d)
+        assert r.arrival_s < f <= d
+        # At most one token a step, each step at least 1 ms a token: the decode takes time.
+        assert d - f >= (r.output - 1) * 1e-3 - 1e-9
