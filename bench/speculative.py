@@ -12,11 +12,15 @@ with the bundled draft. The bundled model, greedy, EOS ignored, one thread. Batc
 every prompt alone, meshserve without and with drafts, and transformers' `generate`
 without drafts, with `prompt_lookup_num_tokens` and (draft) with `assistant_model=` the
 same draft; larger batches: meshserve without and with drafts. Each figure is generated
-tokens per second over the whole workload; rounds alternate which side goes first. Also
-the acceptance rate and the mean tokens a verify step emitted.
+tokens per second over the whole workload; rounds alternate which side goes first, after
+one untimed pass of each meshserve side at that batch size (kernels compiled for its
+shapes, the switch's first timings taken, as in a service already running). Also the
+acceptance rate, the mean tokens a verify step emitted, and how the switch timed the
+batch size's drafted and plain steps.
 
 `--device cuda --dtype bfloat16` runs both sides and the peers on a GPU (meshserve with
-CUDA graphs and async scheduling). Before timing, the run reports how far greedy
+CUDA graphs and async scheduling; the speculating engine schedules its plain steps
+asynchronously and waits only before a step that drafts). Before timing, the run reports how far greedy
 speculation kept to plain decoding (`greedy_identity`); on a CPU it must be identical.
 """
 
@@ -121,6 +125,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=10, help="prompts of the workload (<= 10)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
+    ap.add_argument("--no-peers", action="store_true",
+                    help="meshserve with and without drafts only (no transformers runs)")
     ap.add_argument("--step-log", default=None, metavar="FILE",
                     help="the speculating engine's step records (for `meshserve diagnose`)")
     args = ap.parse_args()
@@ -178,19 +184,23 @@ def main() -> None:
     lookup = theirs(prompt_lookup_num_tokens=args.num_tokens)
     assisted = theirs(assistant_model=hf_draft, num_assistant_tokens=args.num_tokens,
                       num_assistant_tokens_schedule="constant")
-    lookup()
-    if method == "draft":
-        assisted()
+    if not args.no_peers:
+        lookup()
+        if method == "draft":
+            assisted()
     for batch in args.batches:
         sides: dict[str, Callable[[], int]] = {"none": ours(plain, batch),
                                                method: ours(spec, batch)}
-        if batch == 1:
+        if batch == 1 and not args.no_peers:
             sides["transformers"] = theirs()
             sides["transformers-prompt-lookup"] = lookup
             if method == "draft":
                 sides["transformers-assisted"] = assisted
         names = list(sides)
         rates: dict[str, list[float]] = {n: [] for n in names}
+        for name in ("none", method):  # once untimed at this batch size: kernels compiled
+            sides[name]()  # for its shapes, the switch's first timings taken, as in a
+            # service that has been running (the peers were warmed above)
         before = spec.engine.stats.spec
         switch = spec.engine.scheduler.switch
         steps_before = (switch.num_drafted_steps, switch.num_plain_steps) if switch else (0, 0)

@@ -66,7 +66,7 @@ class Engine:
                           if (self.model_dir / "tokenizer.json").is_file() else None)
         self.max_model_len = self._max_model_len()
         wants_async = async_scheduling(self.run)  # a bad setting fails before ranks start
-        wants_async = _check_speculative(self.run, wants_async)
+        _check_speculative(self.run)
         # Opened before any rank starts, so a bad path fails at once.
         self.step_log = StepLog(config.engine.step_log) if config.engine.step_log else None
         self.executor: Executor = executor or make_executor(self.run, progress=progress)
@@ -236,7 +236,15 @@ class Engine:
         if self._max_in_flight > 1:
             return self._step_pipelined()
         if self.async_scheduling:
+            if self.scheduler.speculative is not None and self.scheduler.plan_drafting():
+                # Drafts need every token before them: finish the step in flight first.
+                drained = self._resolve_launched(self.recorder.start(comm=False), timed=False)
+                return drained + self._step_sync()
             return self._step_async()
+        return self._step_sync()
+
+    def _step_sync(self) -> list[RequestOutput]:
+        """Schedule, run and apply one step, waiting for it."""
         clock = self.recorder.start()
         t0 = time.perf_counter()  # drafting costs the scheduler's proposals too
         out = self.scheduler.schedule()
@@ -248,7 +256,8 @@ class Engine:
         clock.executed()
         self.scheduler.update(out, result.tokens, result.accepted, result.num_drafted)
         if self.scheduler.switch is not None:
-            self._observe_speculation(out, time.perf_counter() - t0)
+            self._observe_speculation(out, time.perf_counter() - t0,
+                                      plain=not self.async_scheduling)
         clock.scheduled()
         wall_s = self.recorder.finish(
             out, clock, num_in_flight=1 if self.config.parallel.pp > 1 else None,
@@ -266,11 +275,15 @@ class Engine:
             (len(s.token_ids) - s.num_drafts, s.start_pos) for s in out.scheduled)
         budget.observe(decodes, context, prefill, seconds)
 
-    def _observe_speculation(self, out: SchedulerOutput, seconds: float) -> None:
-        """Tell the switch what a decode-only step (drafts or not) cost."""
+    def _observe_speculation(self, out: SchedulerOutput, seconds: float, *,
+                             plain: bool = True) -> None:
+        """Tell the switch what a decode-only step (drafts or not) cost; `plain`: whether
+        a step without drafts counts (not one waited for under async scheduling)."""
         if not all(s.sample and len(s.token_ids) == 1 + s.num_drafts for s in out.scheduled):
             return  # a prompt chunk's cost is no decode's
         drafted = any(s.num_drafts for s in out.scheduled)
+        if not drafted and not plain:
+            return  # plain steps are timed as async scheduling runs them, not waited for
         lag = sum(len(s.draft_context) for s in out.scheduled if s.draft_context is not None)
         switch = self.scheduler.switch
         assert switch is not None
@@ -290,21 +303,33 @@ class Engine:
         if out.scheduled:
             launched = executor.launch(out, self._admit_to_executor(out), self._take_finished())
             clock.executed()
-        outputs: list[RequestOutput] = []
-        if self._launched is not None:
-            done, sampled, done_clock = self._launched
-            done_clock.resume()
-            result = executor.resolve(sampled)
-            done_clock.executed()
-            self.scheduler.resolve(done, result.tokens)
-            outputs = self._outputs(result)
-            done_clock.scheduled()
-            call.scheduler_s = done_clock.scheduler_s  # its record: this call's wall time
-            self._observe_budget(done, self.recorder.finish(done, done_clock, since=call))
-        self._launched = None
+        outputs = self._resolve_launched(call)
         if launched is not None:
             self.scheduler.advance(out)
             self._launched = (out, launched, clock)
+        return outputs
+
+    def _resolve_launched(self, call: StepClock, *, timed: bool = True) -> list[RequestOutput]:
+        """Wait for the step launched last (if any) and apply its tokens; its step record
+        takes `call`'s wall time (in steady state, one step's). `timed`: whether that
+        time prices steps (not when `call` only waited for the step's end)."""
+        if self._launched is None:
+            return []
+        executor = cast(AsyncExecutor, self.executor)
+        done, sampled, done_clock = self._launched
+        self._launched = None
+        done_clock.resume()
+        result = executor.resolve(sampled)
+        done_clock.executed()
+        self.scheduler.resolve(done, result.tokens)
+        outputs = self._outputs(result)
+        done_clock.scheduled()
+        call.scheduler_s = done_clock.scheduler_s  # its record: this call's wall time
+        wall_s = self.recorder.finish(done, done_clock, since=call)
+        if timed:
+            self._observe_budget(done, wall_s)
+            if self.scheduler.switch is not None:  # a plain step as async scheduling runs it
+                self._observe_speculation(done, wall_s)
         return outputs
 
     def _step_pipelined(self) -> list[RequestOutput]:
@@ -454,20 +479,13 @@ def _may_speculate(params: SamplingParams) -> bool:
             and (params.greedy or params.seed is None))
 
 
-def _check_speculative(run: Run, wants_async: bool) -> bool:
-    """Refuse what speculative decoding does not do yet, before any rank starts; returns
-    whether to schedule asynchronously (not while speculating)."""
+def _check_speculative(run: Run) -> None:
+    """Refuse what speculative decoding does not do yet, before any rank starts."""
     spec = run.config.speculative
-    if not spec.enabled:
-        return wants_async
-    if run.config.parallel.pp > 1:
+    if spec.enabled and run.config.parallel.pp > 1:
         raise ValueError(f"speculative.method={spec.method} with parallel.pp="
                          f"{run.config.parallel.pp}: the last stage does not return several "
                          "tokens per sequence yet; allowed: pp=1 (tensor parallel works)")
-    if wants_async and run.config.engine.async_scheduling:
-        raise ValueError(f"speculative.method={spec.method} with engine.async_scheduling=true:"
-                         " drafts need the step before resolved; allowed: null or false")
-    return False
 
 
 def make_executor(run: Run, *, progress: bool = True) -> Executor:

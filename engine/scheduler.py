@@ -71,6 +71,8 @@ class Scheduler:
         self.draft_model = spec is not None and spec.method == "draft"
         self._speculating = False
         """Whether the step being scheduled may carry drafts."""
+        self._planned_drafting: bool | None = None
+        """plan_drafting()'s decision for the next schedule() (None: it decides itself)."""
         self._draft_prompts = False
         """Whether its prompt chunks run on the draft model too: it drafts, or the batch
         they join may draft soon."""
@@ -270,6 +272,13 @@ class Scheduler:
                                          seq.num_computed_tokens)
         return seq.num_computed_tokens
 
+    def plan_drafting(self) -> bool:
+        """Decide now whether the next schedule() may carry drafts, and keep the decision
+        for it. Async scheduling asks before it schedules: a step that drafts must wait
+        for the step in flight, one that does not is scheduled while it runs."""
+        self._planned_drafting = self._may_draft()
+        return self._planned_drafting
+
     def _may_draft(self) -> bool:
         """Whether this step may carry drafts: up to speculative.max_batch_size running
         sequences where that is set, else where the switch prices drafting as paying."""
@@ -433,7 +442,10 @@ class Scheduler:
         # The hot path (one decode per sequence, every step): kept inline on purpose.
         running, in_flight, scheduled = self.running, self._in_flight, out.scheduled
         block_size = self.block_manager.block_size
-        speculating = self._speculating = self._may_draft()
+        planned, self._planned_drafting = self._planned_drafting, None
+        # Drafts read every token before them: none while a token is still a placeholder.
+        speculating = self._speculating = (
+            (self._may_draft() if planned is None else planned) and not self._unresolved)
         self._draft_prompts = speculating or self._may_draft_soon()
         num_batched = 0
         blocked = False

@@ -115,8 +115,6 @@ def test_requests_that_read_positions_decode_plainly_beside_speculating_ones(pla
 @pytest.mark.parametrize("overrides, words", [
     (["speculative=draft", "parallel.pp=2"], "parallel.pp=2"),
     (["speculative=ngram", "parallel.pp=2"], "parallel.pp=2"),
-    (["speculative=ngram", "engine.async_scheduling=true", "parallel=single"],
-     "engine.async_scheduling=true"),
     (["speculative.method=ngram", "speculative.num_tokens=0"], "speculative.num_tokens"),
 ])
 def test_what_it_does_not_do_is_refused_at_start(overrides: list[str], words: str) -> None:

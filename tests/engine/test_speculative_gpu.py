@@ -57,3 +57,26 @@ def test_seeded_draft_sampling_is_the_same_alone_and_batched() -> None:
         assert llm.engine.stats.num_free_blocks == llm.engine.num_blocks
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_plain_steps_stay_async_beside_drafting_ones_on_cuda(method: str) -> None:
+    """Prompts of different lengths: the batch shrinks to max_batch_size=1, so plain
+    steps (scheduled while the step before runs) and drafting ones (waited for) alternate."""
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (8, 16, 24, 32, 40)]
+    ref = LLM("meshcoder", overrides=CUDA_FP32, progress=False)
+    try:
+        want = [o.token_ids for o in ref.generate(PROMPTS, params)]
+    finally:
+        ref.shutdown()
+    llm = LLM("meshcoder", overrides=[*CUDA_FP32, f"speculative={method}",
+                                      "speculative.max_batch_size=1"], progress=False)
+    try:
+        assert llm.engine.async_scheduling
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+        stats = llm.engine.stats
+        assert stats.spec.num_drafts > 0
+        assert stats.num_free_blocks == llm.engine.num_blocks
+    finally:
+        llm.shutdown()
