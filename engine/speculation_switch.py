@@ -15,8 +15,9 @@ the choice holds), so a change of machine load is followed. A bucket not yet tim
 ways times a plain step and prices drafting by the drafted-to-plain ratio of the nearest
 bucket that has (scaled as the cost model's prediction of that ratio grows between the
 two), else by the cost model's prediction alone (else it times a drafted step first).
-Only a price the cost model had a hand in rules drafting out untimed: without one, a
-neighbour's ratio is probed like any other price.
+Only a price the cost model had a hand in, or a smaller batch size that priced drafting
+out (a drafted step's extra rows weigh no less as the batch grows), rules drafting out
+untimed: otherwise a neighbour's ratio is probed like any other price.
 """
 
 from __future__ import annotations
@@ -122,12 +123,14 @@ class SpeculationSwitch:
         if prefer != b.prefer:
             b.prefer, b.interval, b.since_other = prefer, PROBE_EVERY, 0
         # Too far behind for a probe to tell anything worth its cost, once priced by the
-        # cost model or by three timed steps (one alone may be a cold one). A ratio carried
-        # from another batch size with no cost model to scale it is a guess: it orders
-        # the probes like any price, and drafting is timed here before it is ruled out.
+        # cost model or by three timed steps (one alone may be a cold one), or where a
+        # smaller batch size already prices it out. A ratio carried from a larger batch
+        # size with no cost model to scale it is a guess: it orders the probes like any
+        # price, and drafting is timed here before it is ruled out.
         timed = len(b.drafted_s.samples)
-        modelled = timed == 0 and self.prior is not None
-        if not prefer and promise < 1 / PROBE_BAND and (modelled or timed >= 3):
+        settled = (timed >= 3 or (timed == 0 and self.prior is not None)
+                   or self._behind_below(len(accepted), self.gain(accepted)))
+        if not prefer and promise < 1 / PROBE_BAND and settled:
             if timed == 0 or lag > MAX_CATCH_UP or b.since_other < MAX_PROBE_EVERY:
                 b.since_other += 1
                 return False
@@ -163,6 +166,17 @@ class SpeculationSwitch:
             if ratio is not None:
                 d = math.inf if p is None else p * ratio
         return d, p
+
+    def _behind_below(self, num_seqs: int, gain: float) -> bool:
+        """Whether a smaller batch size, its drafting timed at least three times, prices
+        drafting with this `gain` out of the probe band. A drafted step's extra rows weigh
+        no less as the batch grows, so a smaller batch's drafted-to-plain ratio bounds
+        this one's from below: probing here would cost more and tell nothing new."""
+        here = self.bucket(num_seqs)
+        return any(gain * b.plain_s.value < b.drafted_s.value / PROBE_BAND
+                   for k, b in self._buckets.items()
+                   if k < here and len(b.drafted_s.samples) >= 3 and b.plain_s.value
+                   and b.drafted_s.value is not None)
 
     def _nearest_ratio(self, num_seqs: int) -> float | None:
         """Drafted over plain step time in the nearest bucket that timed both, carried to

@@ -133,3 +133,17 @@ def test_a_neighbours_ratio_without_a_prior_is_timed_here_before_it_rules_drafti
     first = alone.index(True)
     assert first <= PROBE_EVERY + 1
     assert sum(alone[first:]) > 0.9 * len(alone[first:])  # timed, it pays: drafting holds
+
+
+def test_a_smaller_batch_that_priced_drafting_out_rules_out_larger_ones_unprobed() -> None:
+    s = SpeculationSwitch()  # no cost model for this device
+    # Four sequences: drafting timed (more than three times) at 6x a plain step for 2.4
+    # tokens: far behind.
+    run(s, [1.4] * 4, 4 * PROBE_EVERY, drafted_s=0.006, plain_s=0.001)
+    assert len(s._get(4).drafted_s.samples) >= 3
+    # Sixteen: no draft forward at all, not even to time it (it would cost more still).
+    big = run(s, [1.4] * 16, 8 * PROBE_EVERY, drafted_s=0.02, plain_s=0.0015)
+    assert not any(big)
+    # One sequence (smaller) is no lower bound: it is still timed.
+    alone = run(s, [1.4], 4 * PROBE_EVERY, drafted_s=0.0012, plain_s=0.001)
+    assert any(alone)
