@@ -125,6 +125,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=10, help="prompts of the workload (<= 10)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
+    ap.add_argument("--control", action="store_true",
+                    help="also a second plain engine (none_again): how far two alike "
+                         "engines differ in this run")
     ap.add_argument("--no-peers", action="store_true",
                     help="meshserve with and without drafts only (no transformers runs)")
     ap.add_argument("--step-log", default=None, metavar="FILE",
@@ -139,6 +142,7 @@ def main() -> None:
         base += ["engine.num_gpu_blocks=4096", f"engine.max_num_seqs={max(args.batches)}"]
     texts = texts[:args.prompts]
     plain = LLM("meshcoder", overrides=base, progress=False)
+    again = LLM("meshcoder", overrides=base, progress=False) if args.control else None
     log = [f"engine.step_log='{args.step_log}'"] if args.step_log else []
     spec = LLM("meshcoder", overrides=[*base, f"speculative={method}",
                                        f"speculative.num_tokens={args.num_tokens}", *log],
@@ -191,6 +195,8 @@ def main() -> None:
     for batch in args.batches:
         sides: dict[str, Callable[[], int]] = {"none": ours(plain, batch),
                                                method: ours(spec, batch)}
+        if again is not None:
+            sides["none_again"] = ours(again, batch)
         if batch == 1 and not args.no_peers:
             sides["transformers"] = theirs()
             sides["transformers-prompt-lookup"] = lookup
@@ -198,9 +204,12 @@ def main() -> None:
                 sides["transformers-assisted"] = assisted
         names = list(sides)
         rates: dict[str, list[float]] = {n: [] for n in names}
-        for name in ("none", method):  # once untimed at this batch size: kernels compiled
-            sides[name]()  # for its shapes, the switch's first timings taken, as in a
-            # service that has been running (the peers were warmed above)
+        # Each meshserve side once untimed at this batch size: kernels compiled for its
+        # shapes, the switch's first timings taken, as in a service already running
+        # (the peers were warmed above).
+        for name in ("none", method, "none_again"):
+            if name in sides:
+                sides[name]()
         before = spec.engine.stats.spec
         switch = spec.engine.scheduler.switch
         steps_before = (switch.num_drafted_steps, switch.num_plain_steps) if switch else (0, 0)
@@ -215,6 +224,8 @@ def main() -> None:
         row = {"batch": batch, "tokens": args.tokens, "rounds": args.rounds,
                **{f"{n}_tok_s": round(m, 1) for n, m in mean.items()},
                f"{method}_over_none": round(mean[method] / mean["none"], 3),
+               **({"none_again_over_none": round(mean["none_again"] / mean["none"], 3)}
+                  if "none_again" in mean else {}),
                "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
                "mean_tokens_per_verify": round((accepted + steps) / steps, 2) if steps else None}
         if switch is not None:  # how the run-time switch priced this batch size's steps
@@ -230,8 +241,9 @@ def main() -> None:
                     row[f"{method}_over_{peer.replace('-', '_')}"] = round(
                         mean[method] / mean[peer], 3)
         print(json.dumps(row), flush=True)
-    plain.shutdown()
-    spec.shutdown()
+    for llm in (plain, spec, again):
+        if llm is not None:
+            llm.shutdown()
 
 
 if __name__ == "__main__":
