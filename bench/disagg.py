@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -40,17 +39,11 @@ from meshserve.engine.disagg import DisaggEngine
 from meshserve.engine.runtime_config import load_runtime_config
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.planner.cluster import ClusterConfig
-from meshserve.parallel.planner.cost_model import CostModel, StepWork, link_figures, p2p_s
 from meshserve.parallel.planner.disagg_search import splits
+from meshserve.parallel.planner.layout_sim import Replicas, simulate_colocated, simulate_disagg
 from meshserve.parallel.planner.model_shape import ModelShape
-from meshserve.parallel.planner.search import evaluate, options_for, sized
-from meshserve.parallel.planner.serving_sim import (
-    Attainment,
-    SimRequest,
-    attainment,
-    simulate,
-    simulate_split,
-)
+from meshserve.parallel.planner.search import evaluate, options_for
+from meshserve.parallel.planner.serving_sim import Attainment, SimRequest
 
 BLOCK_SIZE = 16
 
@@ -100,37 +93,24 @@ def simulated(arch: ModelArch, reqs: list, ttft_ms: float, tpot_ms: float,
     shape = ModelShape.from_arch(arch, "float32")
     scenario = replace(config.scenario, name="rag-bench", shared_prefix_fraction=0.0,
                        prompt_len=max(len(r.prompt_token_ids) for r in reqs),
-                       output_len=max(r.max_new_tokens for r in reqs), max_batch=len(reqs))
+                       output_len=max(r.max_new_tokens for r in reqs), max_batch=len(reqs),
+                       ttft_slo_ms=ttft_ms, tpot_slo_ms=tpot_ms)
     options = replace(options_for(config), max_num_batched_tokens=prefill_step_tokens)
     sim = [SimRequest(r.arrival_s, len(r.prompt_token_ids), r.max_new_tokens) for r in reqs]
-    slo = (ttft_ms / 1e3, tpot_ms / 1e3)
     budget = config.engine.step_token_cap
     out = {}
     for name, degrees in PLANNED.items():
-        tp = 1 if degrees is None else degrees[0]
-        _, cost = sized(shape, cluster, scenario, tp, 1, options)
-        if cost is None:
-            continue
-        step = cost_step(cost)
-        if degrees is None:
-            res = simulate_split(sim, step, step, hop_s=kv_hop(shape, cluster),
-                                 prefill_budget=prefill_step_tokens,
-                                 decode_budget=prefill_step_tokens, block_size=BLOCK_SIZE)
+        if degrees is None:  # the split runs with --prefill-step-tokens on both sides
+            side = Replicas(budget=prefill_step_tokens)
+            att = simulate_disagg(shape, cluster, scenario, options, side, side, sim,
+                                  BLOCK_SIZE)
         else:
-            res = simulate(sim, step, replicas=degrees[2], budget=budget)
-        out[name] = attainment(sim, res, *slo)
+            tp, pp, dp = degrees
+            att = simulate_colocated(shape, cluster, scenario, options,
+                                     Replicas(tp, pp, dp, budget), sim)
+        if att is not None:
+            out[name] = att
     return out
-
-
-def cost_step(cost: CostModel) -> Callable[[StepWork], float]:
-    return lambda work: cost.step(work).total_s
-
-
-def kv_hop(shape: ModelShape, cluster: ClusterConfig) -> Callable[[SimRequest], float]:
-    """Seconds moving a request's prompt KV between two ranks of one node takes."""
-    link = link_figures(cluster, "intra")
-    per_token = shape.num_layers * shape.kv_bytes_per_token(1)
-    return lambda r: p2p_s(r.prompt * per_token, *link)
 
 
 def main() -> None:

@@ -1,0 +1,94 @@
+"""A layout the planner sizes, serving a given list of requests, simulated step by step on
+its cost model (serving_sim.py): the goodput within SLOs a benchmark of that very
+workload should measure, queueing and tails included, where the search's closed forms
+price the scenario's mean request.
+
+Colocated: `dp` alike replicas of tp x pp, each step priced by the cost model (a pipeline
+replica runs one round at a time). Split: prefill replicas run the prompts and give the
+first token, each prompt's KV crosses the link the split's ranks share (every rank pair
+moving its own piece), decode replicas run the rest from the moved KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from meshserve.parallel.planner.cluster import ClusterConfig
+from meshserve.parallel.planner.cost_model import CostModel, StepWork, link_figures, p2p_s
+from meshserve.parallel.planner.model_shape import ModelShape
+from meshserve.parallel.planner.scenario import ScenarioConfig
+from meshserve.parallel.planner.search import PlannerOptions, sized
+from meshserve.parallel.planner.serving_sim import (
+    Attainment,
+    SimRequest,
+    attainment,
+    simulate,
+    simulate_split,
+)
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """`count` replicas of tp x pp, each stepping with a budget of `budget` tokens."""
+
+    tp: int = 1
+    pp: int = 1
+    count: int = 1
+    budget: int = 2048
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.pp
+
+
+def step_time(cost: CostModel) -> Callable[[StepWork], float]:
+    """Seconds a step of this work takes on the replica the cost model prices."""
+    return lambda work: cost.step(work).total_s
+
+
+def kv_hop(shape: ModelShape, cluster: ClusterConfig, prefill: Replicas, decode: Replicas
+           ) -> Callable[[SimRequest], float]:
+    """Seconds a request's uncached prompt KV takes from a prefill replica to a decode one:
+    over the in-node link when every rank of the split fits one node, else the inter-node
+    one, as many rank pairs as the smaller side has ranks moving a piece each."""
+    link = "intra" if (prefill.ranks * prefill.count + decode.ranks * decode.count
+                       <= cluster.devices_per_node) else "inter"
+    figures = link_figures(cluster, link)
+    per_token = shape.num_layers * shape.kv_bytes_per_token(1)
+    lanes = min(prefill.ranks, decode.ranks)
+    return lambda r: p2p_s((r.prompt - r.cached) * per_token / lanes, *figures)
+
+
+def _cost(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
+          options: PlannerOptions, replicas: Replicas) -> CostModel | None:
+    return sized(shape, cluster, scenario, replicas.tp, replicas.pp, options)[1]
+
+
+def simulate_colocated(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
+                       options: PlannerOptions, replicas: Replicas,
+                       requests: Sequence[SimRequest]) -> Attainment | None:
+    """The colocated layout serving `requests` within the scenario's SLOs; None where the
+    planner's sizing rejects a replica."""
+    cost = _cost(shape, cluster, scenario, options, replicas)
+    if cost is None:
+        return None
+    res = simulate(requests, step_time(cost), replicas=replicas.count, budget=replicas.budget)
+    return attainment(requests, res, scenario.ttft_slo_ms / 1e3, scenario.tpot_slo_ms / 1e3)
+
+
+def simulate_disagg(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
+                    options: PlannerOptions, prefill: Replicas, decode: Replicas,
+                    requests: Sequence[SimRequest], block_size: int) -> Attainment | None:
+    """The prefill/decode split serving `requests` within the scenario's SLOs; None where
+    the planner's sizing rejects either side's replica."""
+    pre = _cost(shape, cluster, scenario, options, prefill)
+    dec = _cost(shape, cluster, scenario, options, decode)
+    if pre is None or dec is None:
+        return None
+    res = simulate_split(requests, step_time(pre), step_time(dec),
+                         hop_s=kv_hop(shape, cluster, prefill, decode),
+                         prefill_replicas=prefill.count, decode_replicas=decode.count,
+                         prefill_budget=prefill.budget, decode_budget=decode.budget,
+                         block_size=block_size)
+    return attainment(requests, res, scenario.ttft_slo_ms / 1e3, scenario.tpot_slo_ms / 1e3)

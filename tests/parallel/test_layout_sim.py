@@ -1,0 +1,90 @@
+"""A sized layout serving a list of requests, simulated on its cost model: colocated and
+split, the KV hop on the link the split's ranks share, and what the sizing rejects."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from meshserve.launch.config import load_config
+from meshserve.launch.plan import model_shape
+from meshserve.parallel.planner.layout_sim import (
+    Replicas,
+    kv_hop,
+    simulate_colocated,
+    simulate_disagg,
+    step_time,
+)
+from meshserve.parallel.planner.search import options_for, sized
+from meshserve.parallel.planner.serving_sim import SimRequest, attainment, simulate
+
+
+def setup(*overrides: str):  # noqa: ANN201
+    cfg = load_config(["cluster=dgx-h100", "scenario=rag", *overrides])
+    return model_shape(cfg, cfg.cluster), cfg.cluster, cfg.scenario, options_for(cfg)
+
+
+REQUESTS = [SimRequest(0.05 * i, 1000 + 100 * (i % 5), 64) for i in range(40)]
+
+
+def test_one_colocated_replica_is_the_cost_model_stepped_through_the_requests() -> None:
+    shape, cluster, scenario, options = setup("model=llama-3-8b")
+    att = simulate_colocated(shape, cluster, scenario, options, Replicas(tp=2), REQUESTS)
+    cost = sized(shape, cluster, scenario, 2, 1, options)[1]
+    assert att is not None and cost is not None
+    direct = attainment(REQUESTS, simulate(REQUESTS, step_time(cost)),
+                        scenario.ttft_slo_ms / 1e3, scenario.tpot_slo_ms / 1e3)
+    assert att == direct
+    assert len(att.ttft_s) == len(REQUESTS) and all(t > 0 for t in att.ttft_s)
+
+
+def test_more_replicas_cut_the_queue() -> None:
+    shape, cluster, scenario, options = setup("model=llama-3-8b")
+    burst = [SimRequest(0.002 * i, 1000 + 100 * (i % 5), 64) for i in range(40)]
+    one = simulate_colocated(shape, cluster, scenario, options, Replicas(), burst)
+    four = simulate_colocated(shape, cluster, scenario, options, Replicas(count=4), burst)
+    assert one is not None and four is not None
+    assert max(four.ttft_s) < max(one.ttft_s) / 2
+
+
+def test_the_hop_takes_the_inter_node_link_once_the_split_leaves_the_node() -> None:
+    shape, cluster, _, _ = setup("model=llama-3-8b")
+    r = SimRequest(0.0, 2000, 64, cached=500)
+    inside = kv_hop(shape, cluster, Replicas(tp=4), Replicas(tp=4))(r)
+    across = kv_hop(shape, cluster, Replicas(tp=8), Replicas(tp=8))(r)
+    assert across > inside > 0  # InfiniBand is slower than NVLink
+    # The cached prefix does not move; two pairs of ranks halve each one's bytes.
+    whole = kv_hop(shape, cluster, Replicas(), Replicas())(dataclasses.replace(r, cached=0))
+    part = kv_hop(shape, cluster, Replicas(), Replicas())(r)
+    pairs = kv_hop(shape, cluster, Replicas(tp=2), Replicas(tp=2))(r)
+    assert part < whole and pairs < part
+
+
+def test_a_split_answers_first_from_the_prefill_side_and_decodes_after_the_hop() -> None:
+    shape, cluster, scenario, options = setup("model=llama-3-8b")
+    att = simulate_disagg(shape, cluster, scenario, options, Replicas(tp=2), Replicas(tp=2),
+                          REQUESTS, block_size=16)
+    colo = simulate_colocated(shape, cluster, scenario, options, Replicas(tp=2, count=2),
+                              REQUESTS)
+    assert att is not None and colo is not None
+    assert len(att.tpot_s) == len(REQUESTS)
+    # Decode replicas run no prompt beside the decodes: the worst TPOT is lower.
+    assert max(att.tpot_s) < max(colo.tpot_s)
+
+
+def test_a_replica_the_sizing_rejects_simulates_nothing() -> None:
+    shape, cluster, scenario, options = setup("model=llama-3-70b")
+    assert simulate_colocated(shape, cluster, scenario, options, Replicas(), REQUESTS) is None
+    assert simulate_disagg(shape, cluster, scenario, options, Replicas(), Replicas(tp=4),
+                           REQUESTS, block_size=16) is None
+    assert simulate_colocated(shape, cluster, scenario, options, Replicas(tp=4),
+                              REQUESTS) is not None
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_every_request_gets_its_figures(count: int) -> None:
+    shape, cluster, scenario, options = setup("model=llama-3-8b")
+    att = simulate_colocated(shape, cluster, scenario, options, Replicas(count=count),
+                             REQUESTS)
+    assert att is not None and 0 < att.goodput_req_s <= len(REQUESTS) / 1.95
