@@ -18,16 +18,22 @@ the planner's predicted goodput of 1P+1D, dp=2 and tp=2 on the `--cluster` prese
 workload's mean prompt and output; each row then has the prediction at its rate (goodput
 cannot exceed the offered rate) and measured / predicted. Beside it, the same layout
 serving these very requests (their arrivals and lengths) simulated step by step on the
-preset's cost model (parallel/planner/serving_sim.py), and measured / simulated: the
-mean-request prediction cannot see the tails that SLO attainment hangs on.
+preset's cost model (parallel/planner/layout_sim.py), and measured / simulated: the
+mean-request prediction cannot see the tails that SLO attainment hangs on. Before its
+measured run each layout serves a burst of `--profile-requests` other rag requests (a
+different seed); how much slower than the cost model priced them the engine ran that
+burst (`profile_scale`) scales the simulated steps, as DistServe profiles its model
+before simulating. Every layout serves the burst, so each measured run starts as warm.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
-from dataclasses import replace
+from collections import deque
+from dataclasses import fields, replace
 
 import torch
 
@@ -35,12 +41,17 @@ from meshserve.bench import checkpoints, workloads
 from meshserve.bench.harness import MeshserveRunner
 from meshserve.bench.layout_check import load_cluster
 from meshserve.bench.metrics import summarize
-from meshserve.engine.disagg import DisaggEngine
+from meshserve.engine.disagg import DisaggEngine, TransferStats
 from meshserve.engine.runtime_config import load_runtime_config
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.disagg_search import splits
-from meshserve.parallel.planner.layout_sim import Replicas, simulate_colocated, simulate_disagg
+from meshserve.parallel.planner.layout_sim import (
+    Replicas,
+    profile_scale,
+    simulate_colocated,
+    simulate_disagg,
+)
 from meshserve.parallel.planner.model_shape import ModelShape
 from meshserve.parallel.planner.search import evaluate, options_for
 from meshserve.parallel.planner.serving_sim import Attainment, SimRequest
@@ -85,32 +96,50 @@ def predicted_goodput(arch: ModelArch, reqs: list, ttft_ms: float, tpot_ms: floa
     return out
 
 
-def simulated(arch: ModelArch, reqs: list, ttft_ms: float, tpot_ms: float,
-              cluster: ClusterConfig, prefill_step_tokens: int) -> dict[str, Attainment]:
-    """Each planned layout serving these very requests (their arrivals and lengths),
-    simulated step by step on the planner's cost model for `cluster`."""
-    config = load_runtime_config()
-    shape = ModelShape.from_arch(arch, "float32")
-    scenario = replace(config.scenario, name="rag-bench", shared_prefix_fraction=0.0,
-                       prompt_len=max(len(r.prompt_token_ids) for r in reqs),
-                       output_len=max(r.max_new_tokens for r in reqs), max_batch=len(reqs),
-                       ttft_slo_ms=ttft_ms, tpot_slo_ms=tpot_ms)
-    options = replace(options_for(config), max_num_batched_tokens=prefill_step_tokens)
-    sim = [SimRequest(r.arrival_s, len(r.prompt_token_ids), r.max_new_tokens) for r in reqs]
-    budget = config.engine.step_token_cap
-    out = {}
-    for name, degrees in PLANNED.items():
+class Simulated:
+    """The planned layouts serving given requests (their arrivals and lengths), simulated
+    step by step on the planner's cost model for `cluster`, sized for the measured
+    workload."""
+
+    def __init__(self, arch: ModelArch, reqs: list, ttft_ms: float, tpot_ms: float,
+                 cluster: ClusterConfig, prefill_step_tokens: int) -> None:
+        config = load_runtime_config()
+        self.shape = ModelShape.from_arch(arch, "float32")
+        self.cluster = cluster
+        self.scenario = replace(
+            config.scenario, name="rag-bench", shared_prefix_fraction=0.0,
+            prompt_len=max(len(r.prompt_token_ids) for r in reqs),
+            output_len=max(r.max_new_tokens for r in reqs), max_batch=len(reqs),
+            ttft_slo_ms=ttft_ms, tpot_slo_ms=tpot_ms)
+        self.options = replace(options_for(config), max_num_batched_tokens=prefill_step_tokens)
+        self.budget = config.engine.step_token_cap
+        self.prefill_step_tokens = prefill_step_tokens
+
+    def run(self, name: str, reqs: list, scale: float = 1.0) -> Attainment | None:
+        """Layout `name` (one of PLANNED) serving `reqs`, its steps at `scale` times the
+        cost model's price; None where the planner's sizing rejects it."""
+        sim = [SimRequest(r.arrival_s, len(r.prompt_token_ids), r.max_new_tokens)
+               for r in reqs]
+        args = (self.shape, self.cluster, self.scenario, self.options)
+        degrees = PLANNED[name]
         if degrees is None:  # the split runs with --prefill-step-tokens on both sides
-            side = Replicas(budget=prefill_step_tokens)
-            att = simulate_disagg(shape, cluster, scenario, options, side, side, sim,
-                                  BLOCK_SIZE)
-        else:
-            tp, pp, dp = degrees
-            att = simulate_colocated(shape, cluster, scenario, options,
-                                     Replicas(tp, pp, dp, budget), sim)
-        if att is not None:
-            out[name] = att
-    return out
+            side = Replicas(budget=self.prefill_step_tokens)
+            return simulate_disagg(*args, side, side, sim, BLOCK_SIZE, scale)
+        tp, pp, dp = degrees
+        return simulate_colocated(*args, Replicas(tp, pp, dp, self.budget), sim, scale)
+
+
+def since(now: TransferStats, before: TransferStats) -> TransferStats:
+    """The KV transfers counted after `before` was taken (the measured run's alone)."""
+    def minus(a: object, b: object) -> object:
+        if isinstance(a, list) and isinstance(b, list):
+            return [x - y for x, y in zip(a, b, strict=True)]
+        return a - b  # type: ignore[operator]
+
+    counts = {f.name: minus(getattr(now, f.name), getattr(before, f.name))
+              for f in fields(TransferStats) if f.name != "recent"}
+    return TransferStats(**counts,  # type: ignore[arg-type]
+                         recent=deque(list(now.recent)[len(before.recent):], maxlen=4096))
 
 
 def main() -> None:
@@ -128,6 +157,10 @@ def main() -> None:
     ap.add_argument("--cluster", default="local-cpu",
                     help="the cluster preset the planner predicts with: a name in conf/cluster "
                          "or a YAML file `meshserve calibrate calibrate.out=F` wrote")
+    ap.add_argument("--profile-requests", type=int, default=4,
+                    help="a burst of this many other rag requests each layout serves before "
+                         "the measured run: the simulation's steps are scaled by how much "
+                         "slower than the cost model's price the engine ran it (0: none)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     path = checkpoints.resolve(args.model)
@@ -139,14 +172,17 @@ def main() -> None:
     reqs = workloads.resolve("rag", arch.vocab_size, rate=args.rates[0],
                              num_requests=args.num_requests)
     cluster = load_cluster(args.cluster)
+    profile = (workloads.resolve("rag", arch.vocab_size, seed=1,
+                                 num_requests=args.profile_requests)
+               if args.profile_requests > 0 else None)
     planned = predicted_goodput(arch, reqs, args.ttft_ms, args.tpot_ms, cluster)
     print(json.dumps({"predicted_goodput_req_s": {n: round(g, 4) for n, g in planned.items()},
                       "cluster": cluster.name, "cluster_source": cluster.source}), flush=True)
     for i, rate in enumerate(args.rates):
         reqs = workloads.resolve("rag", arch.vocab_size, rate=rate,
                                  num_requests=args.num_requests)
-        sim = simulated(arch, reqs, args.ttft_ms, args.tpot_ms, cluster,
-                        args.prefill_step_tokens)
+        sims = Simulated(arch, reqs, args.ttft_ms, args.tpot_ms, cluster,
+                         args.prefill_step_tokens)
         names = args.layouts if i % 2 == 0 else list(reversed(args.layouts))
         rows = {}
         for name in names:
@@ -156,9 +192,16 @@ def main() -> None:
             runner = MeshserveRunner(load_runtime_config([*base, *LAYOUTS[name], *extra]),
                                      name=name)
             try:
-                res = runner.run(reqs)
+                scale = None
+                if profile:  # a burst of other requests first: the engine's own pace
+                    measured = runner.run(profile).wall_s
+                    priced = sims.run(name, profile) if name in PLANNED else None
+                    scale = profile_scale(measured, priced) if priced is not None else None
                 engine = runner.llm.engine
-                transfers = engine.transfers if isinstance(engine, DisaggEngine) else None
+                disagg = isinstance(engine, DisaggEngine)
+                before = copy.deepcopy(engine.transfers) if disagg else None
+                res = runner.run(reqs)
+                transfers = since(engine.transfers, before) if disagg else None
             finally:
                 runner.llm.shutdown()
             s = summarize(res, args.ttft_ms / 1e3, args.tpot_ms / 1e3)
@@ -184,8 +227,11 @@ def main() -> None:
                 row["predicted_goodput_req_s"] = round(expect, 4)
                 row["measured_over_predicted"] = round(row["goodput_req_s"] / expect, 3) \
                     if expect else None
-            if name in sim:  # these very requests, served step by step on the cost model
-                g = sim[name].goodput_req_s
+            sim = sims.run(name, reqs, scale or 1.0) if name in PLANNED else None
+            if sim is not None:  # these very requests, stepped on the cost model
+                g = sim.goodput_req_s
+                if scale is not None:
+                    row["profile_scale"] = round(scale, 3)
                 row["simulated_goodput_req_s"] = round(g, 4)
                 row["measured_over_simulated"] = round(row["goodput_req_s"] / g, 3) if g else None
             rows[name] = row

@@ -42,9 +42,21 @@ class Replicas:
         return self.tp * self.pp
 
 
-def step_time(cost: CostModel) -> Callable[[StepWork], float]:
-    """Seconds a step of this work takes on the replica the cost model prices."""
-    return lambda work: cost.step(work).total_s
+def step_time(cost: CostModel, scale: float = 1.0) -> Callable[[StepWork], float]:
+    """Seconds a step of this work takes on the replica the cost model prices, times
+    `scale` (what a profile of the engine found the model's steps to take against the
+    cost model's price: `profile_scale`)."""
+    return lambda work: scale * cost.step(work).total_s
+
+
+def profile_scale(measured_wall_s: float, simulated: Attainment) -> float:
+    """How much slower the engine ran a profile than the cost model priced it: the
+    profile's measured wall time (first arrival to last finish) over the simulation's of
+    the same requests on the same layout at scale 1. A burst of requests keeps every step
+    busy, so the wall time is the steps' sum and scales with them."""
+    if simulated.wall_s <= 0:
+        raise ValueError(f"simulated wall time {simulated.wall_s}: the profile ran nothing")
+    return measured_wall_s / simulated.wall_s
 
 
 def kv_hop(shape: ModelShape, cluster: ClusterConfig, prefill: Replicas, decode: Replicas
@@ -67,26 +79,31 @@ def _cost(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
 
 def simulate_colocated(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
                        options: PlannerOptions, replicas: Replicas,
-                       requests: Sequence[SimRequest]) -> Attainment | None:
-    """The colocated layout serving `requests` within the scenario's SLOs; None where the
-    planner's sizing rejects a replica."""
+                       requests: Sequence[SimRequest], scale: float = 1.0
+                       ) -> Attainment | None:
+    """The colocated layout serving `requests` within the scenario's SLOs, its steps at
+    `scale` times the cost model's price; None where the planner's sizing rejects a
+    replica."""
     cost = _cost(shape, cluster, scenario, options, replicas)
     if cost is None:
         return None
-    res = simulate(requests, step_time(cost), replicas=replicas.count, budget=replicas.budget)
+    res = simulate(requests, step_time(cost, scale), replicas=replicas.count,
+                   budget=replicas.budget)
     return attainment(requests, res, scenario.ttft_slo_ms / 1e3, scenario.tpot_slo_ms / 1e3)
 
 
 def simulate_disagg(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
                     options: PlannerOptions, prefill: Replicas, decode: Replicas,
-                    requests: Sequence[SimRequest], block_size: int) -> Attainment | None:
-    """The prefill/decode split serving `requests` within the scenario's SLOs; None where
-    the planner's sizing rejects either side's replica."""
+                    requests: Sequence[SimRequest], block_size: int, scale: float = 1.0
+                    ) -> Attainment | None:
+    """The prefill/decode split serving `requests` within the scenario's SLOs, its steps
+    at `scale` times the cost model's price (the KV hop as priced); None where the
+    planner's sizing rejects either side's replica."""
     pre = _cost(shape, cluster, scenario, options, prefill)
     dec = _cost(shape, cluster, scenario, options, decode)
     if pre is None or dec is None:
         return None
-    res = simulate_split(requests, step_time(pre), step_time(dec),
+    res = simulate_split(requests, step_time(pre, scale), step_time(dec, scale),
                          hop_s=kv_hop(shape, cluster, prefill, decode),
                          prefill_replicas=prefill.count, decode_replicas=decode.count,
                          prefill_budget=prefill.budget, decode_budget=decode.budget,

@@ -170,6 +170,8 @@ class Attainment:
     ttft_s: list[float]
     tpot_s: list[float]
     """Per request with more than one output token."""
+    wall_s: float = 0.0
+    """First arrival to last finish."""
 
 
 def attainment(requests: Sequence[SimRequest], result: SimResult, ttft_slo_s: float,
@@ -187,4 +189,4 @@ def attainment(requests: Sequence[SimRequest], result: SimResult, ttft_slo_s: fl
     start = min(r.arrival_s for r in requests)
     wall = max(result.finish_s) - start
     return Attainment(goodput_req_s=good / wall if wall > 0 else 0.0, ttft_s=ttft,
-                      tpot_s=tpot)
+                      tpot_s=tpot, wall_s=wall)

@@ -12,6 +12,7 @@ from meshserve.launch.plan import model_shape
 from meshserve.parallel.planner.layout_sim import (
     Replicas,
     kv_hop,
+    profile_scale,
     simulate_colocated,
     simulate_disagg,
     step_time,
@@ -88,3 +89,18 @@ def test_every_request_gets_its_figures(count: int) -> None:
     att = simulate_colocated(shape, cluster, scenario, options, Replicas(count=count),
                              REQUESTS)
     assert att is not None and 0 < att.goodput_req_s <= len(REQUESTS) / 1.95
+
+
+def test_a_profile_twice_as_slow_as_priced_doubles_the_simulated_steps() -> None:
+    shape, cluster, scenario, options = setup("model=llama-3-8b")
+    burst = [SimRequest(0.0, 1500, 32) for _ in range(4)]
+    priced = simulate_colocated(shape, cluster, scenario, options, Replicas(), burst)
+    assert priced is not None and priced.wall_s > 0
+    scale = profile_scale(2 * priced.wall_s, priced)
+    assert scale == pytest.approx(2.0)
+    slow = simulate_colocated(shape, cluster, scenario, options, Replicas(), burst, scale)
+    assert slow is not None
+    assert slow.wall_s == pytest.approx(2 * priced.wall_s)  # a burst: every step scaled
+    assert max(slow.ttft_s) == pytest.approx(2 * max(priced.ttft_s))
+    with pytest.raises(ValueError, match="ran nothing"):
+        profile_scale(1.0, dataclasses.replace(priced, wall_s=0.0))
