@@ -27,6 +27,12 @@ from dataclasses import dataclass, replace
 from meshserve.parallel.comm.mesh import divisors
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.cost_model import CostModel, StepWork, link_figures, p2p_s
+from meshserve.parallel.planner.layout_sim import (
+    Replicas,
+    scenario_requests,
+    simulate_colocated,
+    simulate_disagg,
+)
 from meshserve.parallel.planner.model_shape import ModelShape
 from meshserve.parallel.planner.placement import Plan
 from meshserve.parallel.planner.prediction import Prediction, cached_tokens
@@ -323,5 +329,38 @@ def choose_kind(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioCon
             verdict = "so colocated serving wins"
         text = (f"Best colocated {best.degrees}: {name} {figure(a)} {unit}. Best split "
                 f"{describe(top, scenario)}; {name} {figure(b)} {unit} ({rel:+.1%}), "
-                f"{verdict}.")
+                f"{verdict}.{simulated(shape, cluster, scenario, options, best, top)}")
     return KindChoice(colocated=colocated, splits=found, kind=kind, explanation=text)
+
+
+SIM_REQUESTS = 200
+"""Requests the check of choose_kind's two finalists serves, simulated."""
+BLOCK_SIZE = 16
+"""The KV block size the simulated split's decode side counts whole blocks of (the
+engine's default)."""
+
+
+def simulated(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
+              options: PlannerOptions, colocated: Candidate, split: SplitCandidate) -> str:
+    """A sentence on the two finalists serving SIM_REQUESTS requests of the scenario's
+    lengths, arriving as a Poisson process at the higher of their predicted goodputs,
+    simulated step by step on the cost model (layout_sim): the share of requests each
+    serves within both SLOs, queueing and the prompts beside decodes included, which
+    the closed forms above price for the mean request only."""
+    rates = [c.prediction.goodput_req_s for c in (colocated, split) if c.prediction]
+    if not rates or max(rates) <= 0:
+        return ""
+    rate = max(rates)
+    reqs = scenario_requests(scenario, rate, SIM_REQUESTS)
+    budget = options.max_num_batched_tokens
+    colo = simulate_colocated(shape, cluster, scenario, options,
+                              Replicas(colocated.tp, colocated.pp, colocated.dp, budget), reqs)
+    pre, dec = split.prefill, split.decode
+    disagg = simulate_disagg(shape, cluster, scenario, options,
+                             Replicas(pre.tp, pre.pp, pre.replicas, budget),
+                             Replicas(dec.tp, dec.pp, dec.replicas, budget), reqs, BLOCK_SIZE)
+    if colo is None or disagg is None:
+        return ""
+    return (f" Simulated at {figure(rate)} req/s over {SIM_REQUESTS} requests of these "
+            f"lengths: colocated serves {colo.attained:.0%} within both SLOs, the split "
+            f"{disagg.attained:.0%}.")

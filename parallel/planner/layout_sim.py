@@ -11,12 +11,14 @@ moving its own piece), decode replicas run the rest from the moved KV.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.cost_model import CostModel, StepWork, link_figures, p2p_s
 from meshserve.parallel.planner.model_shape import ModelShape
+from meshserve.parallel.planner.prediction import cached_tokens
 from meshserve.parallel.planner.scenario import ScenarioConfig
 from meshserve.parallel.planner.search import PlannerOptions, sized
 from meshserve.parallel.planner.serving_sim import (
@@ -40,6 +42,21 @@ class Replicas:
     @property
     def ranks(self) -> int:
         return self.tp * self.pp
+
+
+def scenario_requests(scenario: ScenarioConfig, rate: float, num: int, seed: int = 0
+                      ) -> list[SimRequest]:
+    """`num` requests of the scenario's prompt and output lengths (its shared prefix
+    cached) arriving as a Poisson process at `rate` requests/s."""
+    if rate <= 0:
+        raise ValueError(f"rate={rate}: allowed is a rate > 0 requests/s")
+    rng = random.Random(seed)
+    cached = cached_tokens(scenario)
+    t, out = 0.0, []
+    for _ in range(num):
+        t += rng.expovariate(rate)
+        out.append(SimRequest(t, scenario.prompt_len, scenario.output_len, cached))
+    return out
 
 
 def step_time(cost: CostModel, scale: float = 1.0) -> Callable[[StepWork], float]:

@@ -172,6 +172,13 @@ class Attainment:
     """Per request with more than one output token."""
     wall_s: float = 0.0
     """First arrival to last finish."""
+    num_good: int = 0
+    """Requests that met both SLOs."""
+
+    @property
+    def attained(self) -> float:
+        """The share of requests that met both SLOs."""
+        return self.num_good / len(self.ttft_s) if self.ttft_s else 0.0
 
 
 def attainment(requests: Sequence[SimRequest], result: SimResult, ttft_slo_s: float,
@@ -189,4 +196,4 @@ def attainment(requests: Sequence[SimRequest], result: SimResult, ttft_slo_s: fl
     start = min(r.arrival_s for r in requests)
     wall = max(result.finish_s) - start
     return Attainment(goodput_req_s=good / wall if wall > 0 else 0.0, ttft_s=ttft,
-                      tpot_s=tpot, wall_s=wall)
+                      tpot_s=tpot, wall_s=wall, num_good=good)

@@ -130,3 +130,17 @@ def test_one_device_has_no_split() -> None:
     choice = choose_kind(shape, one, scenario, options)
     assert choice.kind == "colocated" and choice.splits == []
     assert "one device" in choice.explanation
+
+
+def test_the_choice_is_checked_by_simulating_both_finalists() -> None:
+    import re
+
+    shape, cluster, scenario, options = setup(*LONG_PROMPTS_TIGHT_TPOT)
+    choice = choose_kind(shape, cluster, scenario, options)
+    found = re.search(r"Simulated at [\d.,]+ req/s over 200 requests of these lengths: "
+                      r"colocated serves (\d+)% within both SLOs, the split (\d+)%",
+                      choice.explanation)
+    assert found, choice.explanation
+    colocated, split = (int(g) for g in found.groups())
+    assert 0 <= colocated <= 100 and 0 <= split <= 100
+    assert split >= colocated  # the split wins here, and the simulation agrees

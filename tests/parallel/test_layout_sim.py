@@ -13,6 +13,7 @@ from meshserve.parallel.planner.layout_sim import (
     Replicas,
     kv_hop,
     profile_scale,
+    scenario_requests,
     simulate_colocated,
     simulate_disagg,
     step_time,
@@ -104,3 +105,15 @@ def test_a_profile_twice_as_slow_as_priced_doubles_the_simulated_steps() -> None
     assert max(slow.ttft_s) == pytest.approx(2 * max(priced.ttft_s))
     with pytest.raises(ValueError, match="ran nothing"):
         profile_scale(1.0, dataclasses.replace(priced, wall_s=0.0))
+
+
+def test_scenario_requests_arrive_as_a_poisson_process_of_the_scenarios_lengths() -> None:
+    _, _, scenario, _ = setup("model=llama-3-8b", "scenario.shared_prefix_fraction=0.25")
+    reqs = scenario_requests(scenario, 4.0, 2000, seed=1)
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(reqs, reqs[1:])]
+    assert all(g >= 0 for g in gaps) and sum(gaps) / len(gaps) == pytest.approx(0.25, rel=0.1)
+    assert {(r.prompt, r.output, r.cached) for r in reqs} == {
+        (scenario.prompt_len, scenario.output_len, scenario.prompt_len // 4)}
+    assert scenario_requests(scenario, 4.0, 5, seed=1) == reqs[:5]  # seeded
+    with pytest.raises(ValueError, match="rate=0"):
+        scenario_requests(scenario, 0.0, 5)
