@@ -118,7 +118,8 @@ class SpeculationSwitch:
             return True  # nothing to price drafting with: time it first, then plain
         if p is None:
             return False  # time plain, then price drafting
-        promise = self.gain(accepted) * p / d  # drafted tokens/s over plain, as priced
+        gain = self.gain(accepted)
+        promise = gain * p / d  # drafted tokens/s over plain, as priced
         prefer = promise >= MARGIN
         if prefer != b.prefer:
             b.prefer, b.interval, b.since_other = prefer, PROBE_EVERY, 0
@@ -128,9 +129,9 @@ class SpeculationSwitch:
         # size with no cost model to scale it is a guess: it orders the probes like any
         # price, and drafting is timed here before it is ruled out.
         timed = len(b.drafted_s.samples)
-        settled = (timed >= 3 or (timed == 0 and self.prior is not None)
-                   or self._behind_below(len(accepted), self.gain(accepted)))
-        if not prefer and promise < 1 / PROBE_BAND and settled:
+        if not prefer and promise < 1 / PROBE_BAND and (
+                timed >= 3 or (timed == 0 and self.prior is not None)
+                or self._behind_below(len(accepted), gain)):
             if timed == 0 or lag > MAX_CATCH_UP or b.since_other < MAX_PROBE_EVERY:
                 b.since_other += 1
                 return False

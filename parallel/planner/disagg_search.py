@@ -26,9 +26,11 @@ from dataclasses import dataclass, replace
 
 from meshserve.parallel.comm.mesh import divisors
 from meshserve.parallel.planner.cluster import ClusterConfig
-from meshserve.parallel.planner.cost_model import CostModel, StepWork, link_figures, p2p_s
+from meshserve.parallel.planner.cost_model import CostModel, StepWork
 from meshserve.parallel.planner.layout_sim import (
     Replicas,
+    hop_bytes_s,
+    hop_link,
     scenario_requests,
     simulate_colocated,
     simulate_disagg,
@@ -123,19 +125,16 @@ def last_true(n: int, holds: Callable[[int], bool]) -> int:
 
 
 def kv_link(prefill: Phase, decode: Phase, cluster: ClusterConfig) -> str:
-    """intra when every rank of the split sits on one node, else inter: with prefill
-    replicas placed first, some prefill/decode pair then crosses nodes."""
-    return "intra" if prefill.devices + decode.devices <= cluster.devices_per_node else "inter"
+    """The link the split's KV hop crosses (layout_sim.hop_link)."""
+    return hop_link(prefill.devices + decode.devices, cluster)
 
 
 def hop_s(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig, prefill: Phase,
           decode: Phase, link: str) -> tuple[float, float]:
     """(bytes, seconds) of one request's KV hop: every rank pair moves its piece at once, so
     the bytes spread over as many links as the smaller side has ranks."""
-    nbytes = (scenario.prompt_len - cached_tokens(scenario)) * shape.num_layers \
-        * shape.kv_bytes_per_token(1)
-    lanes = min(prefill.tp * prefill.pp, decode.tp * decode.pp)
-    return nbytes, p2p_s(nbytes / lanes, *link_figures(cluster, link))
+    return hop_bytes_s(shape, cluster, link, scenario.prompt_len - cached_tokens(scenario),
+                       min(prefill.tp * prefill.pp, decode.tp * decode.pp))
 
 
 def predict_split(prefill_cost: CostModel, decode_cost: CostModel, scenario: ScenarioConfig,

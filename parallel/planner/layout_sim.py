@@ -76,17 +76,28 @@ def profile_scale(measured_wall_s: float, simulated: Attainment) -> float:
     return measured_wall_s / simulated.wall_s
 
 
+def hop_link(num_ranks: int, cluster: ClusterConfig) -> str:
+    """The link a split's KV hop crosses: intra when all `num_ranks` ranks of its prefill
+    and decode replicas sit on one node, else inter (prefill replicas are placed first,
+    so some prefill/decode pair then crosses nodes)."""
+    return "intra" if num_ranks <= cluster.devices_per_node else "inter"
+
+
+def hop_bytes_s(shape: ModelShape, cluster: ClusterConfig, link: str, tokens: float,
+                lanes: int) -> tuple[float, float]:
+    """(bytes, seconds) of moving `tokens` tokens' KV over `link`, `lanes` rank pairs each
+    moving its own piece at once."""
+    nbytes = tokens * shape.num_layers * shape.kv_bytes_per_token(1)
+    return nbytes, p2p_s(nbytes / lanes, *link_figures(cluster, link))
+
+
 def kv_hop(shape: ModelShape, cluster: ClusterConfig, prefill: Replicas, decode: Replicas
            ) -> Callable[[SimRequest], float]:
-    """Seconds a request's uncached prompt KV takes from a prefill replica to a decode one:
-    over the in-node link when every rank of the split fits one node, else the inter-node
-    one, as many rank pairs as the smaller side has ranks moving a piece each."""
-    link = "intra" if (prefill.ranks * prefill.count + decode.ranks * decode.count
-                       <= cluster.devices_per_node) else "inter"
-    figures = link_figures(cluster, link)
-    per_token = shape.num_layers * shape.kv_bytes_per_token(1)
+    """Seconds a request's uncached prompt KV takes from a prefill replica to a decode one,
+    as many rank pairs as the smaller side has ranks moving a piece each."""
+    link = hop_link(prefill.ranks * prefill.count + decode.ranks * decode.count, cluster)
     lanes = min(prefill.ranks, decode.ranks)
-    return lambda r: p2p_s((r.prompt - r.cached) * per_token / lanes, *figures)
+    return lambda r: hop_bytes_s(shape, cluster, link, r.prompt - r.cached, lanes)[1]
 
 
 def _cost(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
