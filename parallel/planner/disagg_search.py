@@ -34,6 +34,7 @@ from meshserve.parallel.planner.layout_sim import (
     scenario_requests,
     simulate_colocated,
     simulate_disagg,
+    steady_requests,
 )
 from meshserve.parallel.planner.model_shape import ModelShape
 from meshserve.parallel.planner.placement import Plan
@@ -332,25 +333,28 @@ def choose_kind(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioCon
     return KindChoice(colocated=colocated, splits=found, kind=kind, explanation=text)
 
 
-SIM_REQUESTS = 200
-"""Requests the check of choose_kind's two finalists serves, simulated."""
 BLOCK_SIZE = 16
 """The KV block size the simulated split's decode side counts whole blocks of (the
 engine's default)."""
+SIM_LIFETIMES = 3.0
+"""Lifetimes of a request the arrivals of choose_kind's check span (steady_requests)."""
 
 
 def simulated(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
               options: PlannerOptions, colocated: Candidate, split: SplitCandidate) -> str:
-    """A sentence on the two finalists serving SIM_REQUESTS requests of the scenario's
-    lengths, arriving as a Poisson process at the higher of their predicted goodputs,
-    simulated step by step on the cost model (layout_sim): the share of requests each
-    serves within both SLOs, queueing and the prompts beside decodes included, which
-    the closed forms above price for the mean request only."""
-    rates = [c.prediction.goodput_req_s for c in (colocated, split) if c.prediction]
-    if not rates or max(rates) <= 0:
+    """A sentence on the two finalists serving requests of the scenario's lengths,
+    arriving as a Poisson process at the higher of their predicted goodputs for
+    SIM_LIFETIMES lifetimes of a request (the longer finalist's predicted TTFT and
+    decode), simulated step by step on the cost model (layout_sim): the share of
+    requests each serves within both SLOs, queueing and the prompts beside decodes
+    included, which the closed forms above price for the mean request only."""
+    preds = [p for p in (colocated.prediction, split.prediction) if p is not None]
+    rate = max((p.goodput_req_s for p in preds), default=0.0)
+    if rate <= 0:
         return ""
-    rate = max(rates)
-    reqs = scenario_requests(scenario, rate, SIM_REQUESTS)
+    lifetime = max((p.ttft_ms + (scenario.output_len - 1) * p.tpot_ms) / 1e3 for p in preds)
+    num = steady_requests(rate, lifetime, SIM_LIFETIMES)
+    reqs = scenario_requests(scenario, rate, num)
     budget = options.max_num_batched_tokens
     colo = simulate_colocated(shape, cluster, scenario, options,
                               Replicas(colocated.tp, colocated.pp, colocated.dp, budget), reqs)
@@ -360,6 +364,7 @@ def simulated(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfi
                              Replicas(dec.tp, dec.pp, dec.replicas, budget), reqs, BLOCK_SIZE)
     if colo is None or disagg is None:
         return ""
-    return (f" Simulated at {figure(rate)} req/s over {SIM_REQUESTS} requests of these "
-            f"lengths: colocated serves {colo.attained:.0%} within both SLOs, the split "
-            f"{disagg.attained:.0%}.")
+    span = reqs[-1].arrival_s / lifetime if lifetime > 0 else float("inf")
+    return (f" Simulated at {figure(rate)} req/s over {num} requests of these lengths "
+            f"({span:.1f} request lifetimes of arrivals): colocated serves "
+            f"{colo.attained:.0%} within both SLOs, the split {disagg.attained:.0%}.")

@@ -11,6 +11,7 @@ moving its own piece), decode replicas run the rest from the moved KV.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,18 @@ def scenario_requests(scenario: ScenarioConfig, rate: float, num: int, seed: int
         t += rng.expovariate(rate)
         out.append(SimRequest(t, scenario.prompt_len, scenario.output_len, cached))
     return out
+
+
+def steady_requests(rate: float, lifetime_s: float, lifetimes: float = 3.0,
+                    least: int = 200, most: int = 2000) -> int:
+    """How many Poisson arrivals at `rate` span `lifetimes` lifetimes of a request
+    (`lifetime_s`: arrival to last token), within [`least`, `most`]. Fewer requests than
+    a lifetime's worth all run at once, a burst the batch absorbs, and a simulation of
+    them overstates what the layout serves in its steady state."""
+    if rate <= 0 or lifetime_s < 0:
+        raise ValueError(f"rate={rate}, lifetime_s={lifetime_s}: allowed are a rate > 0 "
+                         "and a lifetime >= 0")
+    return max(least, min(most, math.ceil(rate * lifetime_s * lifetimes)))
 
 
 def step_time(cost: CostModel, scale: float = 1.0) -> Callable[[StepWork], float]:

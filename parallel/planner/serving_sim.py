@@ -64,25 +64,27 @@ class _Replica:
 
     def start(self, now: float) -> float | None:
         """Plan the next step at `now`; its end, or None with nothing to run."""
-        left, work, plan = self.budget, StepWork(), []
+        left, work, plan = self.budget, _Work(), []
         for s in self.running:
             if left <= 0:
                 break
             n = 1 if s.computed >= s.req.prompt else min(left, s.req.prompt - s.computed)
             plan.append((s, n))
-            work, left = work + _work(s, n), left - n
+            work.add(s, n)
+            left -= n
         while self.waiting and left > 0 and len(self.running) < self.max_seqs:
             s = self.waiting.popleft()
             s.computed = max(s.computed, min(s.req.cached, s.req.prompt - 1))
             n = min(left, s.req.prompt - s.computed)
             self.running.append(s)
             plan.append((s, n))
-            work, left = work + _work(s, n), left - n
+            work.add(s, n)
+            left -= n
         if not plan:
             self.busy_until = None
             return None
         self.planned = plan
-        self.busy_until = now + self.step_s(work)
+        self.busy_until = now + self.step_s(work.total())
         return self.busy_until
 
     def finish(self, now: float, first: list[float], done: list[float]) -> None:
@@ -100,10 +102,28 @@ class _Replica:
         self.planned = []
 
 
-def _work(s: _Seq, n: int) -> StepWork:
-    if s.computed >= s.req.prompt:
-        return StepWork.decode(1, s.computed)
-    return StepWork.prefill(n, s.computed)
+@dataclass(slots=True)
+class _Work:
+    """A step's work, summed over its sequences as plain counts (a StepWork per sequence
+    costs more than the rest of the simulation)."""
+
+    tokens: float = 0.0
+    seqs: float = 0.0
+    kv_read: float = 0.0
+    attended: float = 0.0
+
+    def add(self, s: _Seq, n: int) -> None:
+        """Sequence `s` computes `n` tokens: a decode token, or a prompt chunk after its
+        `computed` tokens (as StepWork.decode and StepWork.prefill count them)."""
+        c = s.computed
+        self.tokens += n
+        self.seqs += 1
+        self.kv_read += c
+        self.attended += n * c + (1 if c >= s.req.prompt else n * (n + 1) / 2)
+
+    def total(self) -> StepWork:
+        return StepWork(num_new_tokens=self.tokens, num_seqs=self.seqs,
+                        num_kv_read=self.kv_read, num_attended=self.attended)
 
 
 @dataclass(frozen=True)

@@ -137,10 +137,12 @@ def test_the_choice_is_checked_by_simulating_both_finalists() -> None:
 
     shape, cluster, scenario, options = setup(*LONG_PROMPTS_TIGHT_TPOT)
     choice = choose_kind(shape, cluster, scenario, options)
-    found = re.search(r"Simulated at [\d.,]+ req/s over 200 requests of these lengths: "
-                      r"colocated serves (\d+)% within both SLOs, the split (\d+)%",
-                      choice.explanation)
+    found = re.search(r"Simulated at [\d.,]+ req/s over ([\d,]+) requests of these lengths "
+                      r"\(([\d.]+) request lifetimes of arrivals\): colocated serves (\d+)% "
+                      r"within both SLOs, the split (\d+)%", choice.explanation)
     assert found, choice.explanation
-    colocated, split = (int(g) for g in found.groups())
+    num, span = int(found.group(1).replace(",", "")), float(found.group(2))
+    colocated, split = int(found.group(3)), int(found.group(4))
+    assert 200 <= num <= 2000 and (span >= 2.5 or num == 2000)
     assert 0 <= colocated <= 100 and 0 <= split <= 100
     assert split >= colocated  # the split wins here, and the simulation agrees

@@ -16,6 +16,7 @@ from meshserve.parallel.planner.layout_sim import (
     scenario_requests,
     simulate_colocated,
     simulate_disagg,
+    steady_requests,
     step_time,
 )
 from meshserve.parallel.planner.search import options_for, sized
@@ -117,3 +118,25 @@ def test_scenario_requests_arrive_as_a_poisson_process_of_the_scenarios_lengths(
     assert scenario_requests(scenario, 4.0, 5, seed=1) == reqs[:5]  # seeded
     with pytest.raises(ValueError, match="rate=0"):
         scenario_requests(scenario, 0.0, 5)
+
+
+def test_steady_requests_span_several_lifetimes_within_bounds() -> None:
+    assert steady_requests(10.0, 30.0) == 900  # 3 lifetimes of 30 s at 10 req/s
+    assert steady_requests(0.1, 1.0) == 200 and steady_requests(1e3, 60.0) == 2000
+    with pytest.raises(ValueError, match="rate=0"):
+        steady_requests(0.0, 1.0)
+
+
+def test_a_burst_shorter_than_a_lifetime_overstates_what_a_layout_serves() -> None:
+    """Requests that all fit in one batch at once meet the SLOs; the same rate kept up
+    for several lifetimes queues: why the planner's check spans steady_requests."""
+    shape, cluster, scenario, options = setup("model=llama-3-70b", "scenario=codegen")
+    scenario = dataclasses.replace(scenario, prompt_len=1024, output_len=512)
+    layout = Replicas(2, 1, 4, options.max_num_batched_tokens)
+    rate = 120.0
+    burst = simulate_colocated(shape, cluster, scenario, options, layout,
+                               scenario_requests(scenario, rate, 200))
+    steady = simulate_colocated(shape, cluster, scenario, options, layout,
+                                scenario_requests(scenario, rate, 2000))
+    assert burst is not None and steady is not None
+    assert burst.attained >= 0.9 and steady.attained < 0.5
