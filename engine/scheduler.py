@@ -27,8 +27,14 @@ from meshserve.validation import require
 PAUSE_STEPS = 32
 """Decodes a sequence whose drafts kept failing runs plainly before it drafts again."""
 PRIOR_STEPS = 2
+"""The run's expected accepted drafts per verify step start at half of k, weighing as this
+many verify steps."""
+REQUEST_PRIOR_STEPS = 8
 """A request's expected accepted drafts per verify step start as the run's, weighing as
-this many of its own steps; the run's start at half of k, weighing as many."""
+this many of its own verify steps. Acceptance comes in runs (a hard stretch of text fails
+every draft, an easy one passes them all), so two failed verifies at a request's start
+say little; with a lighter prior they priced one out of drafting for the rest of its
+life at batch 1, where nothing else updates the price."""
 
 
 def _arrival_key(seq: Sequence) -> tuple[float, int]:
@@ -314,19 +320,21 @@ class Scheduler:
 
     def _acceptances(self) -> list[float | None]:
         """Per running sequence, the drafts a verify step of it can expect to accept: its
-        own mean, seeded (as PRIOR_STEPS verify steps) with the run's mean so far, itself
-        seeded at half of speculative.num_tokens; None for one that would not draft."""
-        seed = self._run_accepted() * PRIOR_STEPS
-        return [(s.num_accepted_tokens + seed) / (s.num_verify_steps + PRIOR_STEPS)
+        own mean, seeded (as REQUEST_PRIOR_STEPS verify steps) with the run's mean so far,
+        itself seeded at half of speculative.num_tokens; None for one that would not
+        draft."""
+        seed = self._run_accepted() * REQUEST_PRIOR_STEPS
+        return [(s.num_accepted_tokens + seed) / (s.num_verify_steps + REQUEST_PRIOR_STEPS)
                 if s.speculate else None for s in self.running]
 
     def _pause_if_failing(self, seq: Sequence, num_accepted: int) -> None:
         """Stop drafting for a sequence whose drafts keep failing: its running acceptance
-        (seeded as if its first 4 drafted tokens had half been accepted) below
-        speculative.min_acceptance pauses it for PAUSE_STEPS decodes."""
+        rate (seeded, as REQUEST_PRIOR_STEPS verify steps of k drafts, with the run's
+        mean) below speculative.min_acceptance pauses it for PAUSE_STEPS decodes."""
         spec = self.speculative
         assert spec is not None
-        rate = (seq.num_accepted_tokens + 2) / (seq.num_draft_tokens + 4)
+        rate = ((seq.num_accepted_tokens + self._run_accepted() * REQUEST_PRIOR_STEPS)
+                / (seq.num_draft_tokens + spec.num_tokens * REQUEST_PRIOR_STEPS))
         if num_accepted == 0 and rate < spec.min_acceptance:
             seq.speculate = False
             seq.plain_steps = 0
