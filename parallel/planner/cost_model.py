@@ -61,6 +61,8 @@ class StepWork:
     """(query, key) pairs attention computes."""
 
     def __post_init__(self) -> None:
+        if min(self.num_new_tokens, self.num_seqs, self.num_kv_read, self.num_attended) >= 0:
+            return  # the common case, without walking the fields (simulations build many)
         for f in fields(self):
             require(getattr(self, f.name) >= 0, f"work.{f.name}", getattr(self, f.name),
                     "a count >= 0")
@@ -79,12 +81,16 @@ class StepWork:
                    num_kv_read=num_seqs * num_cached, num_attended=num_seqs * attended)
 
     def __add__(self, other: StepWork) -> StepWork:
-        return StepWork(**{f.name: getattr(self, f.name) + getattr(other, f.name)
-                           for f in fields(self)})
+        return StepWork(num_new_tokens=self.num_new_tokens + other.num_new_tokens,
+                        num_seqs=self.num_seqs + other.num_seqs,
+                        num_kv_read=self.num_kv_read + other.num_kv_read,
+                        num_attended=self.num_attended + other.num_attended)
 
     def scaled(self, factor: float) -> StepWork:
         """This work times `factor` (a micro-batch's share)."""
-        return StepWork(**{f.name: getattr(self, f.name) * factor for f in fields(self)})
+        return StepWork(num_new_tokens=self.num_new_tokens * factor,
+                        num_seqs=self.num_seqs * factor, num_kv_read=self.num_kv_read * factor,
+                        num_attended=self.num_attended * factor)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,12 +156,15 @@ class StageTime:
         return cls(compute_s=bound[0], memory_s=bound[1], comm_s=comm_s, overhead_s=overhead_s)
 
     def __add__(self, other: StageTime) -> StageTime:
-        return StageTime(**{f.name: getattr(self, f.name) + getattr(other, f.name)
-                            for f in fields(self)})
+        return StageTime(compute_s=self.compute_s + other.compute_s,
+                         memory_s=self.memory_s + other.memory_s,
+                         comm_s=self.comm_s + other.comm_s,
+                         overhead_s=self.overhead_s + other.overhead_s)
 
     def times(self, n: float) -> StageTime:
         """`n` of this part in a row."""
-        return StageTime(**{f.name: getattr(self, f.name) * n for f in fields(self)})
+        return StageTime(compute_s=self.compute_s * n, memory_s=self.memory_s * n,
+                         comm_s=self.comm_s * n, overhead_s=self.overhead_s * n)
 
     @property
     def total_s(self) -> float:

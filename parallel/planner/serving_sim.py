@@ -36,76 +36,129 @@ class SimRequest:
     cached: int = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Seq:
     index: int
     req: SimRequest
     computed: int = 0
-    """Prompt and output tokens whose KV exists."""
+    """Prompt and output tokens whose KV exists (a decoder's: as of its joining)."""
     generated: int = 0
+    """Output tokens sampled (a decoder's: as of its joining)."""
+    joined: int = 0
+    """The replica's decode clock when it began decoding."""
+
+    @property
+    def left(self) -> int:
+        """Tokens still to compute or generate, as of `computed` and `generated`."""
+        return self.req.prompt - self.computed + self.req.output - self.generated
 
 
 @dataclass
 class _Replica:
+    """One replica's schedule. Its decoders (sequences past their prompt) are summed, not
+    walked: every step runs each of them one token (the budget is at least max_seqs), so
+    a step's decode work and the decoders' progress follow from counts and a clock, and
+    a decoder is touched only when it joins and when it finishes. At most one sequence
+    is part-way through its prompt, and it is the newest running: admissions stop when
+    a prompt does not fit."""
+
     step_s: StepTime
     budget: int
     max_seqs: int
     waiting: deque[_Seq] = field(default_factory=deque)
-    running: list[_Seq] = field(default_factory=list)
+    filling: list[_Seq] = field(default_factory=list)
+    """Running sequences still in their prompt, oldest first (after every decoder)."""
+    ends: list[tuple[int, int, _Seq]] = field(default_factory=list)
+    """Decoders as (the clock at which they finish, request index, sequence), a heap."""
+    clock: int = 0
+    """Decode steps this replica has run."""
+    context: int = 0
+    """Tokens in the decoders' KV, summed."""
+    decoders_left: int = 0
+    """The decoders' `left`, summed."""
+    waiting_left: int = 0
     planned: list[tuple[_Seq, int]] = field(default_factory=list)
-    """The step in flight: each sequence and the tokens it computes."""
+    """The step in flight's prompt chunks: each sequence and the tokens it computes."""
+    decoding: int = 0
+    """Decoders in the step in flight."""
     busy_until: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget < self.max_seqs:
+            raise ValueError(f"budget={self.budget}: allowed is a step budget >= max_seqs "
+                             f"({self.max_seqs}), so every decoder runs every step")
 
     @property
     def outstanding(self) -> int:
         """Tokens still to compute or generate (what the router balances)."""
-        return sum(s.req.prompt - s.computed + s.req.output - s.generated
-                   for s in (*self.waiting, *self.running))
+        return self.waiting_left + self.decoders_left + sum(s.left for s in self.filling)
+
+    def queue(self, s: _Seq) -> None:
+        self.waiting.append(s)
+        self.waiting_left += s.left
 
     def start(self, now: float) -> float | None:
         """Plan the next step at `now`; its end, or None with nothing to run."""
-        left, work, plan = self.budget, _Work(), []
-        for s in self.running:
+        d = len(self.ends)
+        left, work, plan = self.budget - d, _Work(), []
+        work.tokens = work.seqs = d  # each decoder: one token over its context
+        work.kv_read, work.attended = self.context, self.context + d
+        for s in self.filling:
             if left <= 0:
                 break
-            n = 1 if s.computed >= s.req.prompt else min(left, s.req.prompt - s.computed)
+            n = min(left, s.req.prompt - s.computed)
             plan.append((s, n))
             work.add(s, n)
             left -= n
-        while self.waiting and left > 0 and len(self.running) < self.max_seqs:
+        while self.waiting and left > 0 and d + len(self.filling) < self.max_seqs:
             s = self.waiting.popleft()
+            self.waiting_left -= s.left
             s.computed = max(s.computed, min(s.req.cached, s.req.prompt - 1))
             n = min(left, s.req.prompt - s.computed)
-            self.running.append(s)
+            self.filling.append(s)
             plan.append((s, n))
             work.add(s, n)
             left -= n
-        if not plan:
+        if not plan and not d:
             self.busy_until = None
             return None
-        self.planned = plan
+        self.planned, self.decoding = plan, d
         self.busy_until = now + self.step_s(work.total())
         return self.busy_until
 
     def finish(self, now: float, first: list[float], done: list[float]) -> None:
         """Apply the step that ends at `now`: tokens sampled, sequences finished."""
+        if self.decoding:
+            self.clock += 1
+            self.context += self.decoding
+            self.decoders_left -= 2 * self.decoding
+            while self.ends and self.ends[0][0] <= self.clock:
+                _, i, s = heapq.heappop(self.ends)
+                done[i] = now
+                ran = self.clock - s.joined
+                self.context -= s.computed + ran
+                self.decoders_left -= s.left - 2 * ran
         for s, n in self.planned:
             s.computed += n
             if s.computed < s.req.prompt:
                 continue  # a prompt chunk: no token yet
-            s.generated += 1
-            if s.generated == 1:
-                first[s.index] = now
+            self.filling.remove(s)
+            s.generated = 1
+            first[s.index] = now
             if s.generated >= s.req.output:
                 done[s.index] = now
-                self.running.remove(s)
-        self.planned = []
+                continue
+            s.joined = self.clock
+            heapq.heappush(self.ends, (self.clock + s.req.output - s.generated, s.index, s))
+            self.context += s.computed
+            self.decoders_left += s.left
+        self.planned, self.decoding = [], 0
 
 
 @dataclass(slots=True)
 class _Work:
-    """A step's work, summed over its sequences as plain counts (a StepWork per sequence
-    costs more than the rest of the simulation)."""
+    """A step's work, summed as plain counts (a StepWork per sequence costs more than the
+    rest of the simulation)."""
 
     tokens: float = 0.0
     seqs: float = 0.0
@@ -113,13 +166,13 @@ class _Work:
     attended: float = 0.0
 
     def add(self, s: _Seq, n: int) -> None:
-        """Sequence `s` computes `n` tokens: a decode token, or a prompt chunk after its
-        `computed` tokens (as StepWork.decode and StepWork.prefill count them)."""
+        """Sequence `s` computes a prompt chunk of `n` tokens after its `computed` ones
+        (as StepWork.prefill counts it)."""
         c = s.computed
         self.tokens += n
         self.seqs += 1
         self.kv_read += c
-        self.attended += n * c + (1 if c >= s.req.prompt else n * (n + 1) / 2)
+        self.attended += n * c + n * (n + 1) / 2
 
     def total(self) -> StepWork:
         return StepWork(num_new_tokens=self.tokens, num_seqs=self.seqs,
@@ -136,8 +189,9 @@ class SimResult:
 
 def simulate(requests: Sequence[SimRequest], step_s: StepTime, *, replicas: int = 1,
              budget: int = 2048, max_seqs: int = 256) -> SimResult:
-    """Serve `requests` on `replicas` alike replicas (least outstanding work first)."""
-    reps = [_Replica(step_s, budget, max_seqs) for _ in range(replicas)]
+    """Serve `requests` on `replicas` alike replicas (least outstanding work first). At
+    most `budget` sequences run at once: a step runs no more decode tokens than that."""
+    reps = [_Replica(step_s, budget, min(max_seqs, budget)) for _ in range(replicas)]
     first = [float("nan")] * len(requests)
     done = [float("nan")] * len(requests)
     arrivals = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
@@ -149,7 +203,7 @@ def simulate(requests: Sequence[SimRequest], step_s: StepTime, *, replicas: int 
             a += 1
             now = requests[i].arrival_s
             r = min(range(replicas), key=lambda k: reps[k].outstanding)
-            reps[r].waiting.append(_Seq(i, requests[i]))
+            reps[r].queue(_Seq(i, requests[i]))
             if reps[r].busy_until is None and (end := reps[r].start(now)) is not None:
                 heapq.heappush(ends, (end, r))
             continue

@@ -13,6 +13,7 @@ from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.cost_model import (
     CostModel,
     Layout,
+    StageTime,
     StepWork,
     decode_bound_tokens_per_s,
     p2p_s,
@@ -229,3 +230,20 @@ def test_a_slow_paged_kv_read_prices_only_the_kv_bytes_slower() -> None:
     assert slow_t.memory_s - fast_t.memory_s == pytest.approx(3 * kv_s, rel=1e-9)
     with pytest.raises(ValueError, match=r"cluster.kv_read_fraction"):
         dataclasses.replace(base, kv_read_fraction=0.0)
+
+
+def test_work_and_stage_time_arithmetic_covers_every_field() -> None:
+    """The sums and scalings are written out field by field (simulations call them per
+    step): a field added later must be added there too."""
+    w = StepWork(num_new_tokens=1, num_seqs=2, num_kv_read=3, num_attended=4)
+    names = [f.name for f in dataclasses.fields(StepWork)]
+    assert [getattr(w + w, n) for n in names] == [2 * getattr(w, n) for n in names]
+    assert [getattr(w.scaled(3), n) for n in names] == [3 * getattr(w, n) for n in names]
+    assert all(getattr(w, n) for n in names)
+    t = StageTime(compute_s=1, memory_s=2, comm_s=3, overhead_s=4)
+    names = [f.name for f in dataclasses.fields(StageTime)]
+    assert [getattr(t + t, n) for n in names] == [2 * getattr(t, n) for n in names]
+    assert [getattr(t.times(3), n) for n in names] == [3 * getattr(t, n) for n in names]
+    assert all(getattr(t, n) for n in names)
+    with pytest.raises(ValueError, match="work.num_kv_read"):
+        StepWork(num_kv_read=-1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from meshserve.parallel.planner.cost_model import StepWork
 from meshserve.parallel.planner.serving_sim import (
     SimRequest,
+    StepTime,
     attainment,
     simulate,
     simulate_split,
@@ -103,3 +105,89 @@ def test_every_request_finishes_after_its_first_token(
         assert r.arrival_s < f <= d
         # At most one token a step, each step at least 1 ms a token: the decode takes time.
         assert d - f >= (r.output - 1) * 1e-3 - 1e-9
+
+
+def reference(requests: list[SimRequest], step_s: StepTime, replicas: int, budget: int,
+              max_seqs: int) -> tuple[list[float], list[float]]:
+    """The schedule walked sequence by sequence, every step (what simulate() sums)."""
+    first = [math.nan] * len(requests)
+    done = [math.nan] * len(requests)
+    state = [{"waiting": [], "running": [], "plan": [], "busy": None} for _ in range(replicas)]
+    progress = {i: [0, 0] for i in range(len(requests))}  # computed, generated
+
+    def outstanding(rep: dict) -> int:
+        return sum(requests[i].prompt - progress[i][0] + requests[i].output - progress[i][1]
+                   for i in rep["waiting"] + rep["running"])
+
+    def start(rep: dict, now: float) -> float | None:
+        left, work, plan = budget, StepWork(), []
+        for i in rep["running"]:
+            if left <= 0:
+                break
+            c, r = progress[i][0], requests[i]
+            n = 1 if c >= r.prompt else min(left, r.prompt - c)
+            plan.append((i, n))
+            work += StepWork.decode(1, c) if c >= r.prompt else StepWork.prefill(n, c)
+            left -= n
+        while rep["waiting"] and left > 0 and len(rep["running"]) < max_seqs:
+            i = rep["waiting"].pop(0)
+            r = requests[i]
+            progress[i][0] = max(progress[i][0], min(r.cached, r.prompt - 1))
+            n = min(left, r.prompt - progress[i][0])
+            rep["running"].append(i)
+            plan.append((i, n))
+            work += StepWork.prefill(n, progress[i][0])
+            left -= n
+        rep["plan"] = plan
+        rep["busy"] = now + step_s(work) if plan else None
+        return rep["busy"]
+
+    def finish(rep: dict, now: float) -> None:
+        for i, n in rep["plan"]:
+            progress[i][0] += n
+            if progress[i][0] < requests[i].prompt:
+                continue
+            progress[i][1] += 1
+            if progress[i][1] == 1:
+                first[i] = now
+            if progress[i][1] >= requests[i].output:
+                done[i] = now
+                rep["running"].remove(i)
+
+    ends: list[tuple[float, int]] = []
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+    a = 0
+    while a < len(order) or ends:
+        if a < len(order) and (not ends or requests[order[a]].arrival_s <= ends[0][0]):
+            i, a = order[a], a + 1
+            now = requests[i].arrival_s
+            r = min(range(replicas), key=lambda k: outstanding(state[k]))
+            state[r]["waiting"].append(i)
+            if state[r]["busy"] is None and (end := start(state[r], now)) is not None:
+                heapq.heappush(ends, (end, r))
+            continue
+        now, r = heapq.heappop(ends)
+        finish(state[r], now)
+        if (end := start(state[r], now)) is not None:
+            heapq.heappush(ends, (end, r))
+    return first, done
+
+
+def costly(work: StepWork) -> float:
+    """A step's time grows with everything it computes and reads."""
+    return (1e-3 + 1e-4 * work.num_new_tokens + 1e-6 * work.num_kv_read
+            + 1e-8 * work.num_attended + 1e-5 * work.num_seqs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 2.0), st.integers(1, 300), st.integers(1, 40),
+                          st.integers(0, 300)), min_size=1, max_size=40),
+       st.integers(1, 3), st.sampled_from([(16, 4), (64, 8), (512, 256), (40, 40)]))
+def test_summed_decoders_match_the_schedule_walked_per_sequence(
+        reqs: list[tuple[float, int, int, int]], replicas: int,
+        limits: tuple[int, int]) -> None:
+    requests = [SimRequest(t, p, o, min(c, p)) for t, p, o, c in reqs]
+    budget, max_seqs = limits
+    got = simulate(requests, costly, replicas=replicas, budget=budget, max_seqs=max_seqs)
+    first, done = reference(requests, costly, replicas, budget, max_seqs)
+    assert got.first_token_s == first and got.finish_s == done
