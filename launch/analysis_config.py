@@ -21,6 +21,11 @@ class PlanConfig:
     """Admit TP groups that span NVLink domains even when another layout fits."""
     detect: bool = False
     """Describe this machine's GPUs (torch.cuda, nvidia-smi, Slurm) instead of the cluster preset."""
+    simulate: bool = False
+    """With disagg=auto and a goodput objective (codegen, rag): pick colocated or split
+    serving, and which split, by simulated goodput (the highest Poisson rate at which 90%
+    of requests meet both SLOs, each layout simulated step by step) instead of the closed
+    forms. Seconds to tens of seconds more."""
 
     def __post_init__(self) -> None:
         require(self.format in FORMATS, "plan.format", self.format, f"one of {FORMATS}")

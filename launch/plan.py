@@ -77,7 +77,8 @@ def run(overrides: list[str]) -> int:
     cluster = planning_cluster(cfg)
     shape = model_shape(cfg, cluster)
     options = PlannerOptions(**{**asdict(options_for(cfg)),
-                                "allow_cross_domain_tp": cfg.plan.allow_cross_domain_tp})
+                                "allow_cross_domain_tp": cfg.plan.allow_cross_domain_tp,
+                                "simulate": cfg.plan.simulate})
     if cfg.disagg.mode == "auto":
         choice = choose_kind(shape, cluster, cfg.scenario, options)
         chosen = choice.colocated
@@ -111,8 +112,13 @@ def split_dict(c: SplitCandidate) -> dict[str, Any]:
 
 def split_json(choice: KindChoice) -> dict[str, Any]:
     """disagg=auto's answer as JSON: the kind chosen, why, and every split."""
-    return {"chosen": choice.kind, "explanation": choice.explanation,
-            "splits": [split_dict(c) for c in choice.splits]}
+    doc: dict[str, Any] = {"chosen": choice.kind, "explanation": choice.explanation,
+                           "splits": [split_dict(c) for c in choice.splits]}
+    if choice.simulated_goodput_req_s is not None:
+        colocated, split = choice.simulated_goodput_req_s
+        doc["simulated_goodput_req_s"] = {"colocated": round(colocated, 4),
+                                          "split": round(split, 4)}
+    return doc
 
 
 SPLIT_COLUMNS = ("", "prefill", "decode", "KV hop", "prefill req/s", "decode req/s",
@@ -152,7 +158,8 @@ def split_table(choice: KindChoice, top: int) -> str:
                      f"{split.prefill.replicas} disagg.prefill.tp={split.prefill.tp} "
                      f"disagg.prefill.pp={split.prefill.pp} disagg.decode.replicas="
                      f"{split.decode.replicas} disagg.decode.tp={split.decode.tp} "
-                     f"disagg.decode.pp={split.decode.pp} (or disagg=auto)")
+                     f"disagg.decode.pp={split.decode.pp}"
+                     + ("" if choice.simulated_goodput_req_s else " (or disagg=auto)"))
     return "\n".join(lines)
 
 

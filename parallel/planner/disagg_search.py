@@ -28,9 +28,13 @@ from meshserve.parallel.comm.mesh import divisors
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.cost_model import CostModel, StepWork
 from meshserve.parallel.planner.layout_sim import (
+    ATTAINMENT,
     Replicas,
+    capacity_colocated,
+    capacity_disagg,
     hop_bytes_s,
     hop_link,
+    max_rate,
     scenario_requests,
     simulate_colocated,
     simulate_disagg,
@@ -50,6 +54,7 @@ from meshserve.parallel.planner.search import (
     score,
     sized,
 )
+from meshserve.parallel.planner.serving_sim import Attainment, SimRequest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -290,6 +295,8 @@ class KindChoice:
     kind: str
     """colocated or disaggregated."""
     explanation: str
+    simulated_goodput_req_s: tuple[float, float] | None = None
+    """(colocated, best split) simulated goodput, where plan.simulate chose by it."""
 
     @property
     def split(self) -> SplitCandidate | None:
@@ -301,7 +308,11 @@ def choose_kind(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioCon
                 options: PlannerOptions | None = None,
                 accept: Callable[[SplitCandidate], str | None] | None = None) -> KindChoice:
     """Colocated layouts and prefill/decode splits for the scenario, and the better kind.
-    `accept`: why a split can't run here (a launcher's one-rank replicas, say), else None."""
+    `accept`: why a split can't run here (a launcher's one-rank replicas, say), else None.
+
+    The closed forms decide, and the simulation checks the two finalists at one rate;
+    with options.simulate and a goodput objective, the simulation decides: the colocated
+    layout against the closed forms' best SIM_SPLITS splits, by simulated goodput."""
     options = options or PlannerOptions()
     colocated = plan(shape, cluster, scenario, options)
     found = splits(shape, cluster, scenario, options)
@@ -310,27 +321,110 @@ def choose_kind(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioCon
                   for c in found]
         found = [c for c in marked if c.rejected is None] + [c for c in marked if c.rejected]
     best = colocated.candidates[0]
-    top = found[0] if found and found[0].rejected is None else None
-    kind = better_kind(best, top, scenario, options.simplicity_margin)
-    name, unit, _ = METRICS[scenario.objective]
-    if top is None:
+    if not found or found[0].rejected is not None:
         why = (f"No prefill/decode split fits ({found[0].degrees}: {found[0].rejected})"
                if found else "No prefill/decode split: the cluster has one device")
-        text = f"{why}; colocated {best.degrees}."
-    else:
-        a, b = metric(best, scenario), metric(top, scenario)
-        rel = (b - a) / a if a else 0.0
-        if kind == "disaggregated":
-            verdict = "so the split wins"
-        elif score(top, scenario) > score(best, scenario):
-            verdict = (f"within the {options.simplicity_margin:.0%} margin, so the simpler "
-                       "colocated service wins")
-        else:
-            verdict = "so colocated serving wins"
-        text = (f"Best colocated {best.degrees}: {name} {figure(a)} {unit}. Best split "
-                f"{describe(top, scenario)}; {name} {figure(b)} {unit} ({rel:+.1%}), "
-                f"{verdict}.{simulated(shape, cluster, scenario, options, best, top)}")
+        return KindChoice(colocated=colocated, splits=found, kind="colocated",
+                          explanation=f"{why}; colocated {best.degrees}.")
+    if options.simulate and METRICS[scenario.objective][1] == "req/s":
+        return _by_simulation(shape, cluster, scenario, options, colocated, found)
+    top = found[0]
+    kind = better_kind(best, top, scenario, options.simplicity_margin)
+    text = (f"{_closed_forms(best, top, scenario)}, "
+            f"{_verdict(kind, score(top, scenario) > score(best, scenario), options)}."
+            f"{simulated(shape, cluster, scenario, options, best, top)}")
     return KindChoice(colocated=colocated, splits=found, kind=kind, explanation=text)
+
+
+def _closed_forms(best: Candidate, top: SplitCandidate, scenario: ScenarioConfig) -> str:
+    name, unit, _ = METRICS[scenario.objective]
+    a, b = metric(best, scenario), metric(top, scenario)
+    rel = (b - a) / a if a else 0.0
+    return (f"Best colocated {best.degrees}: {name} {figure(a)} {unit}. Best split "
+            f"{describe(top, scenario)}; {name} {figure(b)} {unit} ({rel:+.1%})")
+
+
+def _verdict(kind: str, split_ahead: bool, options: PlannerOptions) -> str:
+    if kind == "disaggregated":
+        return "so the split wins"
+    if split_ahead:
+        return (f"within the {options.simplicity_margin:.0%} margin, so the simpler "
+                "colocated service wins")
+    return "so colocated serving wins"
+
+
+SIM_SPLITS = 3
+"""Splits, best first by the closed forms, whose simulated goodput plan.simulate weighs."""
+
+
+def _by_simulation(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
+                   options: PlannerOptions, colocated: Plan, found: list[SplitCandidate]
+                   ) -> KindChoice:
+    """The colocated layout the planner chose against the closed forms' best SIM_SPLITS
+    splits, by simulated goodput: the best of them leads the splits, and the better kind
+    wins by more than the simplicity margin (else colocated serving)."""
+    best = colocated.candidates[0]
+    shortlist = [c for c in found[:SIM_SPLITS] if c.rejected is None]
+    colo_g = simulated_goodput(shape, cluster, scenario, options, best)
+    ranked = sorted(((simulated_goodput(shape, cluster, scenario, options, c), i)
+                     for i, c in enumerate(shortlist)), key=lambda gi: (-gi[0], gi[1]))
+    order = [shortlist[i] for _, i in ranked]
+    found = order + found[len(shortlist):]
+    split_g = ranked[0][0]
+    kind = ("disaggregated" if split_g > colo_g * (1 + options.simplicity_margin)
+            else "colocated")
+    rel = (split_g - colo_g) / colo_g if colo_g else 0.0
+    text = (f"{_closed_forms(best, found[0], scenario)}. Simulated goodput (the highest "
+            f"Poisson rate, below the layout's saturated throughput, at which "
+            f"{ATTAINMENT:.0%} of the requests meet both SLOs, arrivals spanning "
+            f"{SIM_LIFETIMES:g} request lifetimes): colocated "
+            f"{figure(colo_g)} req/s, the split {figure(split_g)} req/s ({rel:+.1%}; the "
+            f"best of the closed forms' top {len(shortlist)}), "
+            f"{_verdict(kind, split_g > colo_g, options)}.")
+    return KindChoice(colocated=colocated, splits=found, kind=kind, explanation=text,
+                      simulated_goodput_req_s=(colo_g, split_g))
+
+
+def simulated_goodput(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
+                      options: PlannerOptions, layout: Candidate | SplitCandidate) -> float:
+    """DistServe's goodput of a layout: the highest Poisson rate at which ATTAINMENT of
+    requests of the scenario's lengths meet both SLOs, simulated step by step on the cost
+    model (layout_sim), the arrivals spanning SIM_LIFETIMES of the layout's predicted
+    request lifetime; searched from the closed form's goodput to within 5%. Only rates
+    below the layout's saturated throughput count: above it the queue grows for good,
+    though a finite run may end before the SLOs' slack (a long output's TPOT budget
+    absorbs a long wait for a decode slot) runs out."""
+    budget, p = options.max_num_batched_tokens, layout.prediction
+    if p is None:
+        return 0.0
+    lifetime = (p.ttft_ms + (scenario.output_len - 1) * p.tpot_ms) / 1e3
+    if isinstance(layout, SplitCandidate):
+        pre = Replicas(layout.prefill.tp, layout.prefill.pp, layout.prefill.replicas, budget)
+        dec = Replicas(layout.decode.tp, layout.decode.pp, layout.decode.replicas, budget)
+        capacity = capacity_disagg(shape, cluster, scenario, options, pre, dec, BLOCK_SIZE)
+
+        def run(reqs: list[SimRequest]) -> Attainment | None:
+            return simulate_disagg(shape, cluster, scenario, options, pre, dec, reqs,
+                                   BLOCK_SIZE)
+    else:
+        colo = Replicas(layout.tp, layout.pp, layout.dp, budget)
+        capacity = capacity_colocated(shape, cluster, scenario, options, colo)
+
+        def run(reqs: list[SimRequest]) -> Attainment | None:
+            return simulate_colocated(shape, cluster, scenario, options, colo, reqs)
+
+    def served(rate: float) -> bool:
+        if rate >= capacity:  # the queue grows without end, however long its SLO slack
+            return False
+        reqs = scenario_requests(scenario, rate, steady_requests(rate, lifetime,
+                                                                 SIM_LIFETIMES))
+        got = run(reqs)
+        return got is not None and got.attained >= ATTAINMENT
+
+    if capacity <= 0:
+        return 0.0
+    guess = min(p.goodput_req_s, capacity) if p.goodput_req_s > 0 else capacity
+    return max_rate(served, guess if guess < float("inf") else 1.0)
 
 
 BLOCK_SIZE = 16

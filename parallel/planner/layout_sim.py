@@ -26,6 +26,7 @@ from meshserve.parallel.planner.serving_sim import (
     Attainment,
     SimRequest,
     attainment,
+    replica_capacity,
     simulate,
     simulate_split,
 )
@@ -70,6 +71,39 @@ def steady_requests(rate: float, lifetime_s: float, lifetimes: float = 3.0,
         raise ValueError(f"rate={rate}, lifetime_s={lifetime_s}: allowed are a rate > 0 "
                          "and a lifetime >= 0")
     return max(least, min(most, math.ceil(rate * lifetime_s * lifetimes)))
+
+
+ATTAINMENT = 0.9
+"""The share of requests within both SLOs at which a rate counts as served (DistServe's
+attainment target): a layout's simulated goodput is the highest such rate."""
+
+
+def max_rate(served: Callable[[float], bool], guess: float, rel_tol: float = 0.05,
+             floor: float = 1e-3) -> float:
+    """The highest rate at which `served(rate)` holds, to within `rel_tol`, for a predicate
+    that holds below some rate and not above it: from `guess`, doubling (or halving) until
+    a served and an unserved rate bracket it, then bisecting their ratio. 0 when not even
+    `floor` x `guess` is served; `guess` / `floor` when even that is."""
+    if guess <= 0 or rel_tol <= 0:
+        raise ValueError(f"guess={guess}, rel_tol={rel_tol}: allowed are values > 0")
+    lo, hi, rate = 0.0, math.inf, guess
+    while True:
+        if served(rate):
+            lo = rate
+        else:
+            hi = rate
+        if hi == math.inf:
+            if lo >= guess / floor:
+                return lo
+            rate = 2 * lo
+        elif lo == 0.0:
+            if hi <= floor * guess:
+                return 0.0
+            rate = hi / 2
+        elif hi / lo <= 1 + rel_tol:
+            return lo
+        else:
+            rate = math.sqrt(lo * hi)
 
 
 def step_time(cost: CostModel, scale: float = 1.0) -> Callable[[StepWork], float]:
@@ -150,3 +184,34 @@ def simulate_disagg(shape: ModelShape, cluster: ClusterConfig, scenario: Scenari
                          prefill_budget=prefill.budget, decode_budget=decode.budget,
                          block_size=block_size)
     return attainment(requests, res, scenario.ttft_slo_ms / 1e3, scenario.tpot_slo_ms / 1e3)
+
+
+def capacity_colocated(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
+                       options: PlannerOptions, replicas: Replicas) -> float:
+    """Requests of the scenario's lengths the colocated layout completes per second at
+    saturation (serving_sim.replica_capacity, times the replicas); 0 where the sizing
+    rejects a replica. No arrival rate above it is served for long."""
+    cost = _cost(shape, cluster, scenario, options, replicas)
+    if cost is None:
+        return 0.0
+    req = SimRequest(0.0, scenario.prompt_len, scenario.output_len, cached_tokens(scenario))
+    return replicas.count * replica_capacity(req, step_time(cost), budget=replicas.budget)
+
+
+def capacity_disagg(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
+                    options: PlannerOptions, prefill: Replicas, decode: Replicas,
+                    block_size: int) -> float:
+    """The same for a split: the lower of its prefill side's rate (prompts to their first
+    token) and its decode side's (the rest, from the moved KV)."""
+    pre = _cost(shape, cluster, scenario, options, prefill)
+    dec = _cost(shape, cluster, scenario, options, decode)
+    if pre is None or dec is None:
+        return 0.0
+    p, o = scenario.prompt_len, scenario.output_len
+    prompts = prefill.count * replica_capacity(SimRequest(0.0, p, 1, cached_tokens(scenario)),
+                                               step_time(pre), budget=prefill.budget)
+    if o <= 1:
+        return prompts
+    rest = SimRequest(0.0, p + 1, o - 1, (p // block_size) * block_size)
+    return min(prompts, decode.count * replica_capacity(rest, step_time(dec),
+                                                        budget=decode.budget))

@@ -67,6 +67,9 @@ class PlannerOptions:
     split_lm_head: bool = True
     """Pipelines of TP size 1 split the LM head between first and last stage
     (parallel.split_lm_head)."""
+    simulate: bool = False
+    """disagg=auto under a goodput objective: rank the finalists by simulated goodput
+    (disagg_search.simulated_goodput) instead of the closed forms (plan.simulate)."""
 
     def __post_init__(self) -> None:
         require(0 < self.memory_utilization <= 1, "plan.memory_utilization",

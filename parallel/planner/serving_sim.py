@@ -15,6 +15,7 @@ The KV cache's capacity is not simulated (no preemption).
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -248,6 +249,8 @@ class Attainment:
     """First arrival to last finish."""
     num_good: int = 0
     """Requests that met both SLOs."""
+    finish_s: list[float] = field(default_factory=list)
+    """When each request got its last token."""
 
     @property
     def attained(self) -> float:
@@ -270,4 +273,18 @@ def attainment(requests: Sequence[SimRequest], result: SimResult, ttft_slo_s: fl
     start = min(r.arrival_s for r in requests)
     wall = max(result.finish_s) - start
     return Attainment(goodput_req_s=good / wall if wall > 0 else 0.0, ttft_s=ttft,
-                      tpot_s=tpot, wall_s=wall, num_good=good)
+                      tpot_s=tpot, wall_s=wall, num_good=good, finish_s=list(result.finish_s))
+
+
+def replica_capacity(request: SimRequest, step_s: StepTime, *, budget: int = 2048,
+                     max_seqs: int = 256) -> float:
+    """Requests like `request` one replica completes per second when it cannot keep up:
+    4 x max_seqs of them arriving at once, the completions from the end of the first
+    batch's worth to the end of the third over the time between (alike requests finish
+    in waves of a batch each; the first wave's prompts and the emptying last are left
+    out). An open system of such replicas is stable only below this rate."""
+    seqs = min(max_seqs, budget)
+    burst = [SimRequest(0.0, request.prompt, request.output, request.cached)] * (4 * seqs)
+    ends = sorted(simulate(burst, step_s, budget=budget, max_seqs=max_seqs).finish_s)
+    span = ends[3 * seqs - 1] - ends[seqs - 1]
+    return 2 * seqs / span if span > 0 else math.inf

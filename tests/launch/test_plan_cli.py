@@ -116,3 +116,15 @@ def test_plan_disagg_auto_prints_both_kinds_and_picks() -> None:
     chat = meshserve("plan", "model=llama-3-8b", "cluster=dgx-h100", "scenario=chatbot",
                      "disagg=auto", "format=json")
     assert json.loads(chat.stdout)["disagg"]["chosen"] == "colocated"
+
+
+def test_plan_simulate_ranks_the_finalists_by_simulated_goodput() -> None:
+    out = meshserve("plan", "model=llama-3-70b", "cluster=dgx-h200", "scenario=codegen",
+                    "disagg=auto", "plan.simulate=true", "format=json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)["disagg"]
+    sim = doc["simulated_goodput_req_s"]
+    assert sim["colocated"] > 0 and sim["split"] > 0
+    assert "Simulated goodput" in doc["explanation"]
+    assert doc["chosen"] == ("disaggregated" if sim["split"] > 1.1 * sim["colocated"]
+                             else "colocated")

@@ -4,14 +4,18 @@ split, the KV hop on the link the split's ranks share, and what the sizing rejec
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from meshserve.launch.config import load_config
 from meshserve.launch.plan import model_shape
 from meshserve.parallel.planner.layout_sim import (
     Replicas,
     kv_hop,
+    max_rate,
     profile_scale,
     scenario_requests,
     simulate_colocated,
@@ -140,3 +144,27 @@ def test_a_burst_shorter_than_a_lifetime_overstates_what_a_layout_serves() -> No
                                 scenario_requests(scenario, rate, 2000))
     assert burst is not None and steady is not None
     assert burst.attained >= 0.9 and steady.attained < 0.5
+
+
+@given(st.floats(1e-2, 1e3), st.floats(-2.0, 2.0), st.sampled_from([0.01, 0.05, 0.2]))
+def test_max_rate_brackets_the_edge_of_a_monotone_predicate(guess: float, log_ratio: float,
+                                                            tol: float) -> None:
+    edge = guess * 10**log_ratio  # within the search's reach (guess / 1e3 to guess x 1e3)
+    asked: list[float] = []
+
+    def served(rate: float) -> bool:
+        asked.append(rate)
+        return rate <= edge
+
+    found = max_rate(served, guess, rel_tol=tol)
+    assert edge / (1 + tol) <= found <= edge
+    doublings = abs(math.log2(edge / guess)) + 1
+    bisections = math.log2(math.log(2) / math.log1p(tol)) + 1
+    assert len(asked) <= doublings + bisections + 2
+
+
+def test_max_rate_edges() -> None:
+    assert max_rate(lambda r: False, 1.0) == 0.0
+    assert max_rate(lambda r: True, 1.0) >= 1e3
+    with pytest.raises(ValueError, match="guess=0"):
+        max_rate(lambda r: True, 0.0)

@@ -14,6 +14,7 @@ from meshserve.parallel.planner.serving_sim import (
     SimRequest,
     StepTime,
     attainment,
+    replica_capacity,
     simulate,
     simulate_split,
 )
@@ -191,3 +192,12 @@ def test_summed_decoders_match_the_schedule_walked_per_sequence(
     got = simulate(requests, costly, replicas=replicas, budget=budget, max_seqs=max_seqs)
     first, done = reference(requests, costly, replicas, budget, max_seqs)
     assert got.first_token_s == first and got.finish_s == done
+
+
+def test_replica_capacity_counts_the_waves_of_a_full_batch() -> None:
+    # two at a time: one step for both prompts, two decode steps; a wave every 3 s
+    rate = replica_capacity(SimRequest(0.0, 10, 3), flat, budget=100, max_seqs=2)
+    assert rate == pytest.approx(2 / 3)
+    # one token a step and a budget of 4: the budget caps the batch at 4
+    assert replica_capacity(SimRequest(0.0, 1, 5), flat, budget=4, max_seqs=256) \
+        == pytest.approx(4 / 5)
