@@ -318,6 +318,14 @@ class Scheduler:
         return ((st.num_accepted_tokens + spec.num_tokens / 2 * PRIOR_STEPS)
                 / (st.num_drafts + PRIOR_STEPS))
 
+    def _run_drafted(self) -> float:
+        """The run's drafted tokens per verify step so far, seeded at k (a proposer may
+        draft fewer: an n-gram match ends, the output nears max_tokens)."""
+        st, spec = self.spec_stats, self.speculative
+        assert spec is not None
+        return ((st.num_draft_tokens + spec.num_tokens * PRIOR_STEPS)
+                / (st.num_drafts + PRIOR_STEPS))
+
     def _acceptances(self) -> list[float | None]:
         """Per running sequence, the drafts a verify step of it can expect to accept: its
         own mean, seeded (as REQUEST_PRIOR_STEPS verify steps) with the run's mean so far,
@@ -329,12 +337,13 @@ class Scheduler:
 
     def _pause_if_failing(self, seq: Sequence, num_accepted: int) -> None:
         """Stop drafting for a sequence whose drafts keep failing: its running acceptance
-        rate (seeded, as REQUEST_PRIOR_STEPS verify steps of k drafts, with the run's
-        mean) below speculative.min_acceptance pauses it for PAUSE_STEPS decodes."""
+        rate (seeded with REQUEST_PRIOR_STEPS of the run's verify steps: its drafts
+        and its accepted ones per step) below speculative.min_acceptance pauses it for
+        PAUSE_STEPS decodes."""
         spec = self.speculative
         assert spec is not None
         rate = ((seq.num_accepted_tokens + self._run_accepted() * REQUEST_PRIOR_STEPS)
-                / (seq.num_draft_tokens + spec.num_tokens * REQUEST_PRIOR_STEPS))
+                / (seq.num_draft_tokens + self._run_drafted() * REQUEST_PRIOR_STEPS))
         if num_accepted == 0 and rate < spec.min_acceptance:
             seq.speculate = False
             seq.plain_steps = 0

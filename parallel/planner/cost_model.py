@@ -61,7 +61,8 @@ class StepWork:
     """(query, key) pairs attention computes."""
 
     def __post_init__(self) -> None:
-        if min(self.num_new_tokens, self.num_seqs, self.num_kv_read, self.num_attended) >= 0:
+        if (self.num_new_tokens >= 0 and self.num_seqs >= 0 and self.num_kv_read >= 0
+                and self.num_attended >= 0):  # False for a NaN, which the walk then names
             return  # the common case, without walking the fields (simulations build many)
         for f in fields(self):
             require(getattr(self, f.name) >= 0, f"work.{f.name}", getattr(self, f.name),

@@ -330,18 +330,27 @@ def choose_kind(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioCon
         return _by_simulation(shape, cluster, scenario, options, colocated, found)
     top = found[0]
     kind = better_kind(best, top, scenario, options.simplicity_margin)
+    ignored = (f" (plan.simulate ranks goodput objectives only; {scenario.name} ranks by "
+               f"{METRICS[scenario.objective][0]})" if options.simulate else "")
     text = (f"{_closed_forms(best, top, scenario)}, "
             f"{_verdict(kind, score(top, scenario) > score(best, scenario), options)}."
-            f"{simulated(shape, cluster, scenario, options, best, top)}")
+            f"{simulated(shape, cluster, scenario, options, best, top)}{ignored}")
     return KindChoice(colocated=colocated, splits=found, kind=kind, explanation=text)
 
 
-def _closed_forms(best: Candidate, top: SplitCandidate, scenario: ScenarioConfig) -> str:
+def _closed_forms(best: Candidate, top: SplitCandidate, scenario: ScenarioConfig,
+                  split_label: str = "Best split") -> str:
     name, unit, _ = METRICS[scenario.objective]
     a, b = metric(best, scenario), metric(top, scenario)
-    rel = (b - a) / a if a else 0.0
-    return (f"Best colocated {best.degrees}: {name} {figure(a)} {unit}. Best split "
-            f"{describe(top, scenario)}; {name} {figure(b)} {unit} ({rel:+.1%})")
+    return (f"Best colocated {best.degrees}: {name} {figure(a)} {unit}. {split_label} "
+            f"{describe(top, scenario)}; {name} {figure(b)} {unit} ({_relative(b, a)})")
+
+
+def _relative(x: float, base: float) -> str:
+    """x against base, as a signed percentage (or which one is zero)."""
+    if base:
+        return f"{(x - base) / base:+.1%}"
+    return "both zero" if not x else "against zero"
 
 
 def _verdict(kind: str, split_ahead: bool, options: PlannerOptions) -> str:
@@ -373,13 +382,13 @@ def _by_simulation(shape: ModelShape, cluster: ClusterConfig, scenario: Scenario
     split_g = ranked[0][0]
     kind = ("disaggregated" if split_g > colo_g * (1 + options.simplicity_margin)
             else "colocated")
-    rel = (split_g - colo_g) / colo_g if colo_g else 0.0
-    text = (f"{_closed_forms(best, found[0], scenario)}. Simulated goodput (the highest "
+    text = (f"{_closed_forms(best, found[0], scenario, 'Split')}. Simulated goodput (the highest "
             f"Poisson rate, below the layout's saturated throughput, at which "
             f"{ATTAINMENT:.0%} of the requests meet both SLOs, arrivals spanning "
             f"{SIM_LIFETIMES:g} request lifetimes): colocated "
-            f"{figure(colo_g)} req/s, the split {figure(split_g)} req/s ({rel:+.1%}; the "
-            f"best of the closed forms' top {len(shortlist)}), "
+            f"{figure(colo_g)} req/s, the split {figure(split_g)} req/s "
+            f"({_relative(split_g, colo_g)}; the best of the closed forms' top "
+            f"{len(shortlist)}, each searched to within 5%), "
             f"{_verdict(kind, split_g > colo_g, options)}.")
     return KindChoice(colocated=colocated, splits=found, kind=kind, explanation=text,
                       simulated_goodput_req_s=(colo_g, split_g))

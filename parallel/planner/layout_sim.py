@@ -67,10 +67,11 @@ def steady_requests(rate: float, lifetime_s: float, lifetimes: float = 3.0,
     (`lifetime_s`: arrival to last token), within [`least`, `most`]. Fewer requests than
     a lifetime's worth all run at once, a burst the batch absorbs, and a simulation of
     them overstates what the layout serves in its steady state."""
-    if rate <= 0 or lifetime_s < 0:
+    if not rate > 0 or not lifetime_s >= 0:
         raise ValueError(f"rate={rate}, lifetime_s={lifetime_s}: allowed are a rate > 0 "
                          "and a lifetime >= 0")
-    return max(least, min(most, math.ceil(rate * lifetime_s * lifetimes)))
+    span = rate * lifetime_s * lifetimes
+    return most if span >= most else max(least, math.ceil(span))
 
 
 ATTAINMENT = 0.9
@@ -82,8 +83,9 @@ def max_rate(served: Callable[[float], bool], guess: float, rel_tol: float = 0.0
              floor: float = 1e-3) -> float:
     """The highest rate at which `served(rate)` holds, to within `rel_tol`, for a predicate
     that holds below some rate and not above it: from `guess`, doubling (or halving) until
-    a served and an unserved rate bracket it, then bisecting their ratio. 0 when not even
-    `floor` x `guess` is served; `guess` / `floor` when even that is."""
+    a served and an unserved rate bracket it, then bisecting their ratio. 0 when no rate
+    down to `floor` x `guess` (the first halving below it) is served; the first doubling
+    at or above `guess` / `floor` when every rate up to there is."""
     if guess <= 0 or rel_tol <= 0:
         raise ValueError(f"guess={guess}, rel_tol={rel_tol}: allowed are values > 0")
     lo, hi, rate = 0.0, math.inf, guess

@@ -50,8 +50,9 @@ class _Seq:
 
     @property
     def left(self) -> int:
-        """Tokens still to compute or generate, as of `computed` and `generated`."""
-        return self.req.prompt - self.computed + self.req.output - self.generated
+        """Tokens still to compute or generate, as of `computed` and `generated`: the rest
+        of its prompt, if any, and of its output."""
+        return max(0, self.req.prompt - self.computed) + self.req.output - self.generated
 
 
 @dataclass
@@ -132,13 +133,13 @@ class _Replica:
         if self.decoding:
             self.clock += 1
             self.context += self.decoding
-            self.decoders_left -= 2 * self.decoding
+            self.decoders_left -= self.decoding
             while self.ends and self.ends[0][0] <= self.clock:
                 _, i, s = heapq.heappop(self.ends)
                 done[i] = now
                 ran = self.clock - s.joined
                 self.context -= s.computed + ran
-                self.decoders_left -= s.left - 2 * ran
+                self.decoders_left -= s.left - ran
         for s, n in self.planned:
             s.computed += n
             if s.computed < s.req.prompt:
@@ -249,8 +250,6 @@ class Attainment:
     """First arrival to last finish."""
     num_good: int = 0
     """Requests that met both SLOs."""
-    finish_s: list[float] = field(default_factory=list)
-    """When each request got its last token."""
 
     @property
     def attained(self) -> float:
@@ -273,13 +272,13 @@ def attainment(requests: Sequence[SimRequest], result: SimResult, ttft_slo_s: fl
     start = min(r.arrival_s for r in requests)
     wall = max(result.finish_s) - start
     return Attainment(goodput_req_s=good / wall if wall > 0 else 0.0, ttft_s=ttft,
-                      tpot_s=tpot, wall_s=wall, num_good=good, finish_s=list(result.finish_s))
+                      tpot_s=tpot, wall_s=wall, num_good=good)
 
 
 def replica_capacity(request: SimRequest, step_s: StepTime, *, budget: int = 2048,
                      max_seqs: int = 256) -> float:
     """Requests like `request` one replica completes per second when it cannot keep up:
-    4 x max_seqs of them arriving at once, the completions from the end of the first
+    4 x min(max_seqs, budget) of them arriving at once, the completions from the end of the first
     batch's worth to the end of the third over the time between (alike requests finish
     in waves of a batch each; the first wave's prompts and the emptying last are left
     out). An open system of such replicas is stable only below this rate."""

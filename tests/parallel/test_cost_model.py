@@ -247,3 +247,5 @@ def test_work_and_stage_time_arithmetic_covers_every_field() -> None:
     assert all(getattr(t, n) for n in names)
     with pytest.raises(ValueError, match="work.num_kv_read"):
         StepWork(num_kv_read=-1)
+    with pytest.raises(ValueError, match="work.num_attended"):
+        StepWork(num_attended=math.nan)

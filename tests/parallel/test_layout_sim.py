@@ -127,6 +127,9 @@ def test_scenario_requests_arrive_as_a_poisson_process_of_the_scenarios_lengths(
 def test_steady_requests_span_several_lifetimes_within_bounds() -> None:
     assert steady_requests(10.0, 30.0) == 900  # 3 lifetimes of 30 s at 10 req/s
     assert steady_requests(0.1, 1.0) == 200 and steady_requests(1e3, 60.0) == 2000
+    assert steady_requests(1.0, math.inf) == 2000
+    with pytest.raises(ValueError, match="lifetime_s=nan"):
+        steady_requests(1.0, math.nan)
     with pytest.raises(ValueError, match="rate=0"):
         steady_requests(0.0, 1.0)
 

@@ -117,8 +117,8 @@ def reference(requests: list[SimRequest], step_s: StepTime, replicas: int, budge
     progress = {i: [0, 0] for i in range(len(requests))}  # computed, generated
 
     def outstanding(rep: dict) -> int:
-        return sum(requests[i].prompt - progress[i][0] + requests[i].output - progress[i][1]
-                   for i in rep["waiting"] + rep["running"])
+        return sum(max(0, requests[i].prompt - progress[i][0]) + requests[i].output
+                   - progress[i][1] for i in rep["waiting"] + rep["running"])
 
     def start(rep: dict, now: float) -> float | None:
         left, work, plan = budget, StepWork(), []
@@ -201,3 +201,11 @@ def test_replica_capacity_counts_the_waves_of_a_full_batch() -> None:
     # one token a step and a budget of 4: the budget caps the batch at 4
     assert replica_capacity(SimRequest(0.0, 1, 5), flat, budget=4, max_seqs=256) \
         == pytest.approx(4 / 5)
+
+
+def test_the_router_sends_a_request_to_the_idle_replica() -> None:
+    """A decoder owes its remaining output, never less than nothing: a replica still
+    decoding a long output is busier than an idle one."""
+    res = simulate([SimRequest(0.0, 10, 400), SimRequest(250.5, 10, 400)], flat,
+                   replicas=2, max_seqs=1)
+    assert res.first_token_s == [1.0, 251.5]

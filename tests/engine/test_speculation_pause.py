@@ -1,0 +1,42 @@
+"""When a request's drafts keep failing, it decodes plainly for a while: the rule weighs
+its own verify steps against a prior of the run's, in the run's own units."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from meshserve.engine.config import EngineConfig
+from meshserve.engine.scheduler import Scheduler
+from meshserve.engine.speculative_config import SpeculativeConfig
+
+
+def scheduler(k: int, verify_steps: int, drafted_each: int, accepted_each: int) -> Scheduler:
+    sched = Scheduler(EngineConfig(), num_blocks=64, max_model_len=256,
+                      speculative=SpeculativeConfig(method="ngram", num_tokens=k))
+    for _ in range(verify_steps):
+        sched.spec_stats.add(drafted_each, accepted_each)
+    return sched
+
+
+def request(drafted: int, accepted: int) -> SimpleNamespace:
+    return SimpleNamespace(num_draft_tokens=drafted, num_accepted_tokens=accepted,
+                           speculate=True, plain_steps=0)
+
+
+def test_a_short_draft_failing_once_in_a_run_that_accepts_all_does_not_pause() -> None:
+    """k = 8 but the proposer drafts one token a step, all accepted: one failed draft
+    weighs against eight prior steps of one accepted draft each, not of eight drafts."""
+    sched = scheduler(k=8, verify_steps=50, drafted_each=1, accepted_each=1)
+    seq = request(drafted=1, accepted=0)
+    sched._pause_if_failing(seq, 0)
+    assert seq.speculate
+
+
+def test_a_request_failing_far_below_the_run_pauses() -> None:
+    sched = scheduler(k=4, verify_steps=50, drafted_each=4, accepted_each=2)
+    fresh = request(drafted=8, accepted=0)  # two failed verifies at its start
+    sched._pause_if_failing(fresh, 0)
+    assert fresh.speculate
+    failing = request(drafted=80, accepted=0)
+    sched._pause_if_failing(failing, 0)
+    assert not failing.speculate and failing.plain_steps == 0
