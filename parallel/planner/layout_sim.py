@@ -149,9 +149,46 @@ def kv_hop(shape: ModelShape, cluster: ClusterConfig, prefill: Replicas, decode:
     return lambda r: hop_bytes_s(shape, cluster, link, r.prompt - r.cached, lanes)[1]
 
 
-def _cost(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
-          options: PlannerOptions, replicas: Replicas) -> CostModel | None:
-    return sized(shape, cluster, scenario, replicas.tp, replicas.pp, options)[1]
+MAX_SEQS = 256
+"""The engine's default max_num_seqs: a replica's batch when nothing smaller caps it."""
+
+
+@dataclass(frozen=True)
+class _Sized:
+    """One replica as the planner sizes it: its cost model, and the most sequences of the
+    scenario's lengths it runs at once (the scenario's max_batch and what its KV cache
+    holds, as the closed forms cap the batch)."""
+
+    cost: CostModel
+    max_seqs: int
+
+
+def _sized(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
+           options: PlannerOptions, replicas: Replicas, tokens_per_seq: int,
+           max_batch: int | None = None) -> _Sized | None:
+    """`tokens_per_seq`: KV a sequence holds at most; `max_batch`: a cap besides the KV
+    cache's (None: MAX_SEQS)."""
+    sizing, cost = sized(shape, cluster, scenario, replicas.tp, replicas.pp, options)
+    if cost is None:
+        return None
+    fits = sizing.kv_capacity_tokens // max(1, tokens_per_seq)
+    return _Sized(cost, max(1, min(MAX_SEQS if max_batch is None else max_batch, fits)))
+
+
+def _colocated(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
+               options: PlannerOptions, replicas: Replicas) -> _Sized | None:
+    return _sized(shape, cluster, scenario, options, replicas,
+                  scenario.prompt_len + scenario.output_len, scenario.max_batch)
+
+
+def _split(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
+           options: PlannerOptions, prefill: Replicas, decode: Replicas
+           ) -> tuple[_Sized, _Sized] | None:
+    """The prefill side holds each prompt (and its first token) until the hop; the decode
+    side, whole requests in a batch the scenario caps."""
+    pre = _sized(shape, cluster, scenario, options, prefill, scenario.prompt_len + 1)
+    dec = _colocated(shape, cluster, scenario, options, decode)
+    return None if pre is None or dec is None else (pre, dec)
 
 
 def simulate_colocated(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
@@ -159,13 +196,13 @@ def simulate_colocated(shape: ModelShape, cluster: ClusterConfig, scenario: Scen
                        requests: Sequence[SimRequest], scale: float = 1.0
                        ) -> Attainment | None:
     """The colocated layout serving `requests` within the scenario's SLOs, its steps at
-    `scale` times the cost model's price; None where the planner's sizing rejects a
-    replica."""
-    cost = _cost(shape, cluster, scenario, options, replicas)
-    if cost is None:
+    `scale` times the cost model's price, each replica's batch capped as the closed forms
+    cap it; None where the planner's sizing rejects a replica."""
+    rep = _colocated(shape, cluster, scenario, options, replicas)
+    if rep is None:
         return None
-    res = simulate(requests, step_time(cost, scale), replicas=replicas.count,
-                   budget=replicas.budget)
+    res = simulate(requests, step_time(rep.cost, scale), replicas=replicas.count,
+                   budget=replicas.budget, max_seqs=rep.max_seqs)
     return attainment(requests, res, scenario.ttft_slo_ms / 1e3, scenario.tpot_slo_ms / 1e3)
 
 
@@ -176,14 +213,15 @@ def simulate_disagg(shape: ModelShape, cluster: ClusterConfig, scenario: Scenari
     """The prefill/decode split serving `requests` within the scenario's SLOs, its steps
     at `scale` times the cost model's price (the KV hop as priced); None where the
     planner's sizing rejects either side's replica."""
-    pre = _cost(shape, cluster, scenario, options, prefill)
-    dec = _cost(shape, cluster, scenario, options, decode)
-    if pre is None or dec is None:
+    sides = _split(shape, cluster, scenario, options, prefill, decode)
+    if sides is None:
         return None
-    res = simulate_split(requests, step_time(pre, scale), step_time(dec, scale),
+    pre, dec = sides
+    res = simulate_split(requests, step_time(pre.cost, scale), step_time(dec.cost, scale),
                          hop_s=kv_hop(shape, cluster, prefill, decode),
                          prefill_replicas=prefill.count, decode_replicas=decode.count,
                          prefill_budget=prefill.budget, decode_budget=decode.budget,
+                         max_seqs=dec.max_seqs, prefill_max_seqs=pre.max_seqs,
                          block_size=block_size)
     return attainment(requests, res, scenario.ttft_slo_ms / 1e3, scenario.tpot_slo_ms / 1e3)
 
@@ -193,11 +231,12 @@ def capacity_colocated(shape: ModelShape, cluster: ClusterConfig, scenario: Scen
     """Requests of the scenario's lengths the colocated layout completes per second at
     saturation (serving_sim.replica_capacity, times the replicas); 0 where the sizing
     rejects a replica. No arrival rate above it is served for long."""
-    cost = _cost(shape, cluster, scenario, options, replicas)
-    if cost is None:
+    rep = _colocated(shape, cluster, scenario, options, replicas)
+    if rep is None:
         return 0.0
     req = SimRequest(0.0, scenario.prompt_len, scenario.output_len, cached_tokens(scenario))
-    return replicas.count * replica_capacity(req, step_time(cost), budget=replicas.budget)
+    return replicas.count * replica_capacity(req, step_time(rep.cost), budget=replicas.budget,
+                                             max_seqs=rep.max_seqs)
 
 
 def capacity_disagg(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
@@ -205,15 +244,17 @@ def capacity_disagg(shape: ModelShape, cluster: ClusterConfig, scenario: Scenari
                     block_size: int) -> float:
     """The same for a split: the lower of its prefill side's rate (prompts to their first
     token) and its decode side's (the rest, from the moved KV)."""
-    pre = _cost(shape, cluster, scenario, options, prefill)
-    dec = _cost(shape, cluster, scenario, options, decode)
-    if pre is None or dec is None:
+    sides = _split(shape, cluster, scenario, options, prefill, decode)
+    if sides is None:
         return 0.0
+    pre, dec = sides
     p, o = scenario.prompt_len, scenario.output_len
-    prompts = prefill.count * replica_capacity(SimRequest(0.0, p, 1, cached_tokens(scenario)),
-                                               step_time(pre), budget=prefill.budget)
+    prompts = prefill.count * replica_capacity(
+        SimRequest(0.0, p, 1, cached_tokens(scenario)), step_time(pre.cost),
+        budget=prefill.budget, max_seqs=pre.max_seqs)
     if o <= 1:
         return prompts
     rest = SimRequest(0.0, p + 1, o - 1, (p // block_size) * block_size)
-    return min(prompts, decode.count * replica_capacity(rest, step_time(dec),
-                                                        budget=decode.budget))
+    return min(prompts, decode.count * replica_capacity(rest, step_time(dec.cost),
+                                                        budget=decode.budget,
+                                                        max_seqs=dec.max_seqs))

@@ -14,6 +14,7 @@ from meshserve.launch.config import load_config
 from meshserve.launch.plan import model_shape
 from meshserve.parallel.planner.layout_sim import (
     Replicas,
+    capacity_colocated,
     kv_hop,
     max_rate,
     profile_scale,
@@ -137,10 +138,12 @@ def test_steady_requests_span_several_lifetimes_within_bounds() -> None:
 def test_a_burst_shorter_than_a_lifetime_overstates_what_a_layout_serves() -> None:
     """Requests that all fit in one batch at once meet the SLOs; the same rate kept up
     for several lifetimes queues: why the planner's check spans steady_requests."""
-    shape, cluster, scenario, options = setup("model=llama-3-70b", "scenario=codegen")
+    shape, cluster, scenario, options = setup("model=llama-3-70b", "cluster=dgx-h200",
+                                              "scenario=codegen")
     scenario = dataclasses.replace(scenario, prompt_len=1024, output_len=512)
     layout = Replicas(2, 1, 4, options.max_num_batched_tokens)
-    rate = 120.0
+    rate = 120.0  # about 4x what the layout completes at saturation
+    assert capacity_colocated(shape, cluster, scenario, options, layout) < rate / 3
     burst = simulate_colocated(shape, cluster, scenario, options, layout,
                                scenario_requests(scenario, rate, 200))
     steady = simulate_colocated(shape, cluster, scenario, options, layout,
@@ -171,3 +174,16 @@ def test_max_rate_edges() -> None:
     assert max_rate(lambda r: True, 1.0) >= 1e3
     with pytest.raises(ValueError, match="guess=0"):
         max_rate(lambda r: True, 0.0)
+
+
+def test_a_replica_runs_no_more_sequences_than_its_kv_cache_and_the_scenario_allow() -> None:
+    """70B at tp=2 on an 80 GB H100 keeps a few GB for KV: a handful of 1.5k-token
+    requests at once, as the closed forms count it; on a 141 GB H200, the scenario's cap."""
+    small = setup("model=llama-3-70b", "cluster=dgx-h100", "scenario=codegen",
+                  "scenario.prompt_len=1024", "scenario.output_len=512")
+    large = setup("model=llama-3-70b", "cluster=dgx-h200", "scenario=codegen",
+                  "scenario.prompt_len=1024", "scenario.output_len=512")
+    layout = Replicas(2, 1, 1, 2048)
+    few = capacity_colocated(*small, layout)
+    many = capacity_colocated(*large, layout)
+    assert 0 < few and many > 10 * few
