@@ -286,6 +286,17 @@ def replica_capacity(request: SimRequest, step_s: StepTime, *, budget: int = 204
     out). An open system of such replicas is stable only below this rate."""
     seqs = min(max_seqs, budget)
     burst = [SimRequest(0.0, request.prompt, request.output, request.cached)] * (4 * seqs)
-    ends = sorted(simulate(burst, step_s, budget=budget, max_seqs=max_seqs).finish_s)
+    return wave_rate(simulate(burst, step_s, budget=budget, max_seqs=max_seqs).finish_s,
+                     seqs)
+
+
+def wave_rate(finish_s: Sequence[float], seqs: int) -> float:
+    """Completions per second from a burst of 4 x `seqs` alike requests on a replica that
+    runs `seqs` at once (simulated, or timed on the engine): the 2 x `seqs` from the end
+    of the first wave to the end of the third, over the time between."""
+    if len(finish_s) < 3 * seqs or seqs < 1:
+        raise ValueError(f"{len(finish_s)} finish times: allowed are at least 3 x seqs "
+                         f"({3 * seqs})")
+    ends = sorted(finish_s)
     span = ends[3 * seqs - 1] - ends[seqs - 1]
     return 2 * seqs / span if span > 0 else math.inf
