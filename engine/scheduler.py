@@ -313,18 +313,20 @@ class Scheduler:
 
     def _run_accepted(self) -> float:
         """The run's accepted drafts per verify step so far, seeded at half of k."""
-        st, spec = self.spec_stats, self.speculative
-        assert spec is not None
-        return ((st.num_accepted_tokens + spec.num_tokens / 2 * PRIOR_STEPS)
-                / (st.num_drafts + PRIOR_STEPS))
+        assert self.speculative is not None
+        return self._run_mean(self.spec_stats.num_accepted_tokens,
+                              self.speculative.num_tokens / 2)
 
     def _run_drafted(self) -> float:
         """The run's drafted tokens per verify step so far, seeded at k (a proposer may
         draft fewer: an n-gram match ends, the output nears max_tokens)."""
-        st, spec = self.spec_stats, self.speculative
-        assert spec is not None
-        return ((st.num_draft_tokens + spec.num_tokens * PRIOR_STEPS)
-                / (st.num_drafts + PRIOR_STEPS))
+        assert self.speculative is not None
+        return self._run_mean(self.spec_stats.num_draft_tokens, self.speculative.num_tokens)
+
+    def _run_mean(self, total: float, seed: float) -> float:
+        """`total` per verify step of the run, seeded with `seed` per step as PRIOR_STEPS
+        steps."""
+        return (total + seed * PRIOR_STEPS) / (self.spec_stats.num_drafts + PRIOR_STEPS)
 
     def _acceptances(self) -> list[float | None]:
         """Per running sequence, the drafts a verify step of it can expect to accept: its

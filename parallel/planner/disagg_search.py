@@ -403,37 +403,58 @@ def simulated_goodput(shape: ModelShape, cluster: ClusterConfig, scenario: Scena
     below the layout's saturated throughput count: above it the queue grows for good,
     though a finite run may end before the SLOs' slack (a long output's TPOT budget
     absorbs a long wait for a decode slot) runs out."""
-    budget, p = options.max_num_batched_tokens, layout.prediction
+    p = layout.prediction
     if p is None:
         return 0.0
-    lifetime = (p.ttft_ms + (scenario.output_len - 1) * p.tpot_ms) / 1e3
-    if isinstance(layout, SplitCandidate):
-        pre = Replicas(layout.prefill.tp, layout.prefill.pp, layout.prefill.replicas, budget)
-        dec = Replicas(layout.decode.tp, layout.decode.pp, layout.decode.replicas, budget)
-        capacity = capacity_disagg(shape, cluster, scenario, options, pre, dec, BLOCK_SIZE)
-
-        def run(reqs: list[SimRequest]) -> Attainment | None:
-            return simulate_disagg(shape, cluster, scenario, options, pre, dec, reqs,
-                                   BLOCK_SIZE)
-    else:
-        colo = Replicas(layout.tp, layout.pp, layout.dp, budget)
-        capacity = capacity_colocated(shape, cluster, scenario, options, colo)
-
-        def run(reqs: list[SimRequest]) -> Attainment | None:
-            return simulate_colocated(shape, cluster, scenario, options, colo, reqs)
+    lifetime = _lifetime_s(p, scenario)
+    capacity = _capacity(shape, cluster, scenario, options, layout)
 
     def served(rate: float) -> bool:
         if rate >= capacity:  # the queue grows without end, however long its SLO slack
             return False
         reqs = scenario_requests(scenario, rate, steady_requests(rate, lifetime,
                                                                  SIM_LIFETIMES))
-        got = run(reqs)
+        got = _simulate(shape, cluster, scenario, options, layout, reqs)
         return got is not None and got.attained >= ATTAINMENT
 
     if capacity <= 0:
         return 0.0
     guess = min(p.goodput_req_s, capacity) if p.goodput_req_s > 0 else capacity
     return max_rate(served, guess if guess < float("inf") else 1.0)
+
+
+def _lifetime_s(p: Prediction, scenario: ScenarioConfig) -> float:
+    """A request's predicted life: its TTFT and the rest of its output."""
+    return (p.ttft_ms + (scenario.output_len - 1) * p.tpot_ms) / 1e3
+
+
+def _sides(split: SplitCandidate, budget: int) -> tuple[Replicas, Replicas]:
+    pre, dec = split.prefill, split.decode
+    return (Replicas(pre.tp, pre.pp, pre.replicas, budget),
+            Replicas(dec.tp, dec.pp, dec.replicas, budget))
+
+
+def _simulate(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
+              options: PlannerOptions, layout: Candidate | SplitCandidate,
+              reqs: list[SimRequest]) -> Attainment | None:
+    """`layout` serving `reqs`, simulated (layout_sim)."""
+    budget = options.max_num_batched_tokens
+    if isinstance(layout, SplitCandidate):
+        return simulate_disagg(shape, cluster, scenario, options, *_sides(layout, budget),
+                               reqs, BLOCK_SIZE)
+    return simulate_colocated(shape, cluster, scenario, options,
+                              Replicas(layout.tp, layout.pp, layout.dp, budget), reqs)
+
+
+def _capacity(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
+              options: PlannerOptions, layout: Candidate | SplitCandidate) -> float:
+    """`layout`'s saturated throughput, simulated (layout_sim)."""
+    budget = options.max_num_batched_tokens
+    if isinstance(layout, SplitCandidate):
+        return capacity_disagg(shape, cluster, scenario, options, *_sides(layout, budget),
+                               BLOCK_SIZE)
+    return capacity_colocated(shape, cluster, scenario, options,
+                              Replicas(layout.tp, layout.pp, layout.dp, budget))
 
 
 BLOCK_SIZE = 16
@@ -455,16 +476,11 @@ def simulated(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfi
     rate = max((p.goodput_req_s for p in preds), default=0.0)
     if rate <= 0:
         return ""
-    lifetime = max((p.ttft_ms + (scenario.output_len - 1) * p.tpot_ms) / 1e3 for p in preds)
+    lifetime = max(_lifetime_s(p, scenario) for p in preds)
     num = steady_requests(rate, lifetime, SIM_LIFETIMES)
     reqs = scenario_requests(scenario, rate, num)
-    budget = options.max_num_batched_tokens
-    colo = simulate_colocated(shape, cluster, scenario, options,
-                              Replicas(colocated.tp, colocated.pp, colocated.dp, budget), reqs)
-    pre, dec = split.prefill, split.decode
-    disagg = simulate_disagg(shape, cluster, scenario, options,
-                             Replicas(pre.tp, pre.pp, pre.replicas, budget),
-                             Replicas(dec.tp, dec.pp, dec.replicas, budget), reqs, BLOCK_SIZE)
+    colo = _simulate(shape, cluster, scenario, options, colocated, reqs)
+    disagg = _simulate(shape, cluster, scenario, options, split, reqs)
     if colo is None or disagg is None:
         return ""
     span = reqs[-1].arrival_s / lifetime if lifetime > 0 else float("inf")
