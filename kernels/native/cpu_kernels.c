@@ -83,33 +83,6 @@ static float sum_squares(const float *a, int64_t n) {
 #define CHUNK_ACC_STORE(o) memcpy((o), acc_, sizeof(acc_));
 #endif
 
-/* Ask for the next block of a sequence's cache (block table entry blk + 1, if it holds
- * any of the n positions) while this one is worked on: blocks lie anywhere in the pool, where
- * the hardware prefetcher can't guess them. */
-static inline void prefetch_next_block(const float *cache, const int64_t *table, int64_t blk,
-                                       int64_t n, int64_t block_size, int64_t blk_stride) {
-    if ((blk + 1) * block_size >= n) return;
-    const char *next = (const char *)(cache + table[blk + 1] * blk_stride);
-    const int64_t rows = n - (blk + 1) * block_size < block_size ? n - (blk + 1) * block_size
-                                                                 : block_size;
-    const int64_t bytes = rows * (blk_stride / block_size) * (int64_t)sizeof(float);
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
-}
-
-/* The cache blocks holding a sequence's positions [start, n), in order: for each, `base`
- * its rows, [lo, hi) the rows wanted and `i` the index of row lo among all wanted rows;
- * the next block is asked for meanwhile. */
-#define FOR_EACH_BLOCK(cache, table, start, n, block_size, blk_stride, base, lo, hi, i, body) \
-    for (int64_t blk_ = (start) / (block_size), i = 0; blk_ * (block_size) < (n); blk_++) {  \
-        const float *base = (cache) + (table)[blk_] * (blk_stride);                         \
-        prefetch_next_block((cache), (table), blk_, (n), (block_size), (blk_stride));       \
-        const int64_t first_ = blk_ * (block_size);                                         \
-        const int64_t lo = first_ < (start) ? (start) - first_ : 0;                         \
-        const int64_t hi = (n) - first_ < (block_size) ? (n) - first_ : (block_size);       \
-        body                                                                                \
-        i += hi - lo;                                                                       \
-    }
-
 /* scores[h * len + r] = scale * q_h . row_r for `rows` consecutive key rows. */
 static void key_scores(float *scores, int64_t len, const float *q, const float *row,
                        int64_t rows, int64_t tok_stride, int64_t heads, int64_t group,
@@ -149,18 +122,20 @@ static void key_scores(float *scores, int64_t len, const float *q, const float *
     }
 }
 
-/* o[0:head_dim] += p[r] * rows[r * tok_stride + 0:head_dim] for r < count, in order of r,
- * CHUNK floats at a time in registers. */
-static void value_rows(float *o, const float *p, const float *rows, int64_t count,
+/* o[0:head_dim] = o * corr + sum_r p[r] * rows[r * tok_stride + 0:head_dim] for r < count, in
+ * order of r, CHUNK floats at a time in registers. */
+static void value_rows(float *o, float corr, const float *p, const float *rows, int64_t count,
                        int64_t tok_stride, int64_t head_dim) {
     for (int64_t c = 0; c < head_dim; c += CHUNK) {
         const int64_t width = head_dim - c < CHUNK ? head_dim - c : CHUNK;
         if (width == CHUNK) {
+            for (int64_t i = 0; i < CHUNK; i++) o[c + i] *= corr;
             CHUNK_ACC_LOAD(o + c)
             for (int64_t r = 0; r < count; r++)
                 CHUNK_ACC_STEP(p[r], rows + r * tok_stride + c)
             CHUNK_ACC_STORE(o + c)
         } else {
+            for (int64_t i = 0; i < width; i++) o[c + i] *= corr;
             for (int64_t r = 0; r < count; r++)
                 for (int64_t i = 0; i < width; i++)
                     o[c + i] += p[r] * rows[r * tok_stride + c + i];
@@ -168,12 +143,104 @@ static void value_rows(float *o, const float *p, const float *rows, int64_t coun
     }
 }
 
-/* One query token per sequence against its cached keys and values.
+/* s[0:n] = exp(s[0:n] - m) in place; returns their sum. Eight lanes at a time where AVX2 is
+ * there: 2^k times a degree-6 polynomial on [-ln2/2, ln2/2] (within 2 ulp of expf). */
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));  /* below: 0 in float, as expf gives */
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+static float exp_shifted(float *s, int64_t n, float m) {
+    int64_t i = 0;
+    float total = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+        _mm256_storeu_ps(s + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    total = hsum8(acc);
+#endif
+    for (; i < n; i++) {
+        s[i] = expf(s[i] - m);
+        total += s[i];
+    }
+    return total;
+}
+
+static float max_of(const float *s, int64_t n) {
+    float m = s[0];
+    for (int64_t i = 1; i < n; i++) m = s[i] > m ? s[i] : m;
+    return m;
+}
+
+/* The blocks a whole batch reads, in order: sequence b's blocks from start_b / block_size
+ * on. The kernel prefetches PREFETCH_BLOCKS of them ahead of the one it works on, across
+ * sequence boundaries: blocks lie anywhere in the pool, where the hardware prefetcher can't
+ * guess them, and one block of a small model's cache (16 rows of 1 KiB) is too little to
+ * cover the memory's latency. */
+#define PREFETCH_BLOCKS 2
+
+typedef struct {
+    const int64_t *tables, *lens;
+    int64_t table_stride, block_size, window, batch;
+    int64_t b, blk; /* the cursor: sequence b, its block blk */
+} BlockCursor;
+
+static int64_t seq_start(const BlockCursor *c, int64_t b) {
+    const int64_t n = c->lens[b];
+    return (c->window > 0 && n > c->window) ? n - c->window : 0;
+}
+
+/* Moves the cursor to the next block holding wanted rows and asks for its K and V (into
+ * L2: a few blocks ahead overflow L1); 0 when the batch has no more. */
+static int prefetch_next(BlockCursor *c, const float *k, const float *v, int64_t blk_stride,
+                         int64_t tok_stride) {
+    c->blk++;
+    while (c->b < c->batch && c->blk * c->block_size >= c->lens[c->b]) {
+        c->b++;
+        if (c->b < c->batch) c->blk = seq_start(c, c->b) / c->block_size;
+    }
+    if (c->b >= c->batch) return 0;
+    const int64_t first = c->blk * c->block_size, start = seq_start(c, c->b);
+    const int64_t n = c->lens[c->b];
+    const int64_t lo = first < start ? start - first : 0;
+    const int64_t hi = n - first < c->block_size ? n - first : c->block_size;
+    const int64_t off = c->tables[c->b * c->table_stride + c->blk] * blk_stride + lo * tok_stride;
+    const int64_t bytes = (hi - lo) * tok_stride * (int64_t)sizeof(float);
+    for (int64_t i = 0; i < bytes; i += 64) {
+        __builtin_prefetch((const char *)(k + off) + i, 0, 1);
+        __builtin_prefetch((const char *)(v + off) + i, 0, 1);
+    }
+    return 1;
+}
+
+/* One query token per sequence against its cached keys and values, in one pass over the
+ * cache: each block's keys are scored, and its values weighed by a softmax whose running
+ * maximum and sum are carried from block to block (the output rescaled when the maximum
+ * grows), so a block's K and V are read together, once.
  *
  * q       [B, H, D] with row stride q_stride (heads contiguous, D floats each)
  * k, v    caches [num_blocks, block_size, Hkv, D], contiguous
  * tables  [B, table_stride] block ids (int64); lens [B] tokens cached, the query's included
- * out     [B, H, D] contiguous
+ * out     [B, H, D] contiguous (zeros for a sequence with no tokens)
  * window  > 0: attend to the last `window` positions only
  * Returns 0, or -1 when scratch memory could not be allocated.
  */
@@ -184,46 +251,49 @@ int ms_paged_decode_f32(const float *q, int64_t q_stride, const float *k, const 
     const int64_t group = heads / kv_heads;
     const int64_t tok_stride = kv_heads * head_dim;
     const int64_t blk_stride = block_size * tok_stride;
-    int64_t longest = 1;
-    for (int64_t b = 0; b < batch; b++) longest = lens[b] > longest ? lens[b] : longest;
-    float *scores = malloc(sizeof(float) * (size_t)(heads * longest));
+    float *scores = malloc(sizeof(float) * (size_t)(heads * (block_size + 2)));
     if (scores == NULL) return -1;
+    float *run_max = scores + heads * block_size, *run_sum = run_max + heads;
+    /* The prefetch cursor runs PREFETCH_BLOCKS ahead of the block being worked on. */
+    BlockCursor ahead = {tables, lens, table_stride, block_size, window, batch, 0, 0};
+    int more = batch > 0;
+    if (more) ahead.blk = seq_start(&ahead, 0) / block_size - 1;
+    for (int i = 0; i < PREFETCH_BLOCKS && more; i++)
+        more = prefetch_next(&ahead, k, v, blk_stride, tok_stride);
     for (int64_t b = 0; b < batch; b++) {
         const int64_t n = lens[b];
         const int64_t start = (window > 0 && n > window) ? n - window : 0;
-        const int64_t len = n - start;
         const int64_t *table = tables + b * table_stride;
         const float *qb = q + b * q_stride;
         float *ob = out + b * heads * head_dim;
-        /* Pass 1: scores[h][t] = scale * q_h . k_t, each key row read once. */
-        FOR_EACH_BLOCK(k, table, start, n, block_size, blk_stride, base, lo, hi, i, {
-            key_scores(scores + i, len, qb, base + lo * tok_stride, hi - lo, tok_stride, heads,
-                       group, head_dim, scale);
-        })
-        /* Softmax per head, normalized in place. */
-        for (int64_t h = 0; h < heads; h++) {
-            float *s = scores + h * len;
-            float m = s[0];
-            for (int64_t i = 1; i < len; i++) m = s[i] > m ? s[i] : m;
-            float total = 0.0f;
-            for (int64_t i = 0; i < len; i++) {
-                s[i] = expf(s[i] - m);
-                total += s[i];
-            }
-            const float inv = 1.0f / total;
-            for (int64_t i = 0; i < len; i++) s[i] *= inv;
-        }
-        /* Pass 2: out_h = sum_t p[h][t] v_t, a block of value rows at a time: the block
-         * comes from memory once and serves every head from L1 (walking all rows per head
-         * instead read a long context's values again per head, from wherever the other
-         * cores' traffic had left them). Each output's sum still runs over t in order. */
         memset(ob, 0, sizeof(float) * (size_t)(heads * head_dim));
-        FOR_EACH_BLOCK(v, table, start, n, block_size, blk_stride, base, lo, hi, i, {
-            for (int64_t h = 0; h < heads; h++)
-                value_rows(ob + h * head_dim, scores + h * len + i,
-                           base + lo * tok_stride + (h / group) * head_dim, hi - lo,
+        for (int64_t h = 0; h < heads; h++) {
+            run_max[h] = -INFINITY;
+            run_sum[h] = 0.0f;
+        }
+        for (int64_t blk = start / block_size; blk * block_size < n; blk++) {
+            if (more) more = prefetch_next(&ahead, k, v, blk_stride, tok_stride);
+            const int64_t first = blk * block_size;
+            const int64_t lo = first < start ? start - first : 0;
+            const int64_t hi = n - first < block_size ? n - first : block_size;
+            const int64_t rows = hi - lo, off = table[blk] * blk_stride + lo * tok_stride;
+            key_scores(scores, block_size, qb, k + off, rows, tok_stride, heads, group,
+                       head_dim, scale);
+            for (int64_t h = 0; h < heads; h++) {
+                float *s = scores + h * block_size;
+                const float m = max_of(s, rows);
+                const float new_max = m > run_max[h] ? m : run_max[h];
+                const float corr = run_max[h] == -INFINITY ? 0.0f : expf(run_max[h] - new_max);
+                run_sum[h] = run_sum[h] * corr + exp_shifted(s, rows, new_max);
+                run_max[h] = new_max;
+                value_rows(ob + h * head_dim, corr, s, v + off + (h / group) * head_dim, rows,
                            tok_stride, head_dim);
-        })
+            }
+        }
+        for (int64_t h = 0; h < heads; h++) {
+            const float inv = run_sum[h] > 0.0f ? 1.0f / run_sum[h] : 0.0f;
+            for (int64_t i = 0; i < head_dim; i++) ob[h * head_dim + i] *= inv;
+        }
     }
     free(scores);
     return 0;
