@@ -171,24 +171,76 @@ def gemv_gbs(nbytes: int, device: torch.device, repeats: int) -> float:
     return w.numel() * 4 / best_time(lambda: v @ w, repeats, device) / 1e9
 
 
-def kv_read_gbs(device: torch.device, repeats: int, batch: int = 8, context: int = 512,
-                kv_heads: int = 8, head_dim: int = 128, block_size: int = 16) -> float:
-    """GB/s of K and V read by the runtime's paged decode attention (`kernels.dispatch`):
-    `batch` sequences of `context` cached tokens in blocks scattered over the cache."""
+KV_SHAPES = ((4, 32), (8, 128))
+"""(KV heads, head dim) at which calibrate times paged decode attention, with twice as many
+query heads: a small model's 1 KiB rows (K and V, fp32) and a large one's 8 KiB."""
+KV_POOL_BYTES = 128 << 20
+"""Each cache's size when timing attention: more than a last-level cache holds, as a served
+batch's KV is; several batches' block tables take turns over it."""
+
+
+def kv_row_seconds(device: torch.device, repeats: int, kv_heads: int, head_dim: int,
+                   batch: int = 8, context: int = 512, block_size: int = 16,
+                   pool_bytes: int = KV_POOL_BYTES) -> float:
+    """Seconds per cached token (one layer) of the runtime's paged decode attention
+    (`kernels.dispatch`): `batch` sequences of `context` tokens in blocks scattered over
+    caches of `pool_bytes` (on huge pages on the CPU, as the engine allocates them)."""
     from meshserve.kernels import dispatch
+    from meshserve.kernels.host_memory import huge_page_empty
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     blocks_per_seq = context // block_size
-    num_blocks = 2 * batch * blocks_per_seq
-    cache = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(device)
-             for _ in range(2)]
-    tables = torch.randperm(num_blocks, generator=gen)[:batch * blocks_per_seq]
-    tables = tables.view(batch, blocks_per_seq).to(device)
+    block_bytes = block_size * kv_heads * head_dim * 4
+    num_blocks = max(2 * batch * blocks_per_seq, pool_bytes // block_bytes)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    cache = [huge_page_empty(shape, torch.float32) if device.type == "cpu"
+             else torch.empty(shape, device=device) for _ in range(2)]
+    for c in cache:
+        c.normal_(generator=None)
+    order = torch.randperm(num_blocks, generator=gen)
+    per_batch = batch * blocks_per_seq
+    tables = [order[i * per_batch:(i + 1) * per_batch].view(batch, blocks_per_seq).to(device)
+              for i in range(min(8, num_blocks // per_batch))]
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, 2 * kv_heads, head_dim, generator=gen).to(device)
-    t = best_time(lambda: dispatch.paged_decode(q, cache[0], cache[1], tables, lens,
-                                                head_dim ** -0.5), repeats, device)
-    return 2 * batch * context * kv_heads * head_dim * 4 / t / 1e9
+
+    def run() -> None:
+        for t in tables:
+            dispatch.paged_decode(q, cache[0], cache[1], t, lens, head_dim ** -0.5)
+
+    return best_time(run, repeats, device) / (len(tables) * batch * context)
+
+
+def kv_read_fit(device: torch.device, repeats: int) -> tuple[float, float]:
+    """(GB/s, ns per row) of paged decode attention: per cached token and layer it takes a
+    fixed time plus its K and V bytes at a rate, fitted through KV_SHAPES."""
+    sizes = [2 * kv_heads * head_dim * 4 for kv_heads, head_dim in KV_SHAPES]
+    times = [kv_row_seconds(device, repeats, *shape) for shape in KV_SHAPES]
+    row_s, per_byte = fit_line(sizes, times)
+    if not per_byte:  # noise: the larger rows bound the rate, with no fixed part
+        return sizes[-1] / times[-1] / 1e9, 0.0
+    return 1 / per_byte / 1e9, row_s * 1e9
+
+
+def attention_efficiency(device: torch.device, repeats: int, peak_tflops: float,
+                         chunk: int = 512, cached: int = 512, kv_heads: int = 8,
+                         head_dim: int = 64, block_size: int = 16) -> float:
+    """Share of `peak_tflops` (float32) the CPU runtime's prefill attention reaches: a
+    `chunk`-token chunk after `cached` tokens, its earlier K/V read through a block table
+    (`kernels.paged_attention.paged_prefill`), FLOPs counted over the causal pairs only."""
+    from meshserve.kernels import paged_attention
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    total = cached + chunk
+    num_blocks = -(-total // block_size)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(device) for _ in range(2))
+    table = torch.randperm(num_blocks, generator=gen).to(device)
+    q = torch.randn(chunk, 2 * kv_heads, head_dim, generator=gen).to(device)
+    t = best_time(lambda: paged_attention.paged_prefill(q, k_cache, v_cache, table, cached,
+                                                        head_dim ** -0.5), repeats, device)
+    pairs = chunk * cached + chunk * (chunk + 1) / 2
+    return min(1.0, 4 * 2 * kv_heads * head_dim * pairs / t / (peak_tflops * 1e12))
 
 
 def layer_overhead_us(device: torch.device, repeats: int) -> float:
@@ -370,6 +422,10 @@ class Calibration:
     """Share of the float32 peak at EFFICIENCY_ROWS rows (weights not in cache)."""
     kv_read_gbs: float = 0.0
     """K/V bytes per second read by paged decode attention (0: not measured)."""
+    kv_row_ns: float = 0.0
+    """Its fixed time per cached token and layer besides the bytes."""
+    attention_efficiency: float = 0.0
+    """Share of the float32 peak prefill attention reaches (0: not measured)."""
     layer_overhead_us: float
     """Fixed time of a stand-in decoder layer at negligible width."""
     collectives: list[CollectiveTimes]
@@ -398,7 +454,11 @@ class Calibration:
             matmul_half_rows=sig(self.half_rows, 3),
             matmul_efficiency=[sig(e, 3) for e in self.efficiency],
             kv_read_fraction=(sig(min(1.0, self.kv_read_gbs / self.gemv_gbs), 3)
-                              if self.kv_read_gbs else base.kv_read_fraction))
+                              if self.kv_read_gbs else base.kv_read_fraction),
+            kv_row_overhead_ns=(sig(self.kv_row_ns, 3) if self.kv_read_gbs
+                                else base.kv_row_overhead_ns),
+            attention_efficiency=(sig(self.attention_efficiency, 3)
+                                  if self.attention_efficiency else base.attention_efficiency))
         if not self.collectives:
             return measured
         widest = max(self.collectives, key=lambda c: c.world)
@@ -417,13 +477,16 @@ def calibrate(*, world_sizes: list[int], sizes: list[int], read_bytes: int, matm
     torch.set_num_threads(1)
     tflops = {dt: matmul_tflops(matmul_size, dt, device, repeats) for dt in DTYPES}
     use_cuda = device.type == "cuda"
+    kv_gbs, kv_row_ns = kv_read_fit(device, repeats)
     return Calibration(
         device_type=device.type, tflops=tflops, read_gbs=read_gbs(read_bytes, device, repeats),
         gemv_gbs=gemv_gbs(read_bytes, device, repeats),
         layer_overhead_us=layer_overhead_us(device, repeats),
         half_rows=matmul_half_rows(matmul_size, "float32", device, repeats, tflops["float32"]),
         efficiency=matmul_efficiency("float32", device, repeats, tflops["float32"]),
-        kv_read_gbs=kv_read_gbs(device, repeats),
+        kv_read_gbs=kv_gbs, kv_row_ns=kv_row_ns,
+        attention_efficiency=(attention_efficiency(device, repeats, tflops["float32"])
+                              if device.type == "cpu" else 0.0),
         collectives=[measure_collectives(w, sizes, repeats, read_bytes, use_cuda)
                      for w in world_sizes])
 
@@ -438,7 +501,12 @@ def preset_yaml(cluster: ClusterConfig, cal: Calibration, notes_after: Sequence[
              f"{cal.half_rows:.3g} rows",
              "# float32 width-512 layer matmuls (weights not in cache): share of peak at M = "
              + ", ".join(f"{m}: {e:.2f}" for m, e in zip(EFFICIENCY_ROWS, cal.efficiency)),
-             f"# paged decode attention reads K/V at {cal.kv_read_gbs:.3g} GB/s"]
+             f"# paged decode attention (caches not in cache) reads K/V at "
+             f"{cal.kv_read_gbs:.3g} GB/s, plus {cal.kv_row_ns:.3g} ns per cached token and "
+             "layer",
+             f"# prefill attention (512 tokens after 512): {cal.attention_efficiency:.2f} of the "
+             "float32 peak" if cal.attention_efficiency else
+             "# prefill attention: not measured (the base preset's efficiency kept)"]
     for c in cal.collectives:
         notes.append(f"# {c.world} ranks: vector-matrix {c.concurrent_gemv_gbs:.1f} GB/s each; "
                      "AllReduce " + ", ".join(f"{s}B {t * 1e6:.0f}us"

@@ -61,6 +61,16 @@ class ClusterConfig:
     (`meshserve calibrate` measures it: on this project's CPUs the C kernel reads the blocks
     in place at about half a GEMV's rate, the PyTorch reference's gather and copy at 8%;
     1 where a kernel reads at full speed)."""
+    kv_row_overhead_ns: float = 0.0
+    """Time per cached token per decoder layer that decode attention spends besides reading
+    its bytes (scores, softmax, finding scattered blocks), ns. `meshserve calibrate` fits it
+    with kv_read_fraction from two head shapes: on this project's CPUs the C kernel takes
+    about 85 ns a row beside the bytes, so a small model's 1 KiB rows read at a third of the
+    rate its 8 KiB rows do. 0 where the kernel hides it behind the bytes (GPUs)."""
+    attention_efficiency: float = 1.0
+    """Share of the peak rate at which attention computes QK^T and PV (prefill chunks): on
+    this project's CPUs PyTorch's SDPA reaches about half of it (`meshserve calibrate`
+    measures it there); 1 where the kernels run near peak."""
     matmul_half_rows: float = 0.0
     """Rows (tokens) at which a weight matmul reaches half the peak rate: a matmul of M rows
     runs at peak x M / (M + this). CPU BLAS runs small-M (decode) matmuls far below peak;
@@ -83,12 +93,14 @@ class ClusterConfig:
                   "peak_tflops_fp32", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs"):
             require(getattr(self, n) > 0, f"cluster.{n}", getattr(self, n), "a number > 0")
         for n in ("intra_node_latency_us", "inter_node_latency_us", "layer_overhead_us",
-                  "step_overhead_us", "seq_overhead_us", "matmul_half_rows"):
+                  "step_overhead_us", "seq_overhead_us", "kv_row_overhead_ns",
+                  "matmul_half_rows"):
             require(getattr(self, n) >= 0, f"cluster.{n}", getattr(self, n), "a number >= 0")
         require(all(0 < e <= 1 for e in self.matmul_efficiency), "cluster.matmul_efficiency",
                 self.matmul_efficiency, "shares of the peak in (0, 1]")
-        require(0 < self.kv_read_fraction <= 1, "cluster.kv_read_fraction",
-                self.kv_read_fraction, "a number in (0, 1]")
+        for n in ("kv_read_fraction", "attention_efficiency"):
+            require(0 < getattr(self, n) <= 1, f"cluster.{n}", getattr(self, n),
+                    "a number in (0, 1]")
         require(self.node_memory_bandwidth_gbs is None or self.node_memory_bandwidth_gbs > 0,
                 "cluster.node_memory_bandwidth_gbs", self.node_memory_bandwidth_gbs,
                 "null or a number > 0")

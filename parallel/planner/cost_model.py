@@ -238,7 +238,8 @@ class CostModel:
         flops_rate, bytes_rate = self._rates()
         matmul_rate = self.cluster.matmul_flops(s.dtype, work.num_new_tokens)
         compute_s = (work.num_new_tokens * s.layer_matmul_flops(tp) / matmul_rate
-                     + s.attention_flops(work.num_attended, tp) / flops_rate)
+                     + s.attention_flops(work.num_attended, tp)
+                     / (flops_rate * self.cluster.attention_efficiency))
         c = self.cluster
         kv_bytes = (work.num_kv_read + work.num_new_tokens) * s.kv_bytes_per_token(tp)
         memory_s = (s.layer_params(tp) * s.dtype_bytes / bytes_rate
@@ -247,7 +248,8 @@ class CostModel:
         return StageTime.roofline(compute_s, memory_s,
                                   comm_s=2 * self._allreduce_s(act),
                                   overhead_s=(c.layer_overhead_us
-                                              + work.num_seqs * c.seq_overhead_us) * 1e-6)
+                                              + work.num_seqs * c.seq_overhead_us) * 1e-6
+                                  + work.num_kv_read * c.kv_row_overhead_ns * 1e-9)
 
     def embed_time(self, work: StepWork) -> StageTime:
         """Stage 0's embedding (gather one row per token, AllReduce the vocabulary shards)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -80,6 +81,32 @@ def test_calibrate_verb_measures_this_machine(tmp_path: Path) -> None:
     # where the math is over-priced, a term can be 0; together they are not.
     assert min(c.layer_overhead_us, c.step_overhead_us, c.seq_overhead_us) >= 0
     assert c.layer_overhead_us + c.step_overhead_us + c.seq_overhead_us > 0
+
+
+def test_attention_figures_reach_the_preset_only_when_measured() -> None:
+    measured = dataclasses.replace(calibration(), kv_read_gbs=16.0, kv_row_ns=61.234,
+                                   attention_efficiency=0.5512)
+    c = measured.to_cluster(ClusterConfig(), "here")
+    assert (c.kv_read_fraction, c.kv_row_overhead_ns, c.attention_efficiency) == (
+        0.8, 61.2, 0.551)
+    base = ClusterConfig(kv_read_fraction=0.5, kv_row_overhead_ns=9.0, attention_efficiency=0.7)
+    c = calibration().to_cluster(base, "here")
+    assert (c.kv_read_fraction, c.kv_row_overhead_ns, c.attention_efficiency) == (0.5, 9.0, 0.7)
+
+
+def test_paged_attention_is_timed_per_row_and_fitted() -> None:
+    import torch
+
+    from meshserve.parallel.planner import calibration as cal
+
+    cpu = torch.device("cpu")
+    small = cal.kv_row_seconds(cpu, 1, 4, 32, batch=2, context=64, pool_bytes=1 << 20)
+    large = cal.kv_row_seconds(cpu, 1, 8, 128, batch=2, context=64, pool_bytes=1 << 20)
+    assert 0 < small < large < 1e-3  # seconds per cached token and layer
+    gbs, row_ns = cal.kv_read_fit(cpu, 1)
+    assert gbs > 0 and row_ns >= 0
+    share = cal.attention_efficiency(cpu, 1, peak_tflops=10.0, chunk=64, cached=64)
+    assert 0 < share < 1  # no CPU core computes 10 TFLOP/s
 
 
 def test_without_collectives_the_links_stay_the_base_presets() -> None:

@@ -232,6 +232,33 @@ def test_a_slow_paged_kv_read_prices_only_the_kv_bytes_slower() -> None:
         dataclasses.replace(base, kv_read_fraction=0.0)
 
 
+def test_kv_rows_cost_a_fixed_time_each_beside_their_bytes() -> None:
+    base = cluster("local-cpu")
+    per_row = dataclasses.replace(base, kv_row_overhead_ns=60.0)
+    s = shape("llama-3-8b", "float32")
+    layout = Layout(tp=1, stage_layers=(32,))
+    for work in (StepWork.decode(8, 1000), StepWork.prefill(100, 500)):
+        plain = CostModel(s, base, layout).layer_time(work)
+        rows = CostModel(s, per_row, layout).layer_time(work)
+        assert rows.overhead_s - plain.overhead_s == pytest.approx(work.num_kv_read * 60e-9)
+        assert (rows.compute_s, rows.memory_s) == (plain.compute_s, plain.memory_s)
+    with pytest.raises(ValueError, match=r"cluster.kv_row_overhead_ns=-1"):
+        dataclasses.replace(base, kv_row_overhead_ns=-1.0)
+
+
+def test_attention_efficiency_slows_only_attention_compute() -> None:
+    base = cluster("local-cpu")
+    half = dataclasses.replace(base, attention_efficiency=0.5)
+    s = shape("llama-3-8b", "float32")
+    cost, slow = (CostModel(s, c, Layout(tp=1, stage_layers=(32,))) for c in (base, half))
+    work = StepWork.prefill(512, 512)  # compute-bound
+    attention_s = s.attention_flops(work.num_attended) / base.peak_flops("float32")
+    assert slow.layer_time(work).compute_s - cost.layer_time(work).compute_s == \
+        pytest.approx(attention_s)
+    with pytest.raises(ValueError, match=r"cluster.attention_efficiency=1.5"):
+        dataclasses.replace(base, attention_efficiency=1.5)
+
+
 def test_work_and_stage_time_arithmetic_covers_every_field() -> None:
     """The sums and scalings are written out field by field (simulations call them per
     step): a field added later must be added there too."""
