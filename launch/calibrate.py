@@ -34,13 +34,15 @@ def run(overrides: list[str]) -> int:
     cluster = cal.to_cluster(cfg.cluster, opts.name)
     notes = []
     if opts.runtime:
-        step_us, layer_us, seq_us = runtime_overhead_us(device.type, opts.runtime_tokens,
-                                                        cluster)
+        step_us, step_seq_us, layer_us, seq_us = runtime_overhead_us(
+            device.type, opts.runtime_tokens, cluster)
         cluster = replace(cluster, step_overhead_us=sig(step_us, 3),
+                          step_seq_overhead_us=sig(step_seq_us, 3),
                           layer_overhead_us=sig(layer_us, 3), seq_overhead_us=sig(seq_us, 3))
         notes.append(f"meshserve's engine at width 512 beyond the priced math: {step_us:.0f} "
-                     f"us per step + {layer_us:.0f} us per layer + {seq_us:.0f} us per "
-                     "sequence per layer (these set the overheads below)")
+                     f"us per step + {step_seq_us:.0f} us per sequence per step + {layer_us:.0f} "
+                     f"us per layer + {seq_us:.0f} us per sequence per layer (these set the "
+                     "overheads below)")
     out = Path(opts.out).expanduser() if opts.out else CONF_DIR / "cluster" / f"{opts.name}.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
     text = preset_yaml(cluster, cal, notes)

@@ -8,15 +8,19 @@ it does on layers that fit in cache. Without a cluster to price the math, narrow
 layers make the math negligible instead.
 
 Two depths (4 and 8 layers: one layer's 11 MB would stay in a 32 MB last-level cache from
-step to step, and read faster than priced) and two batch sizes (1 and 16 sequences)
-separate the parts of t(L, B) - math(L, B) = step + L · (layer + B · seq): per step, per
-layer, per sequence per layer. The larger batch is a served one's: at 4 sequences the
-residual is mostly the matmuls' efficiency at 4 rows, which a per-sequence term carries on
-to 64 sequences, where it priced meshcoder's decode step at twice what the engine takes.
+step to step, and read faster than priced) and three batch sizes (1, 8 and 16 sequences)
+separate the parts of t(L, B) - math(L, B) = step + B · step_seq + L · (layer + B · seq),
+fitted in least squares: per step, per sequence per step, per layer, per sequence per
+layer. On this project's CPUs most of it is per sequence per step (about 35 us: the
+engine's Python work for each sequence), the same at 4 and 8 layers. The larger batches are served ones:
+at 4 sequences the residual is mostly the matmuls' efficiency at 4 rows, which a
+per-sequence term carries on to 64 sequences, where it priced meshcoder's decode step at
+twice what the engine takes.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import tempfile
@@ -51,7 +55,7 @@ NARROW = Shape(64, 4, 2, 128, 256)
 WIDE = Shape(512, 8, 4, 1408, 256)
 """A small real model's layers (the bench's tiny): weights evict the caches between layers."""
 DEPTHS = (4, 8)
-BATCHES = (1, 16)
+BATCHES = (1, 8, 16)
 PROMPT_LEN = 4
 
 
@@ -99,35 +103,54 @@ def decode_step_s(model_dir: Path, device: str, tokens: int, batch: int) -> floa
     return statistics.median(o.metrics.tpot for o in outs if o.metrics.tpot is not None)
 
 
-def fit_overheads(t: dict[tuple[int, int], float]) -> tuple[float, float, float]:
-    """(step, layer, seq) seconds from t[(layers, batch)] at DEPTHS x BATCHES, clipped >= 0."""
-    (l0, l1), (b0, b1) = DEPTHS, BATCHES
-    per_layer = {b: (t[(l1, b)] - t[(l0, b)]) / (l1 - l0) for b in (b0, b1)}  # layer + b·seq
-    seq = max(0.0, (per_layer[b1] - per_layer[b0]) / (b1 - b0))
-    layer = max(0.0, per_layer[b0] - b0 * seq)
-    step = max(0.0, t[(l0, b0)] - l0 * (layer + b0 * seq))
-    return step, layer, seq
+Overheads = tuple[float, float, float, float]
+"""(per step, per sequence per step, per layer, per sequence per layer), seconds or µs."""
+
+
+def fit_overheads(t: dict[tuple[int, int], float]) -> Overheads:
+    """Overheads that fit t[(layers, batch)] = step + batch · step_seq + layers · (layer +
+    batch · seq) best in least squares, every point counted (one noisy time moves them less
+    than a fit through differences does). The three costs that grow with the work are kept
+    >= 0: the best fit over every subset of them (the others 0) whose terms all are. The
+    constant is fitted free and then clipped at 0: on the CPU the math over-prices a step's
+    fixed part by about 0.1 ms, and holding it at 0 during the fit would bend the rest."""
+    points = sorted(t)
+    rows = torch.tensor([[1.0, b, n, n * b] for n, b in points], dtype=torch.float64)
+    want = torch.tensor([t[p] for p in points], dtype=torch.float64)
+    best, best_err = [float(want.mean()), 0.0, 0.0, 0.0], float((want - want.mean()).square().sum())
+    for k in range(1, 4):
+        for terms in itertools.combinations(range(1, 4), k):
+            cols = [0, *terms]
+            x = torch.linalg.lstsq(rows[:, cols], want.unsqueeze(1)).solution.squeeze(1)
+            err = float((rows[:, cols] @ x - want).square().sum())
+            if bool((x[1:] >= 0).all()) and err < best_err - 1e-18:
+                best = [0.0] * 4
+                for i, v in zip(cols, x.tolist()):
+                    best[i] = v
+                best_err = err
+    return max(0.0, best[0]), best[1], best[2], best[3]
 
 
 def math_s(model_dir: Path, cluster: ClusterConfig, tokens: int, batch: int) -> float:
     """The cost model's time for one of `model_dir`'s decode steps on one rank of `cluster`,
     with no overheads: matmuls, weight and KV reads, at the run's mean context."""
     arch = ModelArch.from_dir(model_dir)
-    bare = replace(cluster, step_overhead_us=0.0, layer_overhead_us=0.0, seq_overhead_us=0.0)
+    bare = replace(cluster, step_overhead_us=0.0, step_seq_overhead_us=0.0,
+                   layer_overhead_us=0.0, seq_overhead_us=0.0)
     cost = CostModel(ModelShape.from_arch(arch, "float32"), bare,
                      layout_for(1, [(0, arch.num_hidden_layers)], 1, bare))
     return cost.step(StepWork.decode(batch, PROMPT_LEN + tokens / 2)).total_s
 
 
 def runtime_overhead_us(device: str, tokens: int = 32, cluster: ClusterConfig | None = None
-                        ) -> tuple[float, float, float]:
-    """(per-step, per-layer, per-sequence-per-layer) µs of the engine's decode here beyond
-    `cluster`'s priced math (WIDE layers), or in all (NARROW layers) without a cluster."""
+                        ) -> Overheads:
+    """Overheads (µs) of the engine's decode here beyond `cluster`'s priced math (WIDE
+    layers), or in all (NARROW layers) without a cluster."""
     shape = NARROW if cluster is None else WIDE
     with tempfile.TemporaryDirectory(prefix="meshserve-calibrate-") as tmp:
         dirs = {n: tiny_checkpoint(Path(tmp) / f"l{n}", n, shape=shape) for n in DEPTHS}
         t = {(n, b): decode_step_s(dirs[n], device, tokens, b) for n in DEPTHS for b in BATCHES}
         if cluster is not None:
             t = {(n, b): v - math_s(dirs[n], cluster, tokens, b) for (n, b), v in t.items()}
-    step, layer, seq = fit_overheads(t)
-    return step * 1e6, layer * 1e6, seq * 1e6
+    step, step_seq, layer, seq = fit_overheads(t)
+    return step * 1e6, step_seq * 1e6, layer * 1e6, seq * 1e6

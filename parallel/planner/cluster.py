@@ -53,6 +53,9 @@ class ClusterConfig:
     """Fixed time per decoder layer per forward besides the roofline (launches, Python), µs."""
     step_overhead_us: float = 0.0
     """Fixed time per forward outside the layers (input prep, sampling, Python), µs."""
+    step_seq_overhead_us: float = 0.0
+    """Time per sequence per forward outside the layers (its sampling and output, the
+    scheduler's and input preparation's work for it), µs."""
     seq_overhead_us: float = 0.0
     """Time per sequence per decoder layer besides the roofline (per-sequence attention
     bookkeeping), µs."""
@@ -93,7 +96,8 @@ class ClusterConfig:
                   "peak_tflops_fp32", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs"):
             require(getattr(self, n) > 0, f"cluster.{n}", getattr(self, n), "a number > 0")
         for n in ("intra_node_latency_us", "inter_node_latency_us", "layer_overhead_us",
-                  "step_overhead_us", "seq_overhead_us", "kv_row_overhead_ns",
+                  "step_overhead_us", "step_seq_overhead_us", "seq_overhead_us",
+                  "kv_row_overhead_ns",
                   "matmul_half_rows"):
             require(getattr(self, n) >= 0, f"cluster.{n}", getattr(self, n), "a number >= 0")
         require(all(0 < e <= 1 for e in self.matmul_efficiency), "cluster.matmul_efficiency",

@@ -253,10 +253,12 @@ class CostModel:
 
     def embed_time(self, work: StepWork) -> StageTime:
         """Stage 0's embedding (gather one row per token, AllReduce the vocabulary shards)
-        and the runtime's fixed work per forward (input preparation, sampling)."""
+        and the runtime's work per forward and per sequence outside the layers (input
+        preparation, sampling)."""
         act = work.num_new_tokens * self.shape.hidden_size * self.shape.dtype_bytes
         return StageTime.roofline(0.0, act / self._rates()[1], comm_s=self._allreduce_s(act),
-                                  overhead_s=self.cluster.step_overhead_us * 1e-6)
+                                  overhead_s=(self.cluster.step_overhead_us + work.num_seqs
+                                              * self.cluster.step_seq_overhead_us) * 1e-6)
 
     def head_time(self, work: StepWork) -> StageTime:
         """The last stage's LM head: one logits row per sequence, gathered over the TP ranks."""

@@ -246,6 +246,22 @@ def test_kv_rows_cost_a_fixed_time_each_beside_their_bytes() -> None:
         dataclasses.replace(base, kv_row_overhead_ns=-1.0)
 
 
+def test_each_sequence_costs_a_fixed_time_per_step_outside_the_layers() -> None:
+    base = cluster("local-cpu")
+    per_seq = dataclasses.replace(base, step_seq_overhead_us=35.0)
+    s = shape("llama-3-8b", "float32")
+    for stages in ((32,), (16, 16)):  # paid once per step, on stage 0
+        layout = Layout(tp=1, stage_layers=stages, stage_links=("intra",) * (len(stages) - 1))
+        plain, more = (CostModel(s, c, layout) for c in (base, per_seq))
+        for batch in (1, 16):
+            work = StepWork.decode(batch, 100)
+            assert more.stage_time(0, work).overhead_s - plain.stage_time(0, work).overhead_s \
+                == pytest.approx(batch * 35e-6)
+            assert more.stage_time(len(stages) - 1, work).total_s - \
+                plain.stage_time(len(stages) - 1, work).total_s == pytest.approx(
+                    batch * 35e-6 if len(stages) == 1 else 0.0)
+
+
 def test_attention_efficiency_slows_only_attention_compute() -> None:
     base = cluster("local-cpu")
     half = dataclasses.replace(base, attention_efficiency=0.5)
