@@ -105,7 +105,7 @@ def disagg_auto(config: RuntimeConfig, arch: ModelArch, env: LaunchEnv | None, d
         cluster = launched_cluster(cluster, env)
     dtype = resolve_dtype(config.model.dtype, arch.dtype, cluster.device_type)
     options = dataclasses.replace(options_for(config), fill_cluster=env is not None,
-                                  max_dp=max_dp)
+                                  max_dp=max_dp, simulate=config.disagg.simulate)
     choice = choose_kind(ModelShape.from_arch(arch, dtype), cluster, config.scenario, options)
     if announce and (env is None or env.rank == 0):
         print(f"meshserve: disagg=auto chose {choice.kind} serving for {cluster.num_nodes} "

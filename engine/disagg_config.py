@@ -32,6 +32,11 @@ class DisaggConfig:
     and the run starts the better one (the phases below are then its choice)."""
     prefill: PhaseLayout = field(default_factory=PhaseLayout)
     decode: PhaseLayout = field(default_factory=PhaseLayout)
+    simulate: bool = False
+    """auto under a goodput scenario: decide by simulated goodput (the colocated layout and
+    the closed forms' best splits each serve the scenario's requests step by step on the
+    cost model; `meshserve plan ... plan.simulate=true` shows the same choice), a few
+    seconds at start-up; false: by the closed forms."""
     connector: str = "auto"
     """How KV blocks move: nixl (UCX underneath), torch (torch.distributed: gloo), auto:
     nixl where it is installed."""

@@ -159,7 +159,8 @@ def split_table(choice: KindChoice, top: int) -> str:
                      f"disagg.prefill.pp={split.prefill.pp} disagg.decode.replicas="
                      f"{split.decode.replicas} disagg.decode.tp={split.decode.tp} "
                      f"disagg.decode.pp={split.decode.pp}"
-                     + ("" if choice.simulated_goodput_req_s else " (or disagg=auto)"))
+                     + (" (or disagg=auto disagg.simulate=true)" if choice.simulated_goodput_req_s
+                        else " (or disagg=auto)"))
     return "\n".join(lines)
 
 

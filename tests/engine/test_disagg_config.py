@@ -89,6 +89,18 @@ def test_disagg_auto_starts_the_better_kind(capsys: pytest.CaptureFixture[str]) 
     assert "disagg=auto chose colocated serving" in capsys.readouterr().err
 
 
+def test_disagg_auto_decides_by_simulation_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    closed = resolve_run(load_runtime_config(SPLITS), env=None, max_dp=None).config
+    assert "Simulated goodput" not in capsys.readouterr().err
+    simulated = resolve_run(load_runtime_config([*SPLITS, "disagg.simulate=true"]), env=None,
+                            max_dp=None).config
+    err = capsys.readouterr().err
+    assert "Simulated goodput" in err and "disagg=auto chose" in err
+    kind = "disaggregated" if simulated.disagg.mode == "manual" else "colocated"
+    assert f"disagg=auto chose {kind} serving" in err
+    assert closed.disagg.mode == "manual"
+
+
 def test_disagg_auto_under_a_launcher_splits_every_launched_rank() -> None:
     env = LaunchEnv(launcher="torchrun", rank=0, world_size=4, local_rank=0,
                     local_world_size=4, node_rank=0, num_nodes=1, master_addr="127.0.0.1",
