@@ -69,9 +69,13 @@ def _use_triton(mode: str, device_type: str) -> bool:
 
 
 def use_native(*tensors: torch.Tensor) -> bool:
-    """Whether these tensors take the C kernels: fp32 on the CPU, auto mode, library built."""
-    return (all(t.dtype is torch.float32 and t.device.type == "cpu" for t in tensors)
-            and _native_allowed(kernel_mode()))
+    """Whether these tensors take the C kernels: fp32 on the CPU, auto mode, library built.
+    (A plain loop: every linear and attention call of every layer asks, and a generator
+    over the tensors cost more than the small kernels it dispatches.)"""
+    for t in tensors:
+        if t.dtype is not torch.float32 or not t.is_cpu:
+            return False
+    return _native_allowed(kernel_mode())
 
 
 @cache
@@ -276,11 +280,13 @@ def _linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int,
     torch on the weight unpacked, slow but the same product."""
     if not use_native(x, packed):
         return torch.nn.functional.linear(x, native_cpu.unpack(packed, n).to(x.dtype), bias)
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
+    flat = x.dim() == 2
+    rows = x if flat else x.reshape(-1, x.shape[-1])
+    if rows.stride(1) != 1:
         rows = rows.contiguous()
-    out = native_cpu.linear_packed(rows, packed, n, torch.get_num_threads()).view(*lead, n)
+    out = native_cpu.linear_packed(rows, packed, n, torch.get_num_threads())
+    if not flat:
+        out = out.view(*x.shape[:-1], n)
     return out if bias is None else out + bias
 
 
