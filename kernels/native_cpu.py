@@ -267,13 +267,14 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int,
     out = torch.empty(m, n, dtype=torch.float32)
     if not m:
         return out
-    lib = _loaded()
-    if threads <= 1 or 2 * m * n * k < 2 * THREAD_MIN_FLOPS:  # one thread: no more Python
+    lib, panels = _loaded(), packed.shape[0]
+    if threads > 1:
+        threads = min(threads, panels, max(1, 2 * m * n * k // THREAD_MIN_FLOPS))
+    if threads <= 1:  # one call, no more Python: most decode matmuls
         lib.ms_linear_packed_f32(x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(),
                                  n, m, k, n)
         return out
-    panels, size = packed.shape[0], packed.element_size()
-    threads = min(threads, panels, max(1, 2 * m * n * k // THREAD_MIN_FLOPS))
+    size = packed.element_size()
 
     def run(q0: int, q1: int) -> None:  # panels [q0, q1): output columns from q0 * PANEL
         cols = min(n, q1 * PANEL) - q0 * PANEL

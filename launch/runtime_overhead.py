@@ -12,10 +12,10 @@ step to step, and read faster than priced) and three batch sizes (1, 8 and 16 se
 separate the parts of t(L, B) - math(L, B) = step + B · step_seq + L · (layer + B · seq),
 fitted in least squares: per step, per sequence per step, per layer, per sequence per
 layer. On this project's CPUs most of it is per sequence per step (about 35 us: the
-engine's Python work for each sequence), the same at 4 and 8 layers. The larger batches are served ones:
-at 4 sequences the residual is mostly the matmuls' efficiency at 4 rows, which a
-per-sequence term carries on to 64 sequences, where it priced meshcoder's decode step at
-twice what the engine takes.
+engine's Python work for each sequence), the same at 4 and 8 layers. The larger batches
+are served ones: at 4 sequences the residual is mostly the matmuls' efficiency at 4 rows,
+which a per-sequence term carries on to 64 sequences, where it priced meshcoder's decode
+step at twice what the engine takes.
 """
 
 from __future__ import annotations
@@ -117,8 +117,8 @@ def fit_overheads(t: dict[tuple[int, int], float]) -> Overheads:
     points = sorted(t)
     rows = torch.tensor([[1.0, b, n, n * b] for n, b in points], dtype=torch.float64)
     want = torch.tensor([t[p] for p in points], dtype=torch.float64)
-    best, best_err = [float(want.mean()), 0.0, 0.0, 0.0], float((want - want.mean()).square().sum())
-    for k in range(1, 4):
+    best, best_err = [0.0] * 4, float("inf")
+    for k in range(4):  # fewer terms first: a bigger subset must fit better to win
         for terms in itertools.combinations(range(1, 4), k):
             cols = [0, *terms]
             x = torch.linalg.lstsq(rows[:, cols], want.unsqueeze(1)).solution.squeeze(1)

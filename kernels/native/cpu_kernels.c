@@ -261,8 +261,7 @@ int ms_paged_decode_f32(const float *q, int64_t q_stride, const float *k, const 
     for (int i = 0; i < PREFETCH_BLOCKS && more; i++)
         more = prefetch_next(&ahead, k, v, blk_stride, tok_stride);
     for (int64_t b = 0; b < batch; b++) {
-        const int64_t n = lens[b];
-        const int64_t start = (window > 0 && n > window) ? n - window : 0;
+        const int64_t n = lens[b], start = seq_start(&ahead, b);
         const int64_t *table = tables + b * table_stride;
         const float *qb = q + b * q_stride;
         float *ob = out + b * heads * head_dim;
@@ -283,7 +282,8 @@ int ms_paged_decode_f32(const float *q, int64_t q_stride, const float *k, const 
                 float *s = scores + h * block_size;
                 const float m = max_of(s, rows);
                 const float new_max = m > run_max[h] ? m : run_max[h];
-                const float corr = run_max[h] == -INFINITY ? 0.0f : expf(run_max[h] - new_max);
+                const float corr = run_max[h] == -INFINITY ? 0.0f
+                                   : new_max == run_max[h] ? 1.0f : expf(run_max[h] - new_max);
                 run_sum[h] = run_sum[h] * corr + exp_shifted(s, rows, new_max);
                 run_max[h] = new_max;
                 value_rows(ob + h * head_dim, corr, s, v + off + (h / group) * head_dim, rows,

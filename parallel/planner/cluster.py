@@ -68,7 +68,7 @@ class ClusterConfig:
     """Time per cached token per decoder layer that decode attention spends besides reading
     its bytes (scores, softmax, finding scattered blocks), ns. `meshserve calibrate` fits it
     with kv_read_fraction from two head shapes: on this project's CPUs the C kernel takes
-    about 85 ns a row beside the bytes, so a small model's 1 KiB rows read at a third of the
+    60-70 ns a row beside the bytes, so a small model's 1 KiB rows read at a third of the
     rate its 8 KiB rows do. 0 where the kernel hides it behind the bytes (GPUs)."""
     attention_efficiency: float = 1.0
     """Share of the peak rate at which attention computes QK^T and PV (prefill chunks): on
@@ -97,8 +97,7 @@ class ClusterConfig:
             require(getattr(self, n) > 0, f"cluster.{n}", getattr(self, n), "a number > 0")
         for n in ("intra_node_latency_us", "inter_node_latency_us", "layer_overhead_us",
                   "step_overhead_us", "step_seq_overhead_us", "seq_overhead_us",
-                  "kv_row_overhead_ns",
-                  "matmul_half_rows"):
+                  "kv_row_overhead_ns", "matmul_half_rows"):
             require(getattr(self, n) >= 0, f"cluster.{n}", getattr(self, n), "a number >= 0")
         require(all(0 < e <= 1 for e in self.matmul_efficiency), "cluster.matmul_efficiency",
                 self.matmul_efficiency, "shares of the peak in (0, 1]")
