@@ -330,6 +330,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
     if use_triton(x.device) and x.dim() == 2:
         return _module("triton_silu_mul").silu_and_mul(x)
+    if x.dim() == 2 and x.is_contiguous() and use_native(x):  # one pass, no chunk views
+        return native_cpu.silu_mul(x)
     return ref_activation.silu_and_mul(x)
 
 

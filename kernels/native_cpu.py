@@ -1,4 +1,4 @@
-"""The C CPU kernels (kernels/native/cpu_kernels.c): built once per machine, called by ctypes.
+"""The C CPU kernels (kernels/native/*.c): built once per machine, called by ctypes.
 
 On the CPU the PyTorch reference path pays for every small op it launches (microseconds
 each) and for copying the paged KV cache into a padded tensor before attending over it.
@@ -28,7 +28,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "native" / "cpu_kernels.c"
+NATIVE = Path(__file__).resolve().parent / "native"
+SOURCES = (NATIVE / "cpu_kernels.c", NATIVE / "decoder.c")
+HEADERS = (NATIVE / "cpu_kernels.h",)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c99"]
 DIR_VAR = "MESHSERVE_NATIVE_DIR"
 
@@ -46,12 +48,12 @@ def _cpu_id() -> str:
 
 
 def _build(compiler: str, out: Path) -> None:
-    """Compile SOURCE into `out` atomically (a temporary file renamed into place)."""
+    """Compile SOURCES into `out` atomically (a temporary file renamed into place)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True,
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp, out)
     finally:
@@ -67,7 +69,8 @@ def library() -> ctypes.CDLL | None:
         print("meshserve: no C compiler (cc) found; the CPU runs the PyTorch reference "
               "kernels", file=sys.stderr)
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + compiler.encode() + _cpu_id().encode() +
+    text = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(text + compiler.encode() + _cpu_id().encode() +
                          " ".join(FLAGS).encode()).hexdigest()[:16]
     root = Path(os.environ.get(DIR_VAR) or Path.home() / ".cache" / "meshserve" / "native")
     path = root / f"cpu_kernels-{key}.so"
@@ -104,7 +107,30 @@ def library() -> ctypes.CDLL | None:
     lib.ms_linear_packed_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64]
     lib.ms_argmax_rows_f32.restype = None
     lib.ms_argmax_rows_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
+    lib.ms_silu_mul_f32.restype = None
+    lib.ms_silu_mul_f32.argtypes = [_ptr, _ptr, _i64, _i64]
+    lib.ms_decoder_forward_f32.restype = ctypes.c_int
+    lib.ms_decoder_forward_f32.argtypes = [ctypes.POINTER(DecoderStruct), _i64, _ptr, _ptr,
+                                           _ptr, _ptr, _i64, _ptr, _ptr]
     return lib
+
+
+class DecoderLayerStruct(ctypes.Structure):
+    """One layer's weights and caches as decoder.c's MsDecoderLayer reads them (pointers;
+    a bias may be None)."""
+
+    _fields_ = [(name, _ptr) for name in (
+        "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias",
+        "down", "down_bias", "k_cache", "v_cache")]
+
+
+class DecoderStruct(ctypes.Structure):
+    """A decoder as decoder.c's MsDecoder reads it."""
+
+    _fields_ = [*((name, _i64) for name in (
+        "num_layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size",
+        "window")), ("eps", _f32), ("scale", _f32), ("embed", _ptr), ("cos", _ptr),
+        ("sin", _ptr), ("final_norm", _ptr), ("layers", ctypes.POINTER(DecoderLayerStruct))]
 
 
 def _loaded() -> ctypes.CDLL:
@@ -304,6 +330,32 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     if pool is None:
         pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="ms-linear")
     return pool
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up], contiguous -> silu(gate) * up [T, I]."""
+    rows, width = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, width, dtype=torch.float32)
+    if rows:
+        _loaded().ms_silu_mul_f32(x.data_ptr(), out.data_ptr(), rows, width)
+    return out
+
+
+def decoder_forward(decoder: DecoderStruct, input_ids: torch.Tensor, positions: torch.Tensor,
+                    slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor) -> torch.Tensor:
+    """The final hidden states [T, hidden] of T decode rows (decoder.c): every tensor
+    int64 and contiguous, one block-table row and context length per row."""
+    t = input_ids.shape[0]
+    out = torch.empty(t, decoder.hidden, dtype=torch.float32)
+    rc = _loaded().ms_decoder_forward_f32(
+        ctypes.byref(decoder), t, input_ids.data_ptr(), positions.data_ptr(),
+        slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        context_lens.data_ptr(), out.data_ptr())
+    if rc != 0:
+        raise MemoryError(f"fused decoder forward: no memory for {t} rows of "
+                          f"{int(context_lens.max())} tokens")
+    return out
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

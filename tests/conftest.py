@@ -61,6 +61,15 @@ def hf_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (the C kernels' single-thread paths)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def hf_reference() -> Callable[..., torch.nn.Module]:
     """hf_reference(path, dtype) -> the transformers model (the oracle)."""

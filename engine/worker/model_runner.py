@@ -10,6 +10,7 @@ from meshserve.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from meshserve.engine.worker.sampled_tokens import SampledTokens, feed_placeholders
 from meshserve.engine.worker.step_inputs import ScheduledLike, StepInputs, build_step_inputs
 from meshserve.models.attention import AttentionMetadata
+from meshserve.models.fused_decoder import FusedDecoder
 from meshserve.models.llama import LlamaForCausalLM
 
 
@@ -27,6 +28,9 @@ class ModelRunner:
         assert len(layers) == len(kv_cache), (len(layers), len(kv_cache))
         for attn, (k, v) in zip(layers, kv_cache):
             attn.bind_cache(k, v)
+        self.fused = FusedDecoder.build(model)
+        """The whole forward in one C call for decode-only steps, where it applies (one
+        fp32 CPU shard with packed weights); None: the modules run every step."""
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write after a fork)."""
@@ -89,5 +93,7 @@ class ModelRunner:
 
     def _eager(self, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
+        if self.fused is not None and self.fused.applies(meta):
+            return self.fused.forward(input_ids, positions, meta)
         hidden, _ = self.model(input_ids, positions, meta)
         return hidden

@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
+
 #define LANES 16
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -320,6 +322,19 @@ void ms_add_rms_norm_f32(const float *x, const float *residual, const float *wei
         for (int64_t i = 0; i < width; i++) sr[i] = xr[i] + rr[i];
     }
     ms_rms_norm_f32(residual_out, weight, out, rows, width, eps);
+}
+
+/* SwiGLU's activation: x [rows, 2 * width] = [gate | up] -> out [rows, width] =
+ * silu(gate) * up, silu(g) = g / (1 + exp(-g)), each op rounded to fp32 as PyTorch's are. */
+void ms_silu_mul_f32(const float *x, float *out, int64_t rows, int64_t width) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = x + r * 2 * width, *u = g + width;
+        float *o = out + r * width;
+        for (int64_t i = 0; i < width; i++) {
+            const float s = g[i] / (1.0f + expf(-g[i]));
+            o[i] = s * u[i];
+        }
+    }
 }
 
 /* Rotary embedding (rotate-half layout) in place: x [T, H, D] with token stride t_stride and

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
+from helpers.scheduled import Scheduled
 
 from meshserve.engine.worker.model_runner import ModelRunner
 from meshserve.kernels import dispatch
@@ -27,18 +26,6 @@ def test_cpu_defaults_to_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     dispatch.kernel_mode.cache_clear()
     with pytest.raises(ValueError, match="allowed are"):
         dispatch.use_triton(torch.device("cpu"))
-
-
-@dataclass
-class Scheduled:
-    """A ScheduledLike for the runner."""
-
-    seq_id: int
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    sample: bool = True
-    num_drafts: int = 0
 
 
 STEPS = [

@@ -56,14 +56,6 @@ def test_a_tied_lm_head_stays_row_major(make_checkpoint, one_thread, layout: str
     assert packed_columns(model.lm_head.weight) is None  # the embedding gathers its rows
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @native
 def test_auto_packs_every_linear_weight_with_one_thread(make_checkpoint, one_thread) -> None:
     path = make_checkpoint("llama", seed=7, tie_word_embeddings=False)

@@ -1,0 +1,118 @@
+"""A Llama-family model's decode-row forward in one C call on the CPU (decoder.c).
+
+A decode step of a small model spends more time in Python around its kernels than in
+them: the bundled draft model's step takes about 0.26 ms through its modules for 30 us of
+arithmetic, and the bundled target loses about 0.15 ms a step the same way. Where every
+row of a step is a decode row (plain decodes, a verify step's rows, a draft model's lean
+steps) and the model is one fp32 CPU shard with packed weights, the runner calls
+`FusedDecoder.forward` instead of the modules: the same kernels in the same order, so
+the hidden states are bit-identical to the modules' (tests/models/test_fused_decoder.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from meshserve.kernels import dispatch, native_cpu
+from meshserve.models.attention import AttentionMetadata
+from meshserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedDecoder:
+    """The C view of a bound model: pointers to its weights and KV caches."""
+
+    def __init__(self, model: LlamaForCausalLM, layers: list[LlamaDecoderLayer]) -> None:
+        inner = model.model
+        assert inner.embed_tokens is not None and inner.norm is not None
+        attn = layers[0].self_attn
+        mlp = layers[0].mlp
+        structs = []
+        row_flops = 0
+        for layer in layers:
+            a, f = layer.self_attn, layer.mlp
+            mods = {"qkv": a.qkv_proj, "o": a.o_proj, "gate_up": f.gate_up_proj,
+                    "down": f.down_proj}
+            for mod in mods.values():
+                row_flops = max(row_flops, 2 * mod.weight.shape[0] * mod.weight.shape[1]
+                                * mod.weight.shape[2])
+            structs.append(native_cpu.DecoderLayerStruct(
+                input_norm=_ptr(layer.input_layernorm.weight),
+                post_norm=_ptr(layer.post_attention_layernorm.weight),
+                **{name: _ptr(mod.weight) for name, mod in mods.items()},
+                **{f"{name}_bias": _ptr(mod.bias) for name, mod in mods.items()},
+                k_cache=_ptr(a.attn.k_cache), v_cache=_ptr(a.attn.v_cache)))
+        self._layers = (native_cpu.DecoderLayerStruct * len(structs))(*structs)
+        self.row_flops = row_flops
+        """The most arithmetic one row costs in any one linear (threads: see `applies`)."""
+        rotary = inner.rotary
+        arch = model.arch
+        self._keep = (rotary.cos, rotary.sin)  # the pointers below read these
+        self.struct = native_cpu.DecoderStruct(
+            num_layers=len(layers), hidden=arch.hidden_size, heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            intermediate=mlp.down_proj.in_local, block_size=attn.attn.k_cache.shape[1],
+            window=attn.attn.sliding_window or 0, eps=layers[0].input_layernorm.eps,
+            scale=attn.attn.scale, embed=_ptr(inner.embed_tokens.weight), cos=_ptr(rotary.cos),
+            sin=_ptr(rotary.sin), final_norm=_ptr(inner.norm.weight),
+            layers=ctypes.cast(self._layers, ctypes.POINTER(native_cpu.DecoderLayerStruct)))
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM) -> FusedDecoder | None:
+        """The fused view of `model` with its caches bound, or None where it does not
+        apply: not one fp32 CPU shard with packed weights and the C kernels, a pipeline
+        stage, or layers that differ in their attention window or epsilon."""
+        inner = model.model
+        layers = [m for m in inner.layers.values() if isinstance(m, LlamaDecoderLayer)]
+        if (not layers or not (model.is_first and model.is_last)
+                or inner.embed_tokens is None or inner.norm is None):
+            return None
+        tensors = [inner.embed_tokens.weight, inner.norm.weight, inner.rotary.cos]
+        for layer in layers:
+            a, f = layer.self_attn, layer.mlp
+            linears = (a.qkv_proj, a.o_proj, f.gate_up_proj, f.down_proj)
+            if any(mod.tp.size != 1 or dispatch.packed_columns(mod.weight) is None
+                   for mod in linears):
+                return None
+            tensors += [mod.weight for mod in linears]
+            tensors += [mod.bias for mod in linears if mod.bias is not None]
+            tensors += [a.attn.k_cache, a.attn.v_cache, layer.input_layernorm.weight,
+                        layer.post_attention_layernorm.weight]
+            first = layers[0]
+            if (a.attn.sliding_window != first.self_attn.attn.sliding_window
+                    or layer.input_layernorm.eps != first.input_layernorm.eps
+                    or layer.post_attention_layernorm.eps != first.input_layernorm.eps):
+                return None
+        if (inner.norm.eps != layers[0].input_layernorm.eps
+                or not all(t.is_contiguous() and t.numel() for t in tensors)
+                or not dispatch.use_native(*tensors)):
+            return None
+        return cls(model, layers)
+
+    def applies(self, meta: AttentionMetadata) -> bool:
+        """Whether this step's rows are all decode rows, with int64 metadata, and small
+        enough that each linear would run on one thread anyway (the fused call is
+        single-threaded; see native_cpu.THREAD_MIN_FLOPS)."""
+        if meta.prefills or meta.num_decode_tokens == 0:
+            return False
+        rows = meta.num_decode_tokens
+        if torch.get_num_threads() > 1 and rows * self.row_flops >= 2 * native_cpu.THREAD_MIN_FLOPS:
+            return False
+        return all(t.dtype is torch.int64 and t.is_contiguous() and t.is_cpu for t in (
+            meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states [T, hidden] of a step `applies` accepted."""
+        ids = input_ids if input_ids.dtype is torch.int64 else input_ids.long()
+        pos = positions if positions.dtype is torch.int64 else positions.long()
+        return native_cpu.decoder_forward(self.struct, ids.contiguous(), pos.contiguous(),
+                                          meta.slot_mapping, meta.decode_block_tables,
+                                          meta.decode_context_lens)
