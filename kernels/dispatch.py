@@ -254,6 +254,18 @@ def pack_weight(param: torch.nn.Parameter) -> None:
     setattr(param, PACKED_COLUMNS, n)
 
 
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of an embedding table [V, H]: F.embedding, or for a table packed as a tied
+    LM head's panels (pack_weight) the C gather from them (torch's on the panels where the
+    C kernels are off)."""
+    if packed_columns(weight) is None:
+        return torch.nn.functional.embedding(ids, weight)
+    if use_native(weight):
+        return native_cpu.unpack_rows(weight, ids)
+    panel = weight.shape[2]
+    return weight[ids // panel, :, ids % panel]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T + bias: on GPU the Triton small-batch kernel where a measured rule picks

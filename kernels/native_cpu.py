@@ -107,6 +107,8 @@ def library() -> ctypes.CDLL | None:
     lib.ms_linear_packed_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64]
     lib.ms_argmax_rows_f32.restype = None
     lib.ms_argmax_rows_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
+    lib.ms_unpack_rows_f32.restype = None
+    lib.ms_unpack_rows_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr]
     lib.ms_silu_mul_f32.restype = None
     lib.ms_silu_mul_f32.argtypes = [_ptr, _ptr, _i64, _i64]
     lib.ms_decoder_forward_f32.restype = ctypes.c_int
@@ -129,7 +131,7 @@ class DecoderStruct(ctypes.Structure):
 
     _fields_ = [*((name, _i64) for name in (
         "num_layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size",
-        "window")), ("eps", _f32), ("scale", _f32), ("embed", _ptr), ("cos", _ptr),
+        "window")), ("eps", _f32), ("scale", _f32), ("embed", _ptr), ("embed_packed", _i64), ("cos", _ptr),
         ("sin", _ptr), ("final_norm", _ptr), ("layers", ctypes.POINTER(DecoderLayerStruct))]
 
 
@@ -274,6 +276,18 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The weight [n, K] that `pack` made `packed` from (a new row-major tensor)."""
     panels, k, panel = packed.shape
     return packed.permute(0, 2, 1).reshape(panels * panel, k)[:n].contiguous()
+
+
+def unpack_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (int64, any shape, each in range) of the weight `packed` = pack(weight):
+    an embedding lookup from a tied head's panels -> [*ids.shape, K]."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    k = packed.shape[1]
+    out = torch.empty(flat.shape[0], k, dtype=torch.float32)
+    if flat.shape[0]:
+        _loaded().ms_unpack_rows_f32(packed.data_ptr(), k, flat.data_ptr(), flat.shape[0],
+                                     out.data_ptr())
+    return out.view(*ids.shape, k)
 
 
 THREAD_MIN_FLOPS = 4_000_000

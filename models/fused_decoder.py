@@ -60,7 +60,9 @@ class FusedDecoder:
             kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             intermediate=mlp.down_proj.in_local, block_size=attn.attn.k_cache.shape[1],
             window=attn.attn.sliding_window or 0, eps=layers[0].input_layernorm.eps,
-            scale=attn.attn.scale, embed=_ptr(inner.embed_tokens.weight), cos=_ptr(rotary.cos),
+            scale=attn.attn.scale, embed=_ptr(inner.embed_tokens.weight),
+            embed_packed=dispatch.packed_columns(inner.embed_tokens.weight) is not None,
+            cos=_ptr(rotary.cos),
             sin=_ptr(rotary.sin), final_norm=_ptr(inner.norm.weight),
             layers=ctypes.cast(self._layers, ctypes.POINTER(native_cpu.DecoderLayerStruct)))
 

@@ -172,13 +172,16 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
     return model.eval()
 
 
-def _linear_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Every linear weight [N, K] of the model that is not also an embedding's table, once
-    each (a packed one is [panels, K, PANEL]: not listed again)."""
+def _linear_weights(model: torch.nn.Module, tied: bool = False) -> list[torch.nn.Parameter]:
+    """Every linear weight [N, K] of the model, once each (a packed one is
+    [panels, K, PANEL]: not listed again); an LM head tied to the embedding only with
+    `tied` (the embedding then gathers its rows from the head's layout)."""
     def is_embedding(m: torch.nn.Module) -> bool:
         return isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
 
-    seen = {id(m.weight) for m in model.modules() if is_embedding(m)}
+    heads = {id(m.weight) for m in model.modules() if isinstance(m, ParallelLMHead)}
+    seen = {id(m.weight) for m in model.modules()
+            if is_embedding(m) and not (tied and id(m.weight) in heads)}
     out = []
     for m in model.modules():
         w = getattr(m, "weight", None)
@@ -190,9 +193,10 @@ def _linear_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def pack_linear_weights(model: torch.nn.Module, *, required: bool = False) -> int:
     """Repack every linear weight for the C packed kernel (dispatch.pack_weight) where it
-    applies (fp32 on the CPU, the C kernels built); returns how many. `required`:
-    raise ValueError naming model.cpu_weight_layout where it does not apply."""
-    weights = _linear_weights(model)
+    applies (fp32 on the CPU, the C kernels built), a head tied to the embedding too (the
+    embedding gathers its rows from the panels: dispatch.embedding); returns how many.
+    `required`: raise ValueError naming model.cpu_weight_layout where it does not apply."""
+    weights = _linear_weights(model, tied=True)
     if not weights or not all(dispatch.packing_applies(w) for w in weights):
         if required and weights:
             raise ValueError(

@@ -589,9 +589,11 @@ void ms_linear_t_f32(const float *x, int64_t xs, const float *wt, int64_t ws, fl
  * micro-kernel keeps a tile of up to 4 rows x PANEL outputs in 12 registers while it walks
  * down the panel: three weight loads and one broadcast per row feed twelve FMAs, where
  * the unpacked kernels load and store their accumulators (MKL packs the weight on every
- * call instead). The panel stays in L2 for the next rows of x. Up to three rows stream
- * four panels at once (four memory streams), a row at a time. Each output is one FMA chain
- * over k in order, so a row's result does not depend on M or on the other rows.
+ * call instead). The panel stays in L2 for the next rows of x. Five rows left take one
+ * tile of 15 accumulators where AVX-512VL gives 32 registers (else three and two), never
+ * a lone row's three FMA chains, which wait on the FMA latency. One row alone streams
+ * four panels at once (four memory streams). Each output is one FMA chain over k in
+ * order, so a row's result does not depend on M or on the other rows.
  */
 #define PANEL 24
 
@@ -631,7 +633,7 @@ void ms_pack_f32(const float *w, int64_t ws_n, int64_t ws_k, float *p, int64_t N
         if (ncols != PANEL)                                                                \
             memcpy(o + r * os, tmp, (size_t)ncols * sizeof(float));                        \
     }
-/* `ROWS` (1-4) rows of x against one panel, into the first `ncols` columns of o. */
+/* `ROWS` (1-5) rows of x against one panel, into the first `ncols` columns of o. */
 #define PK_TILE(NAME, ROWS)                                                                \
     static void NAME(const float *x, int64_t xs, const float *panel, int64_t K, float *o,  \
                      int64_t os, int64_t ncols) {                                          \
@@ -639,21 +641,25 @@ void ms_pack_f32(const float *w, int64_t ws_n, int64_t ws_k, float *p, int64_t N
         const __m256 z = _mm256_setzero_ps();                                              \
         __m256 c00 = z, c01 = z, c02 = z, c10 = z, c11 = z, c12 = z;                        \
         __m256 c20 = z, c21 = z, c22 = z, c30 = z, c31 = z, c32 = z;                        \
+        __m256 c40 = z, c41 = z, c42 = z;                                                  \
         float tmp[PANEL];                                                                  \
         for (int64_t k = 0; k < K; k++) {                                                  \
             const float *w = panel + k * PANEL;                                            \
             _mm_prefetch((const char *)(w + 8 * PANEL), _MM_HINT_T0);                      \
             const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);             \
             const __m256 w2 = _mm256_loadu_ps(w + 16);                                     \
-            PK_ROW(0) PK_ROW(1) PK_ROW(2) PK_ROW(3)                                        \
+            PK_ROW(0) PK_ROW(1) PK_ROW(2) PK_ROW(3) PK_ROW(4)                              \
         }                                                                                  \
-        PK_OUT(0) PK_OUT(1) PK_OUT(2) PK_OUT(3)                                            \
+        PK_OUT(0) PK_OUT(1) PK_OUT(2) PK_OUT(3) PK_OUT(4)                                  \
         (void)tmp;                                                                         \
     }
 PK_TILE(pk_tile1, 1)
 PK_TILE(pk_tile2, 2)
 PK_TILE(pk_tile3, 3)
 PK_TILE(pk_tile4, 4)
+#if defined(__AVX512VL__)
+PK_TILE(pk_tile5, 5) /* 15 accumulators: only where EVEX gives 32 vector registers */
+#endif
 
 #define PK_STREAM(q, a0, a1, a2)                                                           \
     w = q + k * PANEL;                                                                     \
@@ -684,23 +690,33 @@ void ms_linear_packed_f32(const float *x, int64_t xs, const float *p, float *out
 #if defined(__AVX2__) && defined(__FMA__)
     /* Fewer than four rows stream four panels at once (one stream does not saturate
      * memory), a row at a time: the second and third rows find the panels in L2. */
-    if (M <= 3)
+    if (M == 1)
         for (; q + 4 <= panels && (q + 4) * PANEL <= N; q += 4)
-            for (int64_t m = 0; m < M; m++)
-                pk_row_four_panels(x + m * xs, p + q * K * PANEL, K, out + m * os + q * PANEL);
+            pk_row_four_panels(x, p + q * K * PANEL, K, out + q * PANEL);
     for (; q < panels; q++) {
         const float *panel = p + q * K * PANEL;
         int64_t ncols = N - q * PANEL < PANEL ? N - q * PANEL : PANEL;
         float *o = out + q * PANEL;
         int64_t m = 0;
-        for (; m + 4 <= M; m += 4)
+        for (; M - m >= 4 && M - m != 5; m += 4)
             pk_tile4(x + m * xs, xs, panel, K, o + m * os, os, ncols);
-        if (M - m == 3)
-            pk_tile3(x + m * xs, xs, panel, K, o + m * os, os, ncols);
-        else if (M - m == 2)
-            pk_tile2(x + m * xs, xs, panel, K, o + m * os, os, ncols);
-        else if (M - m == 1)
-            pk_tile1(x + m * xs, xs, panel, K, o + m * os, os, ncols);
+        const int64_t rest = M - m; /* 0-3, or 5: never a lone row after a tile */
+        const float *xm = x + m * xs;
+        float *om = o + m * os;
+        if (rest == 5) {
+#if defined(__AVX512VL__)
+            pk_tile5(xm, xs, panel, K, om, os, ncols);
+#else
+            pk_tile3(xm, xs, panel, K, om, os, ncols);
+            pk_tile2(xm + 3 * xs, xs, panel, K, om + 3 * os, os, ncols);
+#endif
+        } else if (rest == 3) {
+            pk_tile3(xm, xs, panel, K, om, os, ncols);
+        } else if (rest == 2) {
+            pk_tile2(xm, xs, panel, K, om, os, ncols);
+        } else if (rest == 1) {
+            pk_tile1(xm, xs, panel, K, om, os, ncols);
+        }
     }
 #else
     for (; q < panels; q++)
@@ -712,6 +728,16 @@ void ms_linear_packed_f32(const float *x, int64_t xs, const float *p, float *out
                 out[m * os + q * PANEL + j] = acc;
             }
 #endif
+}
+
+/* Rows `ids` [T] of the weight [N, K] that ms_pack_f32 packed into p, into out [T, K]
+ * (an embedding lookup from a head's panels: the weight is stored once). */
+void ms_unpack_rows_f32(const float *p, int64_t K, const int64_t *ids, int64_t T, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *src = p + (ids[t] / PANEL) * K * PANEL + ids[t] % PANEL;
+        float *dst = out + t * K;
+        for (int64_t k = 0; k < K; k++) dst[k] = src[k * PANEL];
+    }
 }
 
 /* ---- Greedy sampling: out[r] = argmax of row r of x[rows, cols] (row stride xs) ----

@@ -11,7 +11,8 @@
  * Every row is a decode row: one token with its own position, cache slot, block-table row
  * and context length (a verify step's rows of one sequence each attend up to their own
  * position; every row's K/V is stored before any row attends). Weights are the packed
- * panels of ms_pack_f32; biases are optional (NULL). Single-threaded, as the kernels are.
+ * panels of ms_pack_f32 (the embedding too, where it is a tied head's); biases are
+ * optional (NULL). Single-threaded, as the kernels are.
  */
 
 #include <stdint.h>
@@ -32,7 +33,8 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, window;
     float eps, scale;
-    const float *embed;                        /* [vocab, hidden] row-major */
+    const float *embed;                        /* [vocab, hidden]: row-major, or packed */
+    int64_t embed_packed;                      /* the embedding is a tied head's panels */
     const float *cos, *sin;                    /* [max_positions, D / 2] */
     const float *final_norm;                   /* [hidden] */
     const MsDecoderLayer *layers;
@@ -58,8 +60,10 @@ int ms_decoder_forward_f32(const MsDecoder *m, int64_t T, const int64_t *tokens,
     float *x = buf, *residual = x + T * hs, *normed = residual + T * hs;
     float *wide = normed + T * hs, *attn = wide + T * widest, *act = attn + T * h * d;
     float *cos = act + T * inter, *sin = cos + T * half;
+    if (m->embed_packed) ms_unpack_rows_f32(m->embed, hs, tokens, T, x);
     for (int64_t t = 0; t < T; t++) {
-        memcpy(x + t * hs, m->embed + tokens[t] * hs, sizeof(float) * (size_t)hs);
+        if (!m->embed_packed)
+            memcpy(x + t * hs, m->embed + tokens[t] * hs, sizeof(float) * (size_t)hs);
         memcpy(cos + t * half, m->cos + positions[t] * half, sizeof(float) * (size_t)half);
         memcpy(sin + t * half, m->sin + positions[t] * half, sizeof(float) * (size_t)half);
     }

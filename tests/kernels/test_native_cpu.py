@@ -142,8 +142,9 @@ def test_linear_matches_torch_and_a_row_never_depends_on_the_batch(
        column_major=st.booleans(), x_pad=st.integers(0, 3), seed=st.integers(0, 2**16))
 def test_packed_linear_matches_torch_and_a_row_never_depends_on_the_batch(
         m: int, k: int, n: int, column_major: bool, x_pad: int, seed: int) -> None:
-    """Every tile height (1-4 rows), the one-row four-panel path (n >= 96), a last panel
-    narrower than PANEL, and packing from either layout."""
+    """Every tile height (1-5 rows; five left over after tiles of four), the one-row
+    four-panel path (n >= 96), a last panel narrower than PANEL, and packing from either
+    layout."""
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(n, k, generator=gen)
     source = weight.t().contiguous().t() if column_major else weight
@@ -157,6 +158,17 @@ def test_packed_linear_matches_torch_and_a_row_never_depends_on_the_batch(
                                atol=1e-5 * k)
     for i in range(m):  # the same bits whatever else is in the batch
         assert torch.equal(native_cpu.linear_packed(x[i:i + 1], packed, n)[0], out[i])
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 130), k=st.integers(1, 40), t=st.integers(0, 9),
+       seed=st.integers(0, 2**16))
+def test_rows_gathered_from_panels_are_the_weight_rows(n: int, k: int, t: int,
+                                                       seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen)
+    ids = torch.randint(0, n, (t,), generator=gen)
+    assert torch.equal(native_cpu.unpack_rows(native_cpu.pack(weight), ids), weight[ids])
 
 
 @pytest.mark.parametrize("m", [1, 3, 9])

@@ -47,13 +47,31 @@ def test_wide_weights_go_column_major_and_logits_stay(make_checkpoint) -> None:
     assert column_major_wide_weights(row_major) == 2 * len(row_major.model.layers) + 1
 
 
-@pytest.mark.parametrize("layout", ["auto", "packed", "column"])
-def test_a_tied_lm_head_stays_row_major(make_checkpoint, one_thread, layout: str) -> None:
+def test_a_tied_lm_head_stays_row_major_for_mkl(make_checkpoint, one_thread) -> None:
     model = load_model(make_checkpoint("llama", seed=7, tie_word_embeddings=True),
-                       progress=False, cpu_weight_layout=layout)
+                       progress=False, cpu_weight_layout="column")
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    assert model.model.embed_tokens.weight.is_contiguous()
-    assert packed_columns(model.lm_head.weight) is None  # the embedding gathers its rows
+    assert model.model.embed_tokens.weight.is_contiguous()  # the embedding gathers its rows
+    assert packed_columns(model.lm_head.weight) is None
+
+
+@native
+@pytest.mark.parametrize("layout", ["auto", "packed"])
+def test_a_tied_lm_head_is_packed_once(make_checkpoint, one_thread, layout: str) -> None:
+    """Packed, the tied head's panels are the embedding's table too: stored once, the
+    embedding gathering its rows from them; the same embeddings and logits as row-major."""
+    path = make_checkpoint("llama", seed=7, tie_word_embeddings=True)
+    model = load_model(path, progress=False, cpu_weight_layout=layout)
+    row = load_model(path, progress=False, cpu_weight_layout="row")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert packed_columns(model.lm_head.weight) == 320
+    ids = torch.tensor([[0, 23, 24, 319], [5, 5, 47, 48]])
+    emb = model.model.embed_tokens(ids)
+    assert torch.equal(emb, row.model.embed_tokens(ids))
+    panel = model.lm_head.weight.shape[2]
+    assert torch.equal(model.lm_head.weight[ids // panel, :, ids % panel], emb)  # torch's way
+    toks = [3, 14, 15, 92, 65]
+    torch.testing.assert_close(_logits(model, toks), _logits(row, toks), atol=1e-5, rtol=1e-5)
 
 
 @native
