@@ -114,6 +114,9 @@ def library() -> ctypes.CDLL | None:
     lib.ms_decoder_forward_f32.restype = ctypes.c_int
     lib.ms_decoder_forward_f32.argtypes = [ctypes.POINTER(DecoderStruct), _i64, _ptr, _ptr,
                                            _ptr, _ptr, _i64, _ptr, _ptr]
+    lib.ms_decoder_draft_greedy_f32.restype = ctypes.c_int
+    lib.ms_decoder_draft_greedy_f32.argtypes = [ctypes.POINTER(DecoderStruct), _ptr, _i64,
+                                                _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr]
     return lib
 
 
@@ -370,6 +373,22 @@ def decoder_forward(decoder: DecoderStruct, input_ids: torch.Tensor, positions: 
         raise MemoryError(f"fused decoder forward: no memory for {t} rows of "
                           f"{int(context_lens.max())} tokens")
     return out
+
+
+def decoder_draft_greedy(decoder: DecoderStruct, head: torch.Tensor, vocab: int,
+                         drafted: torch.Tensor, base: torch.Tensor, block_tables: torch.Tensor,
+                         wanted: torch.Tensor) -> None:
+    """Greedy drafts 1 .. k - 1 of B rows into drafted [B, k] (int64, column 0 filled),
+    each row fed at positions base + j while it wants more (wanted [B]: its drafts in all),
+    the head `head` packed (decoder.c: ms_decoder_draft_greedy_f32). Every tensor int64
+    and contiguous but the head."""
+    b, k = drafted.shape
+    rc = _loaded().ms_decoder_draft_greedy_f32(
+        ctypes.byref(decoder), head.data_ptr(), vocab, b, base.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), wanted.data_ptr(), k,
+        drafted.data_ptr())
+    if rc != 0:
+        raise MemoryError(f"fused greedy drafts: no memory for {b} rows")
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

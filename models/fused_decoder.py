@@ -16,6 +16,7 @@ import ctypes
 import torch
 
 from meshserve.kernels import dispatch, native_cpu
+from meshserve.kernels.dispatch import packed_columns
 from meshserve.models.attention import AttentionMetadata
 from meshserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
@@ -61,7 +62,7 @@ class FusedDecoder:
             intermediate=mlp.down_proj.in_local, block_size=attn.attn.k_cache.shape[1],
             window=attn.attn.sliding_window or 0, eps=layers[0].input_layernorm.eps,
             scale=attn.attn.scale, embed=_ptr(inner.embed_tokens.weight),
-            embed_packed=dispatch.packed_columns(inner.embed_tokens.weight) is not None,
+            embed_packed=packed_columns(inner.embed_tokens.weight) is not None,
             cos=_ptr(rotary.cos),
             sin=_ptr(rotary.sin), final_norm=_ptr(inner.norm.weight),
             layers=ctypes.cast(self._layers, ctypes.POINTER(native_cpu.DecoderLayerStruct)))
@@ -80,7 +81,7 @@ class FusedDecoder:
         for layer in layers:
             a, f = layer.self_attn, layer.mlp
             linears = (a.qkv_proj, a.o_proj, f.gate_up_proj, f.down_proj)
-            if any(mod.tp.size != 1 or dispatch.packed_columns(mod.weight) is None
+            if any(mod.tp.size != 1 or packed_columns(mod.weight) is None
                    for mod in linears):
                 return None
             tensors += [mod.weight for mod in linears]
@@ -109,6 +110,25 @@ class FusedDecoder:
             return False
         return all(t.dtype is torch.int64 and t.is_contiguous() and t.is_cpu for t in (
             meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens))
+
+    def drafts_greedy(self, head: torch.Tensor, vocab: int, rows: int) -> bool:
+        """Whether `draft_greedy` can run `rows` rows with this LM head: packed, fp32, all
+        `vocab` logits on this rank, and rows few enough for one thread (`applies`)."""
+        if packed_columns(head) != vocab or not dispatch.use_native(head):
+            return False
+        return torch.get_num_threads() == 1 or (
+            rows * self.row_flops < 2 * native_cpu.THREAD_MIN_FLOPS)
+
+    def draft_greedy(self, head: torch.Tensor, drafted: torch.Tensor, base: torch.Tensor,
+                     block_tables: torch.Tensor, wanted: torch.Tensor) -> None:
+        """A draft model's greedy drafts 1 .. k - 1 in one C call (drafts_greedy said
+        yes): drafted [B, k] holds draft 0 of each row; row r's last known token is at
+        position base[r], and it wants wanted[r] drafts in all. The same drafts as the
+        modules' steps with dispatch.argmax_rows."""
+        n = packed_columns(head)
+        assert n is not None
+        native_cpu.decoder_draft_greedy(self.struct, head, n, drafted, base, block_tables,
+                                        wanted)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -6,8 +6,10 @@ same block ids: a sequence's draft KV lives in the blocks of its target block ta
 the scheduler's allocation, copy-on-write and freeing serve both. Each step the draft
 first runs, in one forward, the prompt chunks the target runs (its KV stays complete
 for every prompt) and, for each speculating sequence, the tokens it lags by (it skips
-plain decodes) and the sequence's last token (as decode rows where they are few). Then k - 1 lean decode steps follow, one
-token per speculating sequence, with no scheduler work in between (CUDA graphs on a GPU).
+plain decodes) and the sequence's last token (as decode rows where they are few). Then
+k - 1 lean decode steps follow, one token per speculating sequence, with no scheduler work
+in between (CUDA graphs on a GPU; on the CPU, greedy drafts of a fused model in one C call:
+models/fused_decoder.py).
 Each draft token is picked under the request's own temperature, min-p, top-k and top-p,
 from a generator of its own, and its distribution q goes to the rejection sampler.
 """
@@ -173,6 +175,16 @@ class DraftProposer:
         base = to_device([s.start_pos for s in seqs], dev)  # the last known token's position
         drafted = torch.empty(len(seqs), k, dtype=torch.long, device=dev)
         sampled = not all(p.greedy for p in params)
+        head = self.model.lm_head.weight if self.model.lm_head is not None else None
+        fused = runner.fused
+        if (fused is not None and head is not None and not sampled and k > 1
+                and self.stop_confidence <= 0
+                and fused.drafts_greedy(head, logits.shape[-1], len(seqs))):
+            drafted[:, 0] = dispatch.argmax_rows(logits.float())  # the rest in one C call
+            fused.draft_greedy(head, drafted, base, tables, to_device(n, dev))
+            self.num_forwards += k - 1
+            host = drafted.tolist()
+            return {s.seq_id: host[i][:n[i]] for i, s in enumerate(seqs)}, {}
         q = torch.zeros(len(seqs), k, logits.shape[-1], device=dev) if sampled else None
         rows = list(range(len(seqs)))  # the sequences still drafting, as rows of `seqs`
         prev = base  # the first drafts replace it before anything reads it

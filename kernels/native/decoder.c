@@ -95,3 +95,46 @@ int ms_decoder_forward_f32(const MsDecoder *m, int64_t T, const int64_t *tokens,
     free(buf);
     return rc;
 }
+
+/* A draft model's greedy lean steps in one call: row r of B holds draft 0 in out[r * k],
+ * its last known token at position base[r] and its block-table row; steps j = 1 .. k - 1
+ * feed draft j - 1 at position base[r] + j for the rows that want draft j (n[r] > j) and
+ * take the argmax of the LM head (head: packed panels of [vocab, hidden]) as draft j. The
+ * same kernels as a step of the modules and dispatch.argmax_rows, so the same drafts.
+ * Returns 0, or the forward's code. */
+int ms_decoder_draft_greedy_f32(const MsDecoder *m, const float *head, int64_t vocab,
+                                int64_t B, const int64_t *base, const int64_t *tables,
+                                int64_t table_stride, const int64_t *n, int64_t k,
+                                int64_t *out) {
+    const int64_t hs = m->hidden, bs = m->block_size;
+    int64_t *ints = malloc(sizeof(int64_t) * (size_t)(B * (5 + table_stride)));
+    float *buf = malloc(sizeof(float) * (size_t)(B * (hs + vocab)));
+    int rc = (ints && buf) ? 0 : -1;
+    int64_t *ids = ints, *pos = ids + B, *slots = pos + B, *lens = slots + B, *rows = lens + B;
+    int64_t *tab = rows + B;
+    float *hidden = buf, *logits = buf + B * hs;
+    for (int64_t j = 1; j < k && rc == 0; j++) {
+        int64_t a = 0;  /* the rows that want draft j, compacted */
+        for (int64_t r = 0; r < B; r++) {
+            if (n[r] <= j) continue;
+            const int64_t *table = tables + r * table_stride;
+            const int64_t p = base[r] + j;
+            rows[a] = r;
+            ids[a] = out[r * k + j - 1];
+            pos[a] = p;
+            slots[a] = table[p / bs] * bs + p % bs;
+            lens[a] = p + 1;
+            memcpy(tab + a * table_stride, table, sizeof(int64_t) * (size_t)table_stride);
+            a++;
+        }
+        if (a == 0) break;
+        rc = ms_decoder_forward_f32(m, a, ids, pos, slots, tab, table_stride, lens, hidden);
+        if (rc != 0) break;
+        ms_linear_packed_f32(hidden, hs, head, logits, vocab, a, hs, vocab);
+        ms_argmax_rows_f32(logits, vocab, a, vocab, pos);  /* pos: free again */
+        for (int64_t i = 0; i < a; i++) out[rows[i] * k + j] = pos[i];
+    }
+    free(ints);
+    free(buf);
+    return rc;
+}

@@ -181,3 +181,36 @@ def test_runs_end_at_an_unsure_draft_and_the_rest_is_not_verified(plain) -> None
         assert llm.engine.stats.num_free_blocks == llm.engine.num_blocks
     finally:
         llm.shutdown()
+
+
+def test_greedy_drafts_in_one_c_call_are_the_modules_drafts(monkeypatch) -> None:
+    """On the CPU a fused draft model's greedy lean steps run in one C call; they draft
+    exactly what its module-by-module steps draft, rows ending at their own lengths."""
+    from meshserve.engine.worker.draft_proposer import DraftProposer
+    from meshserve.models.fused_decoder import FusedDecoder
+
+    made: list[dict[int, list[int]]] = []
+    loop = DraftProposer._decode_loop
+    monkeypatch.setattr(DraftProposer, "_decode_loop",
+                        lambda self, *a: made.append((out := loop(self, *a))[0]) or out)
+    calls = []
+    fused = FusedDecoder.draft_greedy
+    monkeypatch.setattr(FusedDecoder, "draft_greedy",
+                        lambda self, *a: calls.append(1) or fused(self, *a))
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (9, 14, 23, 40, 6)]  # runs near their ends draft fewer
+    runs = []
+    for c_loop in (True, False):
+        if not c_loop:
+            monkeypatch.setattr(FusedDecoder, "drafts_greedy", lambda *a: False)
+        made.clear()
+        calls.clear()
+        llm = LLM("meshcoder", overrides=[*ONE_RANK, *DRAFT], progress=False)
+        try:
+            outs = llm.generate(PROMPTS, params)
+        finally:
+            llm.shutdown()
+        runs.append(([o.token_ids for o in outs], list(made)))
+        assert bool(calls) == c_loop
+    assert runs[0] == runs[1]
+    assert any(len(set(map(len, step.values()))) > 1 for step in runs[0][1])
