@@ -116,7 +116,8 @@ def library() -> ctypes.CDLL | None:
                                            _ptr, _ptr, _i64, _ptr, _ptr]
     lib.ms_decoder_draft_greedy_f32.restype = ctypes.c_int
     lib.ms_decoder_draft_greedy_f32.argtypes = [ctypes.POINTER(DecoderStruct), _ptr, _i64,
-                                                _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr]
+                                                _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
+                                                _i64, _ptr]
     return lib
 
 
@@ -376,15 +377,19 @@ def decoder_forward(decoder: DecoderStruct, input_ids: torch.Tensor, positions: 
 
 
 def decoder_draft_greedy(decoder: DecoderStruct, head: torch.Tensor, vocab: int,
-                         drafted: torch.Tensor, base: torch.Tensor, block_tables: torch.Tensor,
-                         wanted: torch.Tensor) -> None:
-    """Greedy drafts 1 .. k - 1 of B rows into drafted [B, k] (int64, column 0 filled),
-    each row fed at positions base + j while it wants more (wanted [B]: its drafts in all),
-    the head `head` packed (decoder.c: ms_decoder_draft_greedy_f32). Every tensor int64
-    and contiguous but the head."""
+                         drafted: torch.Tensor, start: torch.Tensor, block_tables: torch.Tensor,
+                         wanted: torch.Tensor, feed_tokens: torch.Tensor | None = None,
+                         feed_counts: torch.Tensor | None = None) -> None:
+    """Greedy drafts of B rows into drafted [B, k], the head `head` packed (decoder.c:
+    ms_decoder_draft_greedy_f32): with feed_tokens / feed_counts each row first feeds its
+    tokens from position start[r] and drafts from its last; without, drafted[:, 0] is
+    given and start[r] is the last known token's position. wanted [B]: each row's drafts
+    in all. Every tensor int64 and contiguous but the head."""
     b, k = drafted.shape
     rc = _loaded().ms_decoder_draft_greedy_f32(
-        ctypes.byref(decoder), head.data_ptr(), vocab, b, base.data_ptr(),
+        ctypes.byref(decoder), head.data_ptr(), vocab, b,
+        None if feed_tokens is None else feed_tokens.data_ptr(),
+        None if feed_counts is None else feed_counts.data_ptr(), start.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), wanted.data_ptr(), k,
         drafted.data_ptr())
     if rc != 0:

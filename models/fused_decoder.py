@@ -117,16 +117,20 @@ class FusedDecoder:
         return torch.get_num_threads() == 1 or (
             rows * self.row_flops < 2 * native_cpu.THREAD_MIN_FLOPS)
 
-    def draft_greedy(self, head: torch.Tensor, drafted: torch.Tensor, base: torch.Tensor,
-                     block_tables: torch.Tensor, wanted: torch.Tensor) -> None:
-        """A draft model's greedy drafts 1 .. k - 1 in one C call (drafts_greedy said
-        yes): drafted [B, k] holds draft 0 of each row; row r's last known token is at
-        position base[r], and it wants wanted[r] drafts in all. The same drafts as the
-        modules' steps with dispatch.argmax_rows."""
+    def draft_greedy(self, head: torch.Tensor, drafted: torch.Tensor, start: torch.Tensor,
+                     block_tables: torch.Tensor, wanted: torch.Tensor,
+                     feed_tokens: torch.Tensor | None = None,
+                     feed_counts: torch.Tensor | None = None) -> None:
+        """A draft model's greedy drafts in one C call (drafts_greedy said yes) into
+        drafted [B, k]: with `feed_tokens` (flat) and `feed_counts` [B] each row first
+        feeds its tokens as decode rows from position start[r] and drafts from the last;
+        without, drafted[:, 0] holds each row's first draft and start[r] its last known
+        token's position. Row r wants wanted[r] drafts. The same drafts as the modules'
+        steps with dispatch.argmax_rows."""
         n = packed_columns(head)
         assert n is not None
-        native_cpu.decoder_draft_greedy(self.struct, head, n, drafted, base, block_tables,
-                                        wanted)
+        native_cpu.decoder_draft_greedy(self.struct, head, n, drafted, start, block_tables,
+                                        wanted, feed_tokens, feed_counts)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

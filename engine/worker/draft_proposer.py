@@ -8,8 +8,9 @@ first runs, in one forward, the prompt chunks the target runs (its KV stays comp
 for every prompt) and, for each speculating sequence, the tokens it lags by (it skips
 plain decodes) and the sequence's last token (as decode rows where they are few). Then
 k - 1 lean decode steps follow, one token per speculating sequence, with no scheduler work
-in between (CUDA graphs on a GPU; on the CPU, greedy drafts of a fused model in one C call:
-models/fused_decoder.py).
+in between (CUDA graphs on a GPU). On the CPU a fused draft model's greedy drafts run in
+one C call (models/fused_decoder.py): the lean steps, and where every feed is decode rows
+the first forward too.
 Each draft token is picked under the request's own temperature, min-p, top-k and top-p,
 from a generator of its own, and its distribution q goes to the rejection sampler.
 """
@@ -31,6 +32,7 @@ from meshserve.engine.worker.sampler import Sampler
 from meshserve.engine.worker.step_inputs import to_device
 from meshserve.kernels import dispatch
 from meshserve.models.attention import AttentionMetadata
+from meshserve.models.fused_decoder import FusedDecoder
 from meshserve.models.llama import LlamaForCausalLM
 from meshserve.models.loader import load_model
 
@@ -142,6 +144,10 @@ class DraftProposer:
                 spec[s.seq_id] = s
         if not feeds:
             return Drafts(scheduled, {}, {})
+        if len(spec) == len(feeds):  # every feed drafts: maybe all of it in one C call
+            tokens = self._greedy_in_one_call(feeds, [spec[f.seq_id] for f in feeds])
+            if tokens is not None:
+                return self._filled(scheduled, tokens, {})
         logits, seq_ids = runner.execute(feeds)
         self.num_forwards += 1
         if not spec:
@@ -151,11 +157,53 @@ class DraftProposer:
         if len(last) < len(seq_ids):
             logits, seq_ids = logits[to_device(last, self.device)], [seq_ids[i] for i in last]
         tokens, probs = self._decode_loop(logits, [spec[i] for i in seq_ids])
+        return self._filled(scheduled, tokens, probs)
+
+    @staticmethod
+    def _filled(scheduled: list[ScheduledSeq], tokens: dict[int, list[int]],
+                probs: dict[int, torch.Tensor]) -> Drafts:
+        """The step with each drafting sequence's slots holding its drafts."""
         filled = [dataclasses.replace(s, token_ids=[*s.token_ids[:-s.num_drafts],
                                                     *tokens[s.seq_id]],
                                       num_drafts=len(tokens[s.seq_id]))
                   if s.seq_id in tokens else s for s in scheduled]
         return Drafts(filled, tokens, probs)
+
+    def _greedy_in_one_call(self, feeds: list[_Feed], seqs: list[ScheduledSeq]
+                            ) -> dict[int, list[int]] | None:
+        """Every draft of the step in one C call (models/fused_decoder.py), the catch-up
+        rows included, where that gives what the modules would: a fused draft model with
+        a packed head, every feed decode rows, every request greedy, no stop_confidence.
+        None where it does not apply."""
+        fused, head = self._fused_head(sum(len(f.token_ids) for f in feeds))
+        if (fused is None or head is None
+                or any(len(f.token_ids) != f.num_drafts + 1 for f in feeds)
+                or not all(self.params[s.seq_id].greedy for s in seqs)):
+            return None
+        dev = self.device
+        n = [s.num_drafts for s in seqs]
+        k = max(n)
+        width = max(len(f.block_table) for f in feeds)
+        drafted = torch.empty(len(feeds), k, dtype=torch.long, device=dev)
+        fused.draft_greedy(
+            head, drafted, to_device([f.start_pos for f in feeds], dev),
+            to_device([f.block_table + [0] * (width - len(f.block_table)) for f in feeds], dev),
+            to_device(n, dev), to_device([t for f in feeds for t in f.token_ids], dev),
+            to_device([len(f.token_ids) for f in feeds], dev))
+        self.num_forwards += k  # the feed's forward, then k - 1 lean steps
+        host = drafted.tolist()
+        return {s.seq_id: host[i][:n[i]] for i, s in enumerate(seqs)}
+
+    def _fused_head(self, rows: int) -> tuple[FusedDecoder | None, torch.Tensor | None]:
+        """The fused draft model and its packed LM head, where greedy drafts of `rows` rows
+        can run in one C call (no stop_confidence: it needs probabilities); else Nones."""
+        runner, lm_head = self.runner, self.model.lm_head
+        assert runner is not None
+        fused = runner.fused
+        if (fused is None or lm_head is None or self.stop_confidence > 0
+                or not fused.drafts_greedy(lm_head.weight, lm_head.num_logits, rows)):
+            return None, None
+        return fused, lm_head.weight
 
     def _decode_loop(self, logits: torch.Tensor, seqs: list[ScheduledSeq]
                      ) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
@@ -175,11 +223,8 @@ class DraftProposer:
         base = to_device([s.start_pos for s in seqs], dev)  # the last known token's position
         drafted = torch.empty(len(seqs), k, dtype=torch.long, device=dev)
         sampled = not all(p.greedy for p in params)
-        head = self.model.lm_head.weight if self.model.lm_head is not None else None
-        fused = runner.fused
-        if (fused is not None and head is not None and not sampled and k > 1
-                and self.stop_confidence <= 0
-                and fused.drafts_greedy(head, logits.shape[-1], len(seqs))):
+        fused, head = self._fused_head(len(seqs)) if not sampled and k > 1 else (None, None)
+        if fused is not None and head is not None:
             drafted[:, 0] = dispatch.argmax_rows(logits.float())  # the rest in one C call
             fused.draft_greedy(head, drafted, base, tables, to_device(n, dev))
             self.num_forwards += k - 1

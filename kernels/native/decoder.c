@@ -96,35 +96,75 @@ int ms_decoder_forward_f32(const MsDecoder *m, int64_t T, const int64_t *tokens,
     return rc;
 }
 
-/* A draft model's greedy lean steps in one call: row r of B holds draft 0 in out[r * k],
- * its last known token at position base[r] and its block-table row; steps j = 1 .. k - 1
- * feed draft j - 1 at position base[r] + j for the rows that want draft j (n[r] > j) and
- * take the argmax of the LM head (head: packed panels of [vocab, hidden]) as draft j. The
- * same kernels as a step of the modules and dispatch.argmax_rows, so the same drafts.
- * Returns 0, or the forward's code. */
+/* The rows for a table row: position p's slot, its context length and its table. */
+static void decode_row(int64_t a, const int64_t *table, int64_t table_stride, int64_t p,
+                       int64_t bs, int64_t *pos, int64_t *slots, int64_t *lens,
+                       int64_t *tab) {
+    pos[a] = p;
+    slots[a] = table[p / bs] * bs + p % bs;
+    lens[a] = p + 1;
+    memcpy(tab + a * table_stride, table, sizeof(int64_t) * (size_t)table_stride);
+}
+
+/* A draft model's greedy drafts of B sequences in one call, for drafted [B, k] (row r: its
+ * table row in tables, n[r] drafts wanted, n[r] <= k).
+ *
+ * With feed_counts (not NULL), sequence r first feeds its feed_counts[r] tokens (the ones
+ * the draft lags by, then its last known one: the next of feed_tokens, flattened) as decode
+ * rows from position start[r]; the argmax of the LM head at its last row is draft 0.
+ * Without, draft 0 is already in drafted[r * k] and start[r] is its last known token's
+ * position. Then steps j = 1 .. k - 1 feed draft j - 1 at the last known position + j for
+ * the rows that want draft j and take the head's argmax as draft j. head: packed panels
+ * of [vocab, hidden]. The same kernels as the modules' steps and dispatch.argmax_rows, so
+ * the same drafts. Returns 0, or the forward's code. */
 int ms_decoder_draft_greedy_f32(const MsDecoder *m, const float *head, int64_t vocab,
-                                int64_t B, const int64_t *base, const int64_t *tables,
-                                int64_t table_stride, const int64_t *n, int64_t k,
-                                int64_t *out) {
+                                int64_t B, const int64_t *feed_tokens,
+                                const int64_t *feed_counts, const int64_t *start,
+                                const int64_t *tables, int64_t table_stride, const int64_t *n,
+                                int64_t k, int64_t *drafted) {
     const int64_t hs = m->hidden, bs = m->block_size;
-    int64_t *ints = malloc(sizeof(int64_t) * (size_t)(B * (5 + table_stride)));
-    float *buf = malloc(sizeof(float) * (size_t)(B * (hs + vocab)));
+    int64_t rows_max = B;
+    if (feed_counts) {
+        rows_max = 0;
+        for (int64_t r = 0; r < B; r++) rows_max += feed_counts[r];
+        rows_max = rows_max > B ? rows_max : B;
+    }
+    int64_t *ints = malloc(sizeof(int64_t) * (size_t)(rows_max * (5 + table_stride) + B));
+    float *buf = malloc(sizeof(float) * (size_t)(rows_max * hs + B * (hs + vocab)));
     int rc = (ints && buf) ? 0 : -1;
-    int64_t *ids = ints, *pos = ids + B, *slots = pos + B, *lens = slots + B, *rows = lens + B;
-    int64_t *tab = rows + B;
-    float *hidden = buf, *logits = buf + B * hs;
+    int64_t *ids = ints, *pos = ids + rows_max, *slots = pos + rows_max;
+    int64_t *lens = slots + rows_max, *rows = lens + rows_max, *base = rows + rows_max;
+    int64_t *tab = base + B;
+    float *hidden = buf, *last = buf + rows_max * hs, *logits = last + B * hs;
+    for (int64_t r = 0; r < B; r++) base[r] = start[r];
+    if (rc == 0 && feed_counts) {
+        int64_t t = 0;
+        for (int64_t r = 0; r < B; r++) {
+            const int64_t *table = tables + r * table_stride;
+            for (int64_t i = 0; i < feed_counts[r]; i++, t++) {
+                ids[t] = feed_tokens[t];
+                decode_row(t, table, table_stride, start[r] + i, bs, pos, slots, lens, tab);
+            }
+            base[r] = start[r] + feed_counts[r] - 1;
+            rows[r] = t - 1;  /* its last row */
+        }
+        rc = ms_decoder_forward_f32(m, t, ids, pos, slots, tab, table_stride, lens, hidden);
+        if (rc == 0) {
+            for (int64_t r = 0; r < B; r++)
+                memcpy(last + r * hs, hidden + rows[r] * hs, sizeof(float) * (size_t)hs);
+            ms_linear_packed_f32(last, hs, head, logits, vocab, B, hs, vocab);
+            ms_argmax_rows_f32(logits, vocab, B, vocab, pos);
+            for (int64_t r = 0; r < B; r++) drafted[r * k] = pos[r];
+        }
+    }
     for (int64_t j = 1; j < k && rc == 0; j++) {
         int64_t a = 0;  /* the rows that want draft j, compacted */
         for (int64_t r = 0; r < B; r++) {
             if (n[r] <= j) continue;
-            const int64_t *table = tables + r * table_stride;
-            const int64_t p = base[r] + j;
             rows[a] = r;
-            ids[a] = out[r * k + j - 1];
-            pos[a] = p;
-            slots[a] = table[p / bs] * bs + p % bs;
-            lens[a] = p + 1;
-            memcpy(tab + a * table_stride, table, sizeof(int64_t) * (size_t)table_stride);
+            ids[a] = drafted[r * k + j - 1];
+            decode_row(a, tables + r * table_stride, table_stride, base[r] + j, bs, pos, slots,
+                       lens, tab);
             a++;
         }
         if (a == 0) break;
@@ -132,7 +172,7 @@ int ms_decoder_draft_greedy_f32(const MsDecoder *m, const float *head, int64_t v
         if (rc != 0) break;
         ms_linear_packed_f32(hidden, hs, head, logits, vocab, a, hs, vocab);
         ms_argmax_rows_f32(logits, vocab, a, vocab, pos);  /* pos: free again */
-        for (int64_t i = 0; i < a; i++) out[rows[i] * k + j] = pos[i];
+        for (int64_t i = 0; i < a; i++) drafted[rows[i] * k + j] = pos[i];
     }
     free(ints);
     free(buf);

@@ -184,33 +184,39 @@ def test_runs_end_at_an_unsure_draft_and_the_rest_is_not_verified(plain) -> None
 
 
 def test_greedy_drafts_in_one_c_call_are_the_modules_drafts(monkeypatch) -> None:
-    """On the CPU a fused draft model's greedy lean steps run in one C call; they draft
-    exactly what its module-by-module steps draft, rows ending at their own lengths."""
+    """On the CPU a fused draft model's greedy drafts run in one C call: the whole
+    proposal where every feed is decode rows, else the lean steps after the modules' first
+    forward (prompt chunks in the step: chunked prefill). Either way they are exactly what
+    its module-by-module steps draft, rows ending at their own lengths."""
     from meshserve.engine.worker.draft_proposer import DraftProposer
     from meshserve.models.fused_decoder import FusedDecoder
 
     made: list[dict[int, list[int]]] = []
-    loop = DraftProposer._decode_loop
-    monkeypatch.setattr(DraftProposer, "_decode_loop",
-                        lambda self, *a: made.append((out := loop(self, *a))[0]) or out)
-    calls = []
+    propose = DraftProposer.propose
+    monkeypatch.setattr(DraftProposer, "propose",
+                        lambda self, s: made.append((out := propose(self, s)).tokens) or out)
+    calls: list[bool] = []  # per C call: whether it fed the catch-up rows too
     fused = FusedDecoder.draft_greedy
-    monkeypatch.setattr(FusedDecoder, "draft_greedy",
-                        lambda self, *a: calls.append(1) or fused(self, *a))
+    monkeypatch.setattr(FusedDecoder, "draft_greedy", lambda self, *a: calls.append(
+        len(a) > 5 and a[5] is not None) or fused(self, *a))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
               for n in (9, 14, 23, 40, 6)]  # runs near their ends draft fewer
     runs = []
-    for c_loop in (True, False):
-        if not c_loop:
+    for c_calls in (True, False):
+        if not c_calls:
             monkeypatch.setattr(FusedDecoder, "drafts_greedy", lambda *a: False)
-        made.clear()
-        calls.clear()
-        llm = LLM("meshcoder", overrides=[*ONE_RANK, *DRAFT], progress=False)
-        try:
-            outs = llm.generate(PROMPTS, params)
-        finally:
-            llm.shutdown()
-        runs.append(([o.token_ids for o in outs], list(made)))
-        assert bool(calls) == c_loop
-    assert runs[0] == runs[1]
+        for mode in ("continuous", "chunk-7"):
+            made.clear()
+            calls.clear()
+            llm = LLM("meshcoder", overrides=[*ONE_RANK, *DRAFT, *MODES[mode]], progress=False)
+            try:
+                outs = llm.generate(PROMPTS, params)
+            finally:
+                llm.shutdown()
+            runs.append(([o.token_ids for o in outs], [m for m in made if m]))
+            if c_calls:
+                assert set(calls) == ({True} if mode == "continuous" else {True, False})
+            else:
+                assert not calls
+    assert runs[:2] == runs[2:]
     assert any(len(set(map(len, step.values()))) > 1 for step in runs[0][1])
