@@ -133,10 +133,12 @@ class DecoderLayerStruct(ctypes.Structure):
 class DecoderStruct(ctypes.Structure):
     """A decoder as decoder.c's MsDecoder reads it."""
 
-    _fields_ = [*((name, _i64) for name in (
-        "num_layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size",
-        "window")), ("eps", _f32), ("scale", _f32), ("embed", _ptr), ("embed_packed", _i64), ("cos", _ptr),
-        ("sin", _ptr), ("final_norm", _ptr), ("layers", ctypes.POINTER(DecoderLayerStruct))]
+    _fields_ = [
+        *((name, _i64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim",
+                                    "intermediate", "block_size", "window")),
+        ("eps", _f32), ("scale", _f32), ("embed", _ptr), ("embed_packed", _i64),
+        ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
+        ("layers", ctypes.POINTER(DecoderLayerStruct))]
 
 
 def _loaded() -> ctypes.CDLL:
@@ -299,6 +301,12 @@ THREAD_MIN_FLOPS = 4_000_000
 handing a part to another thread costs tens of microseconds."""
 
 
+def linear_threads(flops: int, threads: int) -> int:
+    """Threads a packed linear of `flops` work splits over, of `threads` allowed: one per
+    THREAD_MIN_FLOPS of work, at least one."""
+    return 1 if threads <= 1 else min(threads, max(1, flops // THREAD_MIN_FLOPS))
+
+
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int,
                   threads: int = 1) -> torch.Tensor:
     """x [M, K] (unit column stride) @ weight.T: [M, n], for `packed` = pack(weight). With
@@ -312,8 +320,7 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int,
     if not m:
         return out
     lib, panels = _loaded(), packed.shape[0]
-    if threads > 1:
-        threads = min(threads, panels, max(1, 2 * m * n * k // THREAD_MIN_FLOPS))
+    threads = min(linear_threads(2 * m * n * k, threads), panels)
     if threads <= 1:  # one call, no more Python: most decode matmuls
         lib.ms_linear_packed_f32(x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(),
                                  n, m, k, n)

@@ -76,6 +76,7 @@ class FusedDecoder:
                 or inner.embed_tokens is None or inner.norm is None):
             return None
         tensors = [inner.embed_tokens.weight, inner.norm.weight, inner.rotary.cos]
+        first = layers[0]
         for layer in layers:
             a, f = layer.self_attn, layer.mlp
             linears = (a.qkv_proj, a.o_proj, f.gate_up_proj, f.down_proj)
@@ -86,7 +87,6 @@ class FusedDecoder:
             tensors += [mod.bias for mod in linears if mod.bias is not None]
             tensors += [a.attn.k_cache, a.attn.v_cache, layer.input_layernorm.weight,
                         layer.post_attention_layernorm.weight]
-            first = layers[0]
             if (a.attn.sliding_window != first.self_attn.attn.sliding_window
                     or layer.input_layernorm.eps != first.input_layernorm.eps
                     or layer.post_attention_layernorm.eps != first.input_layernorm.eps):
@@ -100,11 +100,10 @@ class FusedDecoder:
     def applies(self, meta: AttentionMetadata) -> bool:
         """Whether this step's rows are all decode rows, with int64 metadata, and small
         enough that each linear would run on one thread anyway (the fused call is
-        single-threaded; see native_cpu.THREAD_MIN_FLOPS)."""
+        single-threaded; see native_cpu.linear_threads)."""
         if meta.prefills or meta.num_decode_tokens == 0:
             return False
-        rows = meta.num_decode_tokens
-        if torch.get_num_threads() > 1 and rows * self.row_flops >= 2 * native_cpu.THREAD_MIN_FLOPS:
+        if not self._one_thread(meta.num_decode_tokens):
             return False
         return all(t.dtype is torch.int64 and t.is_contiguous() and t.is_cpu for t in (
             meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens))
@@ -112,10 +111,12 @@ class FusedDecoder:
     def drafts_greedy(self, head: torch.Tensor, vocab: int, rows: int) -> bool:
         """Whether `draft_greedy` can run `rows` rows with this LM head: packed, fp32, all
         `vocab` logits on this rank, and rows few enough for one thread (`applies`)."""
-        if packed_columns(head) != vocab or not dispatch.use_native(head):
-            return False
-        return torch.get_num_threads() == 1 or (
-            rows * self.row_flops < 2 * native_cpu.THREAD_MIN_FLOPS)
+        return (packed_columns(head) == vocab and dispatch.use_native(head)
+                and self._one_thread(rows))
+
+    def _one_thread(self, rows: int) -> bool:
+        """Whether every linear of `rows` rows would run on one thread anyway."""
+        return native_cpu.linear_threads(rows * self.row_flops, torch.get_num_threads()) == 1
 
     def draft_greedy(self, head: torch.Tensor, drafted: torch.Tensor, start: torch.Tensor,
                      block_tables: torch.Tensor, wanted: torch.Tensor,

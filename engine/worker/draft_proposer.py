@@ -183,16 +183,20 @@ class DraftProposer:
         dev = self.device
         n = [s.num_drafts for s in seqs]
         k = max(n)
-        width = max(len(f.block_table) for f in feeds)
         drafted = torch.empty(len(feeds), k, dtype=torch.long, device=dev)
         fused.draft_greedy(
             head, drafted, to_device([f.start_pos for f in feeds], dev),
-            to_device([f.block_table + [0] * (width - len(f.block_table)) for f in feeds], dev),
-            to_device(n, dev), to_device([t for f in feeds for t in f.token_ids], dev),
+            self._tables(feeds), to_device(n, dev),
+            to_device([t for f in feeds for t in f.token_ids], dev),
             to_device([len(f.token_ids) for f in feeds], dev))
         self.num_forwards += k  # the feed's forward, then k - 1 lean steps
-        host = drafted.tolist()
-        return {s.seq_id: host[i][:n[i]] for i, s in enumerate(seqs)}
+        return _by_seq(drafted, seqs, n)
+
+    def _tables(self, seqs: Sequence[_Feed] | Sequence[ScheduledSeq]) -> torch.Tensor:
+        """The sequences' block tables [B, widest] on the device, padded with block 0."""
+        width = max(len(s.block_table) for s in seqs)
+        return to_device([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                         self.device)
 
     def _fused_head(self, rows: int) -> tuple[FusedDecoder | None, torch.Tensor | None]:
         """The fused draft model and its packed LM head, where greedy drafts of `rows` rows
@@ -217,9 +221,7 @@ class DraftProposer:
         k = max(n)
         params = [self.params[s.seq_id] for s in seqs]
         gens = [self.generators[s.seq_id] for s in seqs]
-        width = max(len(s.block_table) for s in seqs)
-        tables = to_device([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                           dev)
+        tables = self._tables(seqs)
         base = to_device([s.start_pos for s in seqs], dev)  # the last known token's position
         drafted = torch.empty(len(seqs), k, dtype=torch.long, device=dev)
         sampled = not all(p.greedy for p in params)
@@ -228,8 +230,7 @@ class DraftProposer:
             drafted[:, 0] = dispatch.argmax_rows(logits.float())  # the rest in one C call
             fused.draft_greedy(head, drafted, base, tables, to_device(n, dev))
             self.num_forwards += k - 1
-            host = drafted.tolist()
-            return {s.seq_id: host[i][:n[i]] for i, s in enumerate(seqs)}, {}
+            return _by_seq(drafted, seqs, n), {}
         q = torch.zeros(len(seqs), k, logits.shape[-1], device=dev) if sampled else None
         rows = list(range(len(seqs)))  # the sequences still drafting, as rows of `seqs`
         prev = base  # the first drafts replace it before anything reads it
@@ -258,8 +259,7 @@ class DraftProposer:
             if conf is not None and self.stop_confidence > 0 and j + 1 < k:
                 for r in (conf < self.stop_confidence).nonzero().flatten().tolist():
                     n[rows[r]] = j + 1  # this draft ends its run
-        host = drafted.tolist()
-        tokens = {s.seq_id: host[i][:n[i]] for i, s in enumerate(seqs)}
+        tokens = _by_seq(drafted, seqs, n)
         probs = ({s.seq_id: q[i, :n[i]] for i, s in enumerate(seqs) if not params[i].greedy}
                  if q is not None else {})
         return tokens, probs
@@ -278,3 +278,10 @@ class DraftProposer:
         probs = self.sampler.probs(logits, params)
         tok = self.sampler.draw(probs, logits, [p.greedy for p in params], gens)
         return tok, probs, probs.gather(1, tok.unsqueeze(1)).squeeze(1)
+
+
+def _by_seq(drafted: torch.Tensor, seqs: Sequence[ScheduledSeq], n: list[int]
+            ) -> dict[int, list[int]]:
+    """Row i of drafted [B, k], its first n[i] drafts, under seqs[i]'s id."""
+    host = drafted.tolist()
+    return {s.seq_id: host[i][:n[i]] for i, s in enumerate(seqs)}
