@@ -1,8 +1,7 @@
 """A Llama-family model's decode-row forward in one C call on the CPU (decoder.c).
 
 A decode step of a small model spends more time in Python around its kernels than in
-them: through its modules the bundled draft model's step took 0.26 ms, and the bundled
-target's 1.04 ms; in one call they take 0.04 and 0.46 ms. Where every
+them (the bundled pair's figures: docs/benchmarks/2026-12-05-cpu-2core.md). Where every
 row of a step is a decode row (plain decodes, a verify step's rows, a draft model's lean
 steps) and the model is one fp32 CPU shard with packed weights, the runner calls
 `FusedDecoder.forward` instead of the modules: the same kernels in the same order, so

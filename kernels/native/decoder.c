@@ -1,10 +1,9 @@
 /* A whole Llama-family decoder's forward over decode rows, in one call.
  *
  * At a decode step of a small model the CPU spends more time in Python around each kernel
- * (module calls, tensor allocations, ctypes) than in the kernels: the 2-layer draft model
- * of the bundled pair took 0.26 ms a step through its modules, 0.04 ms in one call. This
- * runs the same kernels in the same order, with the same rounding, from
- * one ctypes call: embedding, then per layer RMSNorm, the fused QKV projection, rotary, the
+ * (module calls, tensor allocations, ctypes) than in the kernels (figures:
+ * docs/benchmarks/2026-12-05-cpu-2core.md). This runs the same kernels in the same order,
+ * with the same rounding, from one ctypes call: embedding, then per layer RMSNorm, the fused QKV projection, rotary, the
  * KV store and paged attention (ms_attend_qkv_f32), the output projection, the residual
  * RMSNorm, gate/up, SiLU x up and down; then the final norm. The LM head stays outside.
  *

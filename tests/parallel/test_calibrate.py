@@ -80,8 +80,7 @@ def test_calibrate_verb_measures_this_machine(tmp_path: Path) -> None:
     # Residuals over the priced math, fitted and clamped at 0. With this quick calibration's
     # small matmuls and in-cache reads, and decode steps that run in one C call, the priced
     # math can cover a whole step, so every term may clip to 0 (the fit itself is tested
-    # on known times below; a full calibration on this machine fits 37 us per sequence per
-    # step).
+    # on known times below).
     parts = (c.layer_overhead_us, c.step_overhead_us, c.step_seq_overhead_us,
              c.seq_overhead_us)
     assert min(parts) >= 0
