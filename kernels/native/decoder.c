@@ -3,9 +3,10 @@
  * At a decode step of a small model the CPU spends more time in Python around each kernel
  * (module calls, tensor allocations, ctypes) than in the kernels (figures:
  * docs/benchmarks/2026-12-05-cpu-2core.md). This runs the same kernels in the same order,
- * with the same rounding, from one ctypes call: embedding, then per layer RMSNorm, the fused QKV projection, rotary, the
- * KV store and paged attention (ms_attend_qkv_f32), the output projection, the residual
- * RMSNorm, gate/up, SiLU x up and down; then the final norm. The LM head stays outside.
+ * with the same rounding, from one ctypes call: embedding, then per layer RMSNorm, the
+ * fused QKV projection, rotary, the KV store and paged attention (ms_attend_qkv_f32), the
+ * output projection, the residual RMSNorm, gate/up, SiLU x up and down; then the final
+ * norm. The LM head stays outside.
  *
  * Every row is a decode row: one token with its own position, cache slot, block-table row
  * and context length (a verify step's rows of one sequence each attend up to their own
