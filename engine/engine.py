@@ -66,7 +66,6 @@ class Engine:
                           if (self.model_dir / "tokenizer.json").is_file() else None)
         self.max_model_len = self._max_model_len()
         wants_async = async_scheduling(self.run)  # a bad setting fails before ranks start
-        _check_speculative(self.run)
         # Opened before any rank starts, so a bad path fails at once.
         self.step_log = StepLog(config.engine.step_log) if config.engine.step_log else None
         self.executor: Executor = executor or make_executor(self.run, progress=progress)
@@ -345,10 +344,18 @@ class Engine:
         result = executor.collect()
         clock.executed()
         before_update = clock.scheduler_s
-        self.scheduler.update(out, result.tokens)
+        self.scheduler.update(out, result.tokens, result.accepted, result.num_drafted)
         clock.scheduled()
         call.scheduler_s += clock.scheduler_s - before_update
-        self.recorder.finish(out, clock, since=call, num_in_flight=len(self._in_flight) + 1)
+        wall_s = self.recorder.finish(
+            out, clock, since=call, num_in_flight=len(self._in_flight) + 1,
+            num_accepted=sum(len(a) for a in result.accepted.values()),
+            num_drafted=sum(result.num_drafted.values()))
+        if self.scheduler.switch is not None:
+            # A full pipeline returns a micro-batch per call: the call's wall time is what
+            # one costs on the slowest stage (the micro-batches in flight are drafted or not
+            # alike while the switch's choice holds).
+            self._observe_speculation(out, wall_s)
         return self._outputs(result)
 
     def _fill_pipeline(self, executor: PipelinedExecutor, call: StepClock) -> None:
@@ -356,7 +363,10 @@ class Engine:
         to schedule; their scheduling counts in `call`'s scheduler time."""
         while len(self._in_flight) < self._max_in_flight:
             clock = self.recorder.start(comm=False)
-            out = self.scheduler.schedule(self._micro_batch_budget())
+            drafting = (self.scheduler.speculative is not None
+                        and self.scheduler.plan_drafting())
+            out = self.scheduler.schedule(self._micro_batch_budget(drafting),
+                                          hold_draft_slots=drafting)
             new = self._admit_to_executor(out) if out.scheduled else {}
             clock.scheduled()
             call.scheduler_s += clock.scheduler_s
@@ -389,14 +399,17 @@ class Engine:
         return {s.seq_id: self._new_seqs.pop(s.seq_id) for s in out.scheduled
                 if s.seq_id in self._new_seqs}
 
-    def _micro_batch_budget(self) -> int:
+    def _micro_batch_budget(self, drafting: bool = False) -> int:
         """An even share, over the pipeline's slots, of the tokens the next micro-batches
         will run: those that could run now (running sequences not in flight, waiting ones
         as far as free KV blocks go) and those the micro-batches in flight will bring
         back (a decode each, or the rest of a prompt). Counting the latter keeps the
         sequence groups that alternate through the pipeline the same size as sequences
-        finish: a group grown larger leaves its youngest to the next micro-batch."""
+        finish: a group grown larger leaves its youngest to the next micro-batch.
+        `drafting`: the next micro-batch carries drafts, so a speculating sequence's
+        decode counts its speculative.num_tokens draft slots too."""
         sched = self.scheduler
+        k = sched.speculative.num_tokens if drafting and sched.speculative is not None else 0
         in_flight: set[int] = set()
         returning = 0
         for out, _ in self._in_flight:
@@ -404,10 +417,11 @@ class Engine:
                 in_flight.add(x.seq_id)
                 seq = sched.get(x.seq_id)
                 if seq is not None:  # not finished or aborted meanwhile
-                    returning += (1 if x.sample
+                    returning += (1 + k * seq.speculate if x.sample
                                   else seq.num_tokens - x.start_pos - len(x.token_ids))
-        pending = sum(s.num_tokens - s.num_computed_tokens for s in sched.running
-                      if s.seq_id not in in_flight)
+        pending = sum(s.num_tokens - s.num_computed_tokens
+                      + (k * s.speculate if s.num_tokens - s.num_computed_tokens == 1 else 0)
+                      for s in sched.running if s.seq_id not in in_flight)
         if sched.waiting:
             bm = sched.block_manager
             pending += min(sum(s.num_tokens for s in sched.waiting),
@@ -477,15 +491,6 @@ def _may_speculate(params: SamplingParams) -> bool:
     return (params.logprobs is None and not params.penalized and not params.logit_bias
             and params.structured_outputs is None
             and (params.greedy or params.seed is None))
-
-
-def _check_speculative(run: Run) -> None:
-    """Refuse what speculative decoding does not do yet, before any rank starts."""
-    spec = run.config.speculative
-    if spec.enabled and run.config.parallel.pp > 1:
-        raise ValueError(f"speculative.method={spec.method} with parallel.pp="
-                         f"{run.config.parallel.pp}: the last stage does not return several "
-                         "tokens per sequence yet; allowed: pp=1 (tensor parallel works)")
 
 
 def make_executor(run: Run, *, progress: bool = True) -> Executor:

@@ -79,6 +79,8 @@ class Scheduler:
         """Whether the step being scheduled may carry drafts."""
         self._planned_drafting: bool | None = None
         """plan_drafting()'s decision for the next schedule() (None: it decides itself)."""
+        self._hold_draft_slots = False
+        """schedule()'s hold_draft_slots, for the step being scheduled."""
         self._draft_prompts = False
         """Whether its prompt chunks run on the draft model too: it drafts, or the batch
         they join may draft soon."""
@@ -190,8 +192,13 @@ class Scheduler:
             self._static_batch.add(child_seq_id)
         return child
 
-    def schedule(self, max_num_batched_tokens: int | None = None) -> SchedulerOutput:
-        """Pick the next step's chunks; `max_num_batched_tokens` may lower the budget (micro-batches)."""
+    def schedule(self, max_num_batched_tokens: int | None = None, *,
+                 hold_draft_slots: bool = False) -> SchedulerOutput:
+        """Pick the next step's chunks; `max_num_batched_tokens` may lower the budget
+        (micro-batches). `hold_draft_slots`: a drafting decode takes the draft slots it may
+        fill from the budget, filled or not (a micro-batch's budget is its share of the
+        sequences, and prompt lookup fills a varying number of them)."""
+        self._hold_draft_slots = hold_draft_slots
         budget = self.config.step_token_cap
         if max_num_batched_tokens is not None:
             require(max_num_batched_tokens >= 1, "max_num_batched_tokens",
@@ -287,16 +294,18 @@ class Scheduler:
 
     def _may_draft(self) -> bool:
         """Whether this step may carry drafts: up to speculative.max_batch_size running
-        sequences where that is set, else where the switch prices drafting as paying."""
+        sequences it may schedule (a pipeline's micro-batches in flight hold the others)
+        where that is set, else where the switch prices drafting as paying."""
         spec, switch = self.speculative, self.switch
         if spec is None:
             return False
+        ready = [s for s in self.running if s.seq_id not in self._in_flight]
         if spec.max_batch_size is not None:
-            return len(self.running) <= spec.max_batch_size
+            return len(ready) <= spec.max_batch_size
         assert switch is not None
-        lag = (sum(s.num_computed_tokens - s.num_draft_computed for s in self.running)
+        lag = (sum(s.num_computed_tokens - s.num_draft_computed for s in ready)
                if self.draft_model else 0)
-        return switch.allow(self._acceptances(), lag)
+        return switch.allow(self._acceptances(ready), lag)
 
     def _may_draft_soon(self) -> bool:
         """Whether the batch this step's prompts join (running and waiting sequences, to
@@ -328,14 +337,13 @@ class Scheduler:
         steps."""
         return (total + seed * PRIOR_STEPS) / (self.spec_stats.num_drafts + PRIOR_STEPS)
 
-    def _acceptances(self) -> list[float | None]:
-        """Per running sequence, the drafts a verify step of it can expect to accept: its
-        own mean, seeded (as REQUEST_PRIOR_STEPS verify steps) with the run's mean so far,
-        itself seeded at half of speculative.num_tokens; None for one that would not
-        draft."""
+    def _acceptances(self, seqs: list[Sequence]) -> list[float | None]:
+        """Per sequence, the drafts a verify step of it can expect to accept: its own mean,
+        seeded (as REQUEST_PRIOR_STEPS verify steps) with the run's mean so far, itself
+        seeded at half of speculative.num_tokens; None for one that would not draft."""
         seed = self._run_accepted() * REQUEST_PRIOR_STEPS
         return [(s.num_accepted_tokens + seed) / (s.num_verify_steps + REQUEST_PRIOR_STEPS)
-                if s.speculate else None for s in self.running]
+                if s.speculate else None for s in seqs]
 
     def _pause_if_failing(self, seq: Sequence, num_accepted: int) -> None:
         """Stop drafting for a sequence whose drafts keep failing: its running acceptance
@@ -350,9 +358,18 @@ class Scheduler:
             seq.speculate = False
             seq.plain_steps = 0
 
-    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+    def _drafts(self, seq: Sequence, budget: int) -> tuple[list[int], int]:
         """Tokens to propose after `seq`'s last one this step (none when it is paused or
-        nothing matches); never more than it may still emit."""
+        nothing matches; never more than it may still emit), and the budget they hold:
+        their count, or with hold_draft_slots the slots they could have filled."""
+        drafts = self._proposed(seq, budget)
+        if not self._hold_draft_slots or not seq.speculate:
+            return drafts, len(drafts)
+        assert self.speculative is not None
+        return drafts, max(len(drafts), min(self.speculative.num_tokens, budget - 1))
+
+    def _proposed(self, seq: Sequence, budget: int) -> list[int]:
+        """The drafts themselves (the draft model's are placeholders it fills)."""
         spec, proposer = self.speculative, self.proposer
         assert spec is not None  # called only while speculating
         if not seq.speculate:
@@ -486,8 +503,8 @@ class Scheduler:
                 if end == start:
                     i += 1
                     continue
-            drafts = (self._drafts(seq, budget)
-                      if speculating and end - start == 1 else ())
+            drafts, held = (self._drafts(seq, budget)
+                            if speculating and end - start == 1 else ((), 0))
             fed = end - start + len(drafts)
             table = seq.block_table
             if len(table) * block_size < start + fed and (
@@ -504,7 +521,7 @@ class Scheduler:
                 self._draft_context(seq, start, end, bool(drafts)) if self.draft_model
                 else None))
             num_batched += fed
-            budget -= fed
+            budget -= max(fed, end - start + held)
             i += 1
         out.num_batched_tokens += num_batched
         return budget, blocked

@@ -154,6 +154,8 @@ class DistributedExecutor:
         msg = step_message(self._step_id, out, new_seqs, finished)
         self._step_id += 1
         try:
+            if self.worker.drafter is not None and not self.worker.whole_model:
+                msg = self.worker.fill_drafts(msg)  # a pipeline's drafts, for every stage
             self._broadcaster.send(msg)
             result = self.worker.execute(msg)
         except Exception as e:

@@ -78,10 +78,12 @@ class StepSampler:
             self.generators[seq_id] = gen
 
     def sample(self, logits: torch.Tensor, seq_ids: list[int],
-               drafts: Mapping[int, list[int]] | None = None) -> StepResult:
+               drafts: Mapping[int, list[int]] | None = None,
+               draft_probs: Mapping[int, torch.Tensor] | None = None) -> StepResult:
         """One token per row of `logits` [N, V], row i belonging to seq_ids[i]; with
-        `drafts`, a speculating sequence's rows (one per draft and one more) verify them."""
-        result = step_result(self.launch(logits, seq_ids, drafts))
+        `drafts`, a speculating sequence's rows (one per draft and one more) verify them
+        (`draft_probs`: as launch() takes them)."""
+        result = step_result(self.launch(logits, seq_ids, drafts, draft_probs))
         self._accept_sampled()
         return result
 

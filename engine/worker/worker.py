@@ -48,6 +48,9 @@ class StepMessage:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     new_seqs: dict[int, SequenceSampling] = field(default_factory=dict)
     finished: list[int] = field(default_factory=list)
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    """A pipeline with a draft model: the driver's drafts fill `scheduled`, and a sampled
+    request's draft distributions [n, vocab] (on the host) travel here to the sampler."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +79,20 @@ class StageStats:
         return replace(self, busy_s=self.busy_s - earlier.busy_s,
                        input_wait_s=self.input_wait_s - earlier.input_wait_s,
                        num_micro_batches=self.num_micro_batches - earlier.num_micro_batches)
+
+
+@dataclass(frozen=True, slots=True)
+class _Awaited:
+    """What the driver of a split LM head samples of a micro-batch in flight."""
+
+    seq_ids: list[int]
+    drafts: dict[int, list[int]]
+    draft_probs: dict[int, torch.Tensor]
+
+
+def _drafts_of(scheduled: list[ScheduledSeq]) -> dict[int, list[int]]:
+    """Each speculating sequence's drafts in a step."""
+    return {s.seq_id: s.token_ids[-s.num_drafts:] for s in scheduled if s.num_drafts}
 
 
 class Worker:
@@ -107,14 +124,22 @@ class Worker:
         samples = groups is None or groups.is_sampler
         self.sampler = StepSampler(device, ec.seed, arch.vocab_size,
                                    grammars=lambda: make_grammars(run)) if samples else None
-        drafts = run.config.speculative.method == "draft" and self.whole_model
-        self.drafter = DraftProposer(run, device, self.dtype) if drafts and samples else None
-        """speculative.method=draft: the draft model (where this rank samples)."""
+        drafts = run.config.speculative.method == "draft"
+        # A pipeline drafts on its driver (stage 0 feeds the drafts) before the step
+        # leaves it; a whole model drafts where it samples.
+        drafts_here = (samples and self.whole_model if groups is None or groups.dims.pp == 1
+                       else groups.rank == groups.driver_rank)
+        self.drafter = (DraftProposer(run, device, self.dtype) if drafts and drafts_here
+                        else None)
+        """speculative.method=draft: the draft model (the sampling rank, or a pipeline's
+        driver)."""
         # A TP group: the driver drafts and every rank feeds its drafts to the target.
-        self._share_drafts = drafts and groups is not None and groups.tp.size > 1
+        self._share_drafts = (drafts and self.whole_model and groups is not None
+                              and groups.tp.size > 1)
         # Split head: the last stage's rows and logits go to the driver, which samples.
         self.logits = self._logits_channel(max_in_flight) if groups is not None else None
-        self._awaiting: deque[list[int]] = deque()  # driver: seq ids of micro-batches in flight
+        # Driver of a split head: what it samples of each micro-batch in flight.
+        self._awaiting: deque[_Awaited] = deque()
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
         self._previous: SampledTokens | None = None
@@ -190,9 +215,10 @@ class Worker:
             return
         max_len = ec.max_model_len or self.run.arch.max_position_embeddings
         for runner in runners:
-            if ec.cuda_graphs and self.whole_model and dispatch.use_triton(self.device):
+            whole = self.whole_model or runner is not self.runner  # a draft model is
+            if ec.cuda_graphs and whole and dispatch.use_triton(self.device):
                 runner.enable_cuda_graphs(ec.max_num_seqs, max_len)
-            if self.whole_model:  # compile the kernels now, not in the first request
+            if whole:  # compile the kernels now, not in the first request
                 warm_up(runner, num_blocks)
 
     @torch.inference_mode()
@@ -250,7 +276,7 @@ class Worker:
             scheduled = self._shared_drafts(msg.scheduled, scheduled)
         logits, seq_ids = runner.execute(scheduled, self._previous)
         if self.sampler is not None:
-            drafts = {s.seq_id: s.token_ids[-s.num_drafts:] for s in scheduled if s.num_drafts}
+            drafts = _drafts_of(scheduled)
             sampled: SampledTokens | None = self.sampler.launch(logits, seq_ids, drafts,
                                                                 draft_probs)
         elif self._share_tokens:  # the driver's tokens arrive below
@@ -295,6 +321,25 @@ class Worker:
             out.append(s)
         return out
 
+    @torch.inference_mode()
+    def fill_drafts(self, msg: StepMessage) -> StepMessage:
+        """(A pipeline's driver, method=draft) The step with the draft model's drafts in
+        its reserved slots and its rows counted again (a run that ended early fills
+        fewer), before it goes to the other ranks: every stage then runs the same rows,
+        and the sampler verifies them against the distributions in `draft_probs`."""
+        drafter = self.drafter
+        assert drafter is not None and not self.whole_model, "a pipeline's driver drafts here"
+        t0 = time.perf_counter()
+        try:
+            drafter.track(msg.new_seqs, msg.finished)
+            drafter.copy_blocks(msg.block_copies)
+            made = drafter.propose(msg.scheduled)
+        finally:
+            self._busy_s += time.perf_counter() - t0
+        return replace(msg, scheduled=made.scheduled,
+                       num_tokens=sum(len(s.token_ids) for s in made.scheduled),
+                       draft_probs={i: p.cpu() for i, p in made.probs.items()})
+
     def _run_stage(self, msg: StepMessage) -> tuple[StepResult | None, float]:
         """A pipeline stage's part of the step and the seconds it waited for activations."""
         runner, link = self.runner, self.link
@@ -317,11 +362,12 @@ class Worker:
                 raise RankFailure(f"no activations from {prev}: {failure_reason(e)}") from e
         hidden, residual = self.model(inputs.input_ids, inputs.positions, inputs.meta,
                                       hidden, residual)
+        drafts = _drafts_of(msg.scheduled)
         if not self.is_last_stage:
             assert residual is not None
             link.send(hidden, residual)
             if self.logits is not None:  # the driver of a split head: collect_sampled() next
-                self._awaiting.append(inputs.sample_seq_ids)
+                self._awaiting.append(_Awaited(inputs.sample_seq_ids, drafts, msg.draft_probs))
             return None, waited
         if self.logits is not None:  # the last stage of a split head: rows, then logits, on
             if inputs.sample_seq_ids:  # (the driver's part runs while this one does)
@@ -337,7 +383,11 @@ class Worker:
         if self.sampler is None:
             return None, waited
         assert logits is not None
-        return self.sampler.sample(logits, inputs.sample_seq_ids), waited
+        return self.sampler.sample(logits, inputs.sample_seq_ids, drafts,
+                                   self._on_device(msg.draft_probs)), waited
+
+    def _on_device(self, probs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        return {i: p.to(self.device) for i, p in probs.items()}
 
     @torch.inference_mode()
     def collect_sampled(self) -> StepResult:
@@ -346,7 +396,8 @@ class Worker:
         last stage computes the other part), adds the last stage's part and samples.
         Waiting for either counts as input wait, the rest as busy."""
         assert self.logits is not None and self.sampler is not None and self._awaiting
-        seq_ids = self._awaiting.popleft()
+        awaited = self._awaiting.popleft()
+        seq_ids = awaited.seq_ids
         if not seq_ids:
             return StepResult()
         assert self.head_split is not None
@@ -360,7 +411,8 @@ class Worker:
         part = self.logits.recv((n, self.vocab_size - self.head_split), self.dtype,
                                 self.device)
         t3 = time.perf_counter()
-        result = self.sampler.sample(torch.cat([first, part], dim=-1), seq_ids)
+        result = self.sampler.sample(torch.cat([first, part], dim=-1), seq_ids,
+                                     awaited.drafts, self._on_device(awaited.draft_probs))
         self._input_wait_s += (t1 - t0) + (t3 - t2)
         self._busy_s += (t2 - t1) + (time.perf_counter() - t3)
         return result

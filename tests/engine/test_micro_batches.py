@@ -1,16 +1,13 @@
 """The engine with micro-batches in flight, without spawning ranks.
 
-`InOrderPipeline` runs each micro-batch on an InProcessExecutor when it is submitted and hands
-results back oldest first, as a real pipeline does; every stage runs micro-batches in
-submission order, so greedy outputs must equal transformers' exactly.
+`InOrderPipeline` (tests/helpers/pipeline.py) runs each micro-batch in order, as every stage
+of a real pipeline does, so greedy outputs must equal transformers' exactly.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Mapping, Sequence
-
 import pytest
+from helpers.pipeline import InOrderPipeline
 
 from meshserve import SamplingParams
 from meshserve.engine.engine import Engine
@@ -18,52 +15,10 @@ from meshserve.engine.llm import model_overrides
 from meshserve.engine.micro_batch import micro_batch_budget, micro_batch_cap
 from meshserve.engine.run import resolve_run
 from meshserve.engine.runtime_config import RuntimeConfig
-from meshserve.engine.sampling_params import SequenceSampling
-from meshserve.engine.scheduler_output import SchedulerOutput
 from meshserve.engine.worker.executor import InProcessExecutor
-from meshserve.engine.worker.step_sampler import StepResult
 from meshserve.launch.config import load_config
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-class InOrderPipeline:
-    """A pipelined executor over InProcessExecutor that checks the engine's micro-batches."""
-
-    def __init__(self, local: InProcessExecutor, max_in_flight: int) -> None:
-        self.local, self.max_in_flight = local, max_in_flight
-        self.num_blocks, self.device = local.num_blocks, local.device
-        self._results: deque[tuple[set[int], StepResult]] = deque()
-        self.in_flight: set[int] = set()
-        self.batches: list[tuple[int, int]] = []
-        """(tokens, micro-batches already in flight) per submit."""
-        self.decodes: list[int] = []
-        """Sequences of each decode-only micro-batch, in submission order."""
-
-    def submit(self, out: SchedulerOutput, new_seqs: Mapping[int, SequenceSampling],
-               finished: Sequence[int]) -> None:
-        ids = {s.seq_id for s in out.scheduled}
-        assert len(ids) == len(out.scheduled)
-        assert not ids & self.in_flight, "a sequence was scheduled while still in flight"
-        assert len(self._results) < self.max_in_flight
-        self.batches.append((out.num_batched_tokens, len(self._results)))
-        if all(len(x.token_ids) == 1 for x in out.scheduled):
-            self.decodes.append(len(out.scheduled))
-        self.in_flight |= ids
-        self._results.append((ids, self.local.execute(out, new_seqs, finished)))
-
-    def collect(self) -> StepResult:
-        ids, result = self._results.popleft()
-        self.in_flight -= ids
-        return result
-
-    def execute(self, out: SchedulerOutput, new_seqs: Mapping[int, SequenceSampling],
-                finished: Sequence[int]) -> StepResult:
-        self.submit(out, new_seqs, finished)
-        return self.collect()
-
-    def shutdown(self) -> None:
-        pass
 
 
 def local_executor(config: RuntimeConfig) -> InProcessExecutor:

@@ -9,7 +9,9 @@ from helpers.speculation import (
     MODES,
     ONE_RANK,
     PROMPTS,
+    check_aborts_give_every_block_back,
     check_prefix_hits_under_tensor_parallel,
+    plain_outputs,
 )
 
 from meshserve import LLM, SamplingParams
@@ -20,11 +22,7 @@ SPEC = ["speculative=ngram", "speculative.max_batch_size=64"]
 
 @pytest.fixture(scope="module")
 def plain() -> list[list[int]]:
-    llm = LLM("meshcoder", overrides=ONE_RANK, progress=False)
-    try:
-        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    finally:
-        llm.shutdown()
+    return plain_outputs()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -113,8 +111,6 @@ def test_requests_that_read_positions_decode_plainly_beside_speculating_ones(pla
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["speculative=draft", "parallel.pp=2"], "parallel.pp=2"),
-    (["speculative=ngram", "parallel.pp=2"], "parallel.pp=2"),
     (["speculative.method=ngram", "speculative.num_tokens=0"], "speculative.num_tokens"),
 ])
 def test_what_it_does_not_do_is_refused_at_start(overrides: list[str], words: str) -> None:
@@ -132,10 +128,6 @@ def test_aborts_mid_speculation_give_every_block_back() -> None:
         for _ in range(12):
             engine.step()
         assert engine.stats.spec.num_draft_tokens > 0
-        for rid in ids[:2]:
-            assert engine.abort(rid)
-        while engine.has_unfinished():
-            engine.step()
-        assert engine.stats.num_free_blocks == engine.num_blocks
+        check_aborts_give_every_block_back(engine, ids[:2])
     finally:
         spec.shutdown()

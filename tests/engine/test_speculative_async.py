@@ -5,7 +5,7 @@ plain decoding's, token for token, across the switches between the two."""
 from __future__ import annotations
 
 import pytest
-from helpers.speculation import MODES, ONE_RANK, PROMPTS
+from helpers.speculation import MODES, ONE_RANK, PROMPTS, plain_outputs
 
 from meshserve import LLM, SamplingParams
 
@@ -22,11 +22,7 @@ outputs to preempt."""
 
 @pytest.fixture(scope="module")
 def plain() -> list[list[int]]:
-    llm = LLM("meshcoder", overrides=ONE_RANK, progress=False)
-    try:
-        return [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
-    finally:
-        llm.shutdown()
+    return plain_outputs(PARAMS)
 
 
 def count_launches(llm: LLM) -> list[int]:

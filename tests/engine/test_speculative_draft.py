@@ -15,7 +15,10 @@ from helpers.speculation import (
     MODES,
     ONE_RANK,
     PROMPTS,
+    check_aborts_give_every_block_back,
+    check_counts,
     check_prefix_hits_under_tensor_parallel,
+    plain_outputs,
 )
 
 from meshserve import LLM, SamplingParams
@@ -30,19 +33,8 @@ DRAFT = ["speculative=draft", "speculative.max_batch_size=64"]
 
 @pytest.fixture(scope="module")
 def plain() -> list[list[int]]:
-    llm = LLM("meshcoder", overrides=ONE_RANK, progress=False)
-    try:
-        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    finally:
-        llm.shutdown()
+    return plain_outputs()
 
-
-def check_counts(llm: LLM, outs: list) -> None:
-    stats = llm.engine.stats
-    assert stats.num_free_blocks == llm.engine.num_blocks
-    assert stats.spec.num_accepted_tokens > 0  # drafts were accepted, not only made
-    assert sum(o.metrics.num_accepted_tokens for o in outs) == stats.spec.num_accepted_tokens
-    assert sum(o.metrics.num_draft_tokens for o in outs) == stats.spec.num_draft_tokens
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -90,11 +82,7 @@ def test_sampled_requests_speculate_and_aborts_give_every_block_back() -> None:
                for _ in range(3)]
         for _ in range(8):
             engine.step()
-        for rid in ids[:2]:
-            assert engine.abort(rid)
-        while engine.has_unfinished():
-            engine.step()
-        assert engine.stats.num_free_blocks == engine.num_blocks
+        check_aborts_give_every_block_back(engine, ids[:2])
     finally:
         llm.shutdown()
 

@@ -5,6 +5,7 @@ the scheduling modes they run under and greedy params."""
 from __future__ import annotations
 
 from meshserve import LLM, SamplingParams
+from meshserve.engine.engine import Engine
 
 ONE_RANK = ["parallel=single", "threads=1"]
 PROMPTS = [
@@ -39,3 +40,31 @@ def check_prefix_hits_under_tensor_parallel(spec: list[str], plain: list[list[in
         assert llm.engine.stats.spec.num_accepted_tokens > 0
     finally:
         llm.shutdown()
+
+
+def plain_outputs(params: SamplingParams | list[SamplingParams] = GREEDY) -> list[list[int]]:
+    """PROMPTS decoded without speculation on one rank: what every speculating run gives."""
+    llm = LLM("meshcoder", overrides=ONE_RANK, progress=False)
+    try:
+        return [o.token_ids for o in llm.generate(PROMPTS, params)]
+    finally:
+        llm.shutdown()
+
+
+def check_counts(llm: LLM, outs: list) -> None:
+    """Every KV block back, drafts accepted (not only made), and the requests' draft and
+    accepted counts adding up to the run's."""
+    stats = llm.engine.stats
+    assert stats.num_free_blocks == llm.engine.num_blocks
+    assert stats.spec.num_accepted_tokens > 0
+    assert sum(o.metrics.num_accepted_tokens for o in outs) == stats.spec.num_accepted_tokens
+    assert sum(o.metrics.num_draft_tokens for o in outs) == stats.spec.num_draft_tokens
+
+
+def check_aborts_give_every_block_back(engine: Engine, request_ids: list[str]) -> None:
+    """Abort `request_ids`, run the rest to the end: every KV block is free again."""
+    for rid in request_ids:
+        assert engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats.num_free_blocks == engine.num_blocks
