@@ -87,6 +87,7 @@ class Engine:
                                    self.arch.sliding_window, config.speculative, budget)
         if self.scheduler.switch is not None:
             self.scheduler.switch.prior = speculation_prior(self.run)
+            self.scheduler.switch.probe_length = self._max_in_flight + 1
         self._new_seqs: dict[int, SequenceSampling] = {}
         self.recorder = StepRecorder(self.step_log)
         self.timing = self.recorder.timing
@@ -280,7 +281,7 @@ class Engine:
         a step without drafts counts (not one waited for under async scheduling)."""
         if not all(s.sample and len(s.token_ids) == 1 + s.num_drafts for s in out.scheduled):
             return  # a prompt chunk's cost is no decode's
-        drafted = any(s.num_drafts for s in out.scheduled)
+        drafted = _drafted(out)
         if not drafted and not plain:
             return  # plain steps are timed as async scheduling runs them, not waited for
         lag = sum(len(s.draft_context) for s in out.scheduled if s.draft_context is not None)
@@ -351,10 +352,11 @@ class Engine:
             out, clock, since=call, num_in_flight=len(self._in_flight) + 1,
             num_accepted=sum(len(a) for a in result.accepted.values()),
             num_drafted=sum(result.num_drafted.values()))
-        if self.scheduler.switch is not None:
-            # A full pipeline returns a micro-batch per call: the call's wall time is what
-            # one costs on the slowest stage (the micro-batches in flight are drafted or not
-            # alike while the switch's choice holds).
+        if self.scheduler.switch is not None and all(
+                _drafted(o) == _drafted(out) for o, _ in self._in_flight):
+            # A pipeline returns a micro-batch per call: while the ones beside it are of
+            # its kind (the call ran the next one's stage 0), the call's wall time is what
+            # one costs on the slowest stage.
             self._observe_speculation(out, wall_s)
         return self._outputs(result)
 
@@ -480,6 +482,11 @@ class Engine:
     def replica_states(self) -> list[ReplicaState]:
         """This engine as the one replica of its run (for /health and metrics)."""
         return [ReplicaState(0, COLOCATED, self.num_blocks, self.stats)]
+
+
+def _drafted(out: SchedulerOutput) -> bool:
+    """Whether a step carries drafts."""
+    return any(s.num_drafts for s in out.scheduled)
 
 
 def _may_speculate(params: SamplingParams) -> bool:

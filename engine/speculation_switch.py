@@ -73,6 +73,9 @@ class _Bucket:
     prefer: bool | None = None
     retime: bool = False
     """The last drafted step also caught the draft model up: draft the next one to time."""
+    held: int = 0
+    """Steps left of a probe run (probe_length > 1): they repeat its choice."""
+    held_choice: bool = False
 
 
 class SpeculationSwitch:
@@ -82,6 +85,10 @@ class SpeculationSwitch:
         """`prior(num_seqs)`: a drafted step's time over a plain one's at that batch, as
         the cost model predicts it, for buckets nothing has timed both ways yet."""
         self.prior = prior
+        self.probe_length = 1
+        """Steps a probe (or a re-timing) lasts: a pipeline times a micro-batch only
+        while the micro-batches beside it in the pipeline are of its kind, so a probe
+        runs one longer than the pipeline holds."""
         self._priors: dict[int, float] = {}
         self._buckets: dict[int, _Bucket] = {}
         self.num_drafted_steps = 0
@@ -110,6 +117,16 @@ class SpeculationSwitch:
         sequence, the drafts a verify step of it is expected to accept (None: it would
         not draft); `lag`: the tokens the draft model would catch up on first."""
         b = self._get(len(accepted))
+        if b.held:
+            b.held -= 1
+            return b.held_choice
+        choice = self._choose(b, accepted, lag)
+        if choice != b.prefer and self.probe_length > 1:
+            b.held, b.held_choice = self.probe_length - 1, choice
+        return choice
+
+    def _choose(self, b: _Bucket, accepted: Sequence[float | None], lag: int) -> bool:
+        """allow()'s choice for one step."""
         if b.retime:
             b.retime = False
             return True

@@ -147,3 +147,20 @@ def test_a_smaller_batch_that_priced_drafting_out_rules_out_larger_ones_unprobed
     # One sequence (smaller) is no lower bound: it is still timed.
     alone = run(s, [1.4], 4 * PROBE_EVERY, drafted_s=0.0012, plain_s=0.001)
     assert any(alone)
+
+
+def test_a_probe_lasts_probe_length_steps() -> None:
+    """A pipeline times a micro-batch only among micro-batches of its kind: each choice
+    against the preference (the first timings, then the probes) holds for probe_length
+    steps, and the preferred side resumes after."""
+    s = SpeculationSwitch()
+    s.probe_length = 3
+    accepted = [3.0]
+    assert [s.allow(accepted) for _ in range(3)] == [True] * 3  # drafting timed first
+    s.observe(1, True, 2.0)
+    assert [s.allow(accepted) for _ in range(3)] == [False] * 3  # then plain
+    s.observe(1, False, 1.0)  # drafting: 4 tokens for 2x the time
+    choices = [s.allow(accepted) for _ in range(PROBE_EVERY + 4)]
+    assert choices[:PROBE_EVERY] == [True] * PROBE_EVERY
+    assert choices[PROBE_EVERY:PROBE_EVERY + 3] == [False] * 3  # a plain probe of 3
+    assert choices[-1] is True
