@@ -288,7 +288,7 @@ class Engine:
         switch = self.scheduler.switch
         assert switch is not None
         # Lagging a token after a fully accepted run is steady drafting; more is catch-up.
-        switch.observe(out.num_seqs, drafted, seconds, caught_up=lag > out.num_seqs)
+        switch.observe(out.num_running, drafted, seconds, caught_up=lag > out.num_seqs)
 
     def _step_async(self) -> list[RequestOutput]:
         """Schedule and launch the next step, then resolve the one launched before it:

@@ -204,7 +204,7 @@ class Scheduler:
             require(max_num_batched_tokens >= 1, "max_num_batched_tokens",
                     max_num_batched_tokens, "an int >= 1")
             budget = min(budget, max_num_batched_tokens)
-        out = SchedulerOutput(block_copies=self._block_copies)
+        out = SchedulerOutput(block_copies=self._block_copies, num_running=len(self.running))
         self._block_copies = []
         num_decodes = 0
         if self.step_budget is not None:
@@ -295,7 +295,9 @@ class Scheduler:
     def _may_draft(self) -> bool:
         """Whether this step may carry drafts: up to speculative.max_batch_size running
         sequences it may schedule (a pipeline's micro-batches in flight hold the others)
-        where that is set, else where the switch prices drafting as paying."""
+        where that is set, else where the switch prices drafting as paying, for those
+        sequences, at the batch size of every running one (a pipeline's micro-batch
+        costs what it does beside the others in flight)."""
         spec, switch = self.speculative, self.switch
         if spec is None:
             return False
@@ -305,7 +307,7 @@ class Scheduler:
         assert switch is not None
         lag = (sum(s.num_computed_tokens - s.num_draft_computed for s in ready)
                if self.draft_model else 0)
-        return switch.allow(self._acceptances(ready), lag)
+        return switch.allow(self._acceptances(ready), lag, len(self.running))
 
     def _may_draft_soon(self) -> bool:
         """Whether the batch this step's prompts join (running and waiting sequences, to

@@ -68,6 +68,10 @@ class SchedulerOutput:
     token_budget: int | None = None
     """The token budget an automatic step budget gave this step (None: the fixed one)."""
 
+    num_running: int = 0
+    """Running sequences when the step was scheduled, a pipeline's in flight included: the
+    batch size the speculation switch prices the step at."""
+
     @property
     def num_seqs(self) -> int:
         """Sequences in the step."""

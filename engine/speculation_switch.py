@@ -112,25 +112,30 @@ class SpeculationSwitch:
         it would not draft)."""
         return sum(1.0 + (a or 0.0) for a in accepted) / max(len(accepted), 1)
 
-    def allow(self, accepted: Sequence[float | None], lag: int = 0) -> bool:
+    def allow(self, accepted: Sequence[float | None], lag: int = 0,
+              num_seqs: int | None = None) -> bool:
         """Whether the next step of these running sequences should draft; `accepted`: per
         sequence, the drafts a verify step of it is expected to accept (None: it would
-        not draft); `lag`: the tokens the draft model would catch up on first."""
-        b = self._get(len(accepted))
+        not draft); `lag`: the tokens the draft model would catch up on first;
+        `num_seqs`: the batch size its times are kept under (default: one per sequence;
+        a pipeline's micro-batch is priced at every running sequence)."""
+        n = len(accepted) if num_seqs is None else num_seqs
+        b = self._get(n)
         if b.held:
             b.held -= 1
             return b.held_choice
-        choice = self._choose(b, accepted, lag)
+        choice = self._choose(b, n, accepted, lag)
         if choice != b.prefer and self.probe_length > 1:
             b.held, b.held_choice = self.probe_length - 1, choice
         return choice
 
-    def _choose(self, b: _Bucket, accepted: Sequence[float | None], lag: int) -> bool:
+    def _choose(self, b: _Bucket, num_seqs: int, accepted: Sequence[float | None],
+                lag: int) -> bool:
         """allow()'s choice for one step."""
         if b.retime:
             b.retime = False
             return True
-        d, p = self._times(len(accepted))
+        d, p = self._times(num_seqs)
         if d is None:
             return True  # nothing to price drafting with: time it first, then plain
         if p is None:
@@ -148,7 +153,7 @@ class SpeculationSwitch:
         timed = len(b.drafted_s.samples)
         if not prefer and promise < 1 / PROBE_BAND and (
                 timed >= 3 or (timed == 0 and self.prior is not None)
-                or self._behind_below(len(accepted), gain)):
+                or self._behind_below(num_seqs, gain)):
             if timed == 0 or lag > MAX_CATCH_UP or b.since_other < MAX_PROBE_EVERY:
                 b.since_other += 1
                 return False

@@ -4,7 +4,7 @@ against the same pipeline without it, in one run.
 One process holds one multi-rank LLM, so each side lives in a child process of its own
 (with its stage-1 rank); the parent times them alternately, round by round, on the
 bundled model's held-out standard-library prompts (draft) or its repeated-source prompts
-(ngram), greedy, 128 new tokens. A third side, none_again, is a second plain pipeline:
+(ngram), greedy, 128 new tokens, at least 10 sequences and three batches a run. A third side, none_again, is a second plain pipeline:
 how far two alike ones differ in this run.
 Usage: python spec_pp2.py draft|ngram [batch ...]
 """
@@ -20,6 +20,9 @@ from multiprocessing.connection import Connection
 
 TOKENS = 128
 ROUNDS = 2
+IDLE_S = 0.6
+"""A pause before each timed run: the other sides' waiting ranks have backed off to idle
+polls by then (after 0.5 s), instead of spinning beside the run."""
 
 
 def side(conn: Connection, overrides: list[str], method: str) -> None:
@@ -33,7 +36,7 @@ def side(conn: Connection, overrides: list[str], method: str) -> None:
     conn.send([o.token_ids for o in llm.generate(texts, sp)])  # warm, and the outputs
     while (batch := conn.recv()) is not None:
         t0, n = time.perf_counter(), 0
-        for i in range(0, len(texts) * max(1, batch // len(texts)), batch):
+        for i in range(0, max(len(texts), 3 * batch), batch):
             chunk = [texts[(i + j) % len(texts)] for j in range(batch)]
             n += sum(len(o.token_ids) for o in llm.generate(chunk, sp))
         spec = llm.engine.stats.spec
@@ -64,6 +67,7 @@ def main() -> None:
         before = after = None
         for r in range(ROUNDS):
             for name in list(conns) if r % 2 == 0 else list(conns)[::-1]:
+                time.sleep(IDLE_S)
                 conns[name].send(batch)
                 got = conns[name].recv()
                 rates[name].append(got[0])
