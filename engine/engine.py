@@ -87,7 +87,8 @@ class Engine:
                                    self.arch.sliding_window, config.speculative, budget)
         if self.scheduler.switch is not None:
             self.scheduler.switch.prior = speculation_prior(self.run)
-            self.scheduler.switch.probe_length = self._max_in_flight + 1
+            if self._max_in_flight > 1:  # a pipeline times a probe only among its kind
+                self.scheduler.switch.probe_length = self._max_in_flight + 1
         self._new_seqs: dict[int, SequenceSampling] = {}
         self.recorder = StepRecorder(self.step_log)
         self.timing = self.recorder.timing
@@ -279,7 +280,7 @@ class Engine:
                              plain: bool = True) -> None:
         """Tell the switch what a decode-only step (drafts or not) cost; `plain`: whether
         a step without drafts counts (not one waited for under async scheduling)."""
-        if not all(s.sample and len(s.token_ids) == 1 + s.num_drafts for s in out.scheduled):
+        if not _decode_only(out):
             return  # a prompt chunk's cost is no decode's
         drafted = _drafted(out)
         if not drafted and not plain:
@@ -353,10 +354,10 @@ class Engine:
             num_accepted=sum(len(a) for a in result.accepted.values()),
             num_drafted=sum(result.num_drafted.values()))
         if self.scheduler.switch is not None and all(
-                _drafted(o) == _drafted(out) for o, _ in self._in_flight):
-            # A pipeline returns a micro-batch per call: while the ones beside it are of
-            # its kind (the call ran the next one's stage 0), the call's wall time is what
-            # one costs on the slowest stage.
+                _decode_only(o) and _drafted(o) == _drafted(out) for o, _ in self._in_flight):
+            # A pipeline returns a micro-batch per call: while the ones beside it are decode
+            # steps of its kind (the call ran the next one's stage 0), the call's wall time
+            # is what one costs on the slowest stage.
             self._observe_speculation(out, wall_s)
         return self._outputs(result)
 
@@ -487,6 +488,11 @@ class Engine:
 def _drafted(out: SchedulerOutput) -> bool:
     """Whether a step carries drafts."""
     return any(s.num_drafts for s in out.scheduled)
+
+
+def _decode_only(out: SchedulerOutput) -> bool:
+    """Whether every sequence of a step decodes (with drafts or not): no prompt chunk."""
+    return all(s.sample and len(s.token_ids) == 1 + s.num_drafts for s in out.scheduled)
 
 
 def _may_speculate(params: SamplingParams) -> bool:

@@ -289,8 +289,16 @@ class Scheduler:
         """Decide now whether the next schedule() may carry drafts, and keep the decision
         for it. Async scheduling asks before it schedules: a step that drafts must wait
         for the step in flight, one that does not is scheduled while it runs."""
-        self._planned_drafting = self._may_draft()
+        self._planned_drafting = self._may_draft() if self._decodes_ready() else False
         return self._planned_drafting
+
+    def _decodes_ready(self) -> bool:
+        """Whether a running sequence the next step may schedule decodes: else no step of
+        drafts is in prospect, and the switch is not asked (a pipeline fills its last
+        slots with nothing, or with prompt chunks)."""
+        in_flight = self._in_flight
+        return any(s.num_tokens - s.num_computed_tokens == 1 and s.seq_id not in in_flight
+                   for s in self.running)
 
     def _may_draft(self) -> bool:
         """Whether this step may carry drafts: up to speculative.max_batch_size running
@@ -364,14 +372,6 @@ class Scheduler:
         """Tokens to propose after `seq`'s last one this step (none when it is paused or
         nothing matches; never more than it may still emit), and the budget they hold:
         their count, or with hold_draft_slots the slots they could have filled."""
-        drafts = self._proposed(seq, budget)
-        if not self._hold_draft_slots or not seq.speculate:
-            return drafts, len(drafts)
-        assert self.speculative is not None
-        return drafts, max(len(drafts), min(self.speculative.num_tokens, budget - 1))
-
-    def _proposed(self, seq: Sequence, budget: int) -> list[int]:
-        """The drafts themselves (the draft model's are placeholders it fills)."""
         spec, proposer = self.speculative, self.proposer
         assert spec is not None  # called only while speculating
         if not seq.speculate:
@@ -379,14 +379,15 @@ class Scheduler:
                 seq.plain_steps += 1  # a paused sequence tries again now and then
                 if seq.plain_steps >= PAUSE_STEPS:
                     seq.speculate = True
-            return []
+            return [], 0
         room = min(spec.num_tokens, seq.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens - 1, budget - 1)
         if room <= 0:
-            return []
+            return [], 0
         if proposer is None:  # the draft model fills these slots on the worker
-            return [PLACEHOLDER_TOKEN] * room
-        return proposer.propose(seq.token_ids, room)
+            return [PLACEHOLDER_TOKEN] * room, room
+        drafts = proposer.propose(seq.token_ids, room)
+        return drafts, room if self._hold_draft_slots else len(drafts)
 
     def _draft_context(self, seq: Sequence, start: int, end: int, drafting: bool
                        ) -> list[int] | None:

@@ -73,9 +73,6 @@ class _Bucket:
     prefer: bool | None = None
     retime: bool = False
     """The last drafted step also caught the draft model up: draft the next one to time."""
-    held: int = 0
-    """Steps left of a probe run (probe_length > 1): they repeat its choice."""
-    held_choice: bool = False
 
 
 class SpeculationSwitch:
@@ -89,6 +86,9 @@ class SpeculationSwitch:
         """Steps a probe (or a re-timing) lasts: a pipeline times a micro-batch only
         while the micro-batches beside it in the pipeline are of its kind, so a probe
         runs one longer than the pipeline holds."""
+        self._held: tuple[int, int, bool] | None = None
+        """A probe run under way: (bucket, steps left, its choice); the next steps of that
+        bucket repeat the choice, a step of another bucket ends it."""
         self._priors: dict[int, float] = {}
         self._buckets: dict[int, _Bucket] = {}
         self.num_drafted_steps = 0
@@ -120,13 +120,16 @@ class SpeculationSwitch:
         `num_seqs`: the batch size its times are kept under (default: one per sequence;
         a pipeline's micro-batch is priced at every running sequence)."""
         n = len(accepted) if num_seqs is None else num_seqs
+        bucket = self.bucket(n)
+        held, self._held = self._held, None
+        if held is not None and held[0] == bucket:
+            if held[1] > 1:
+                self._held = (bucket, held[1] - 1, held[2])
+            return held[2]
         b = self._get(n)
-        if b.held:
-            b.held -= 1
-            return b.held_choice
         choice = self._choose(b, n, accepted, lag)
         if choice != b.prefer and self.probe_length > 1:
-            b.held, b.held_choice = self.probe_length - 1, choice
+            self._held = (bucket, self.probe_length - 1, choice)
         return choice
 
     def _choose(self, b: _Bucket, num_seqs: int, accepted: Sequence[float | None],

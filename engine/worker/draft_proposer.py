@@ -1,5 +1,5 @@
 """Drafts from a small model beside the target (speculative.method=draft), on the rank that
-samples (a pipeline's driver, which feeds stage 0).
+samples, or in a pipeline on its driver (stage 0, which feeds the drafts).
 
 The draft model has its own paged KV cache, with as many blocks as the target's and the
 same block ids: a sequence's draft KV lives in the blocks of its target block table, so

@@ -138,8 +138,11 @@ class Worker:
                               and groups.tp.size > 1)
         # Split head: the last stage's rows and logits go to the driver, which samples.
         self.logits = self._logits_channel(max_in_flight) if groups is not None else None
-        # Driver of a split head: what it samples of each micro-batch in flight.
+        # Driver of a split head: what it samples of each micro-batch in flight, and the
+        # sequences to forget once the micro-batches before them are sampled.
         self._awaiting: deque[_Awaited] = deque()
+        self._to_forget: deque[tuple[int, list[int]]] = deque()
+        self._num_sampled = 0  # micro-batches sampled by collect_sampled()
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
         self._previous: SampledTokens | None = None
@@ -338,7 +341,8 @@ class Worker:
             self._busy_s += time.perf_counter() - t0
         return replace(msg, scheduled=made.scheduled,
                        num_tokens=sum(len(s.token_ids) for s in made.scheduled),
-                       draft_probs={i: p.cpu() for i, p in made.probs.items()})
+                       draft_probs={i: p.to("cpu", copy=True)  # its own storage, pickled
+                                    for i, p in made.probs.items()})
 
     def _run_stage(self, msg: StepMessage) -> tuple[StepResult | None, float]:
         """A pipeline stage's part of the step and the seconds it waited for activations."""
@@ -346,7 +350,7 @@ class Worker:
         assert runner is not None and link is not None, "allocate() first"
         waited = 0.0
         if self.sampler is not None:
-            self.sampler.track(msg.new_seqs, msg.finished)
+            self.sampler.track(msg.new_seqs, self._forget_when_sampled(msg.finished))
         runner.copy_blocks(msg.block_copies)
         inputs = build_step_inputs(msg.scheduled, runner.block_size, self.device)
         hidden = residual = None
@@ -397,6 +401,12 @@ class Worker:
         Waiting for either counts as input wait, the rest as busy."""
         assert self.logits is not None and self.sampler is not None and self._awaiting
         awaited = self._awaiting.popleft()
+        try:
+            return self._sample_awaited(awaited)
+        finally:
+            self._forget_sampled()
+
+    def _sample_awaited(self, awaited: _Awaited) -> StepResult:
         seq_ids = awaited.seq_ids
         if not seq_ids:
             return StepResult()
@@ -416,6 +426,22 @@ class Worker:
         self._input_wait_s += (t1 - t0) + (t3 - t2)
         self._busy_s += (t2 - t1) + (time.perf_counter() - t3)
         return result
+
+    def _forget_when_sampled(self, finished: list[int]) -> list[int]:
+        """The finished sequences the sampler may forget now: all of them, except on the
+        driver of a split head, where micro-batches still in flight may hold them (an
+        abort) and are sampled here later: those wait for them (`_forget_sampled`)."""
+        if self.logits is None or self.is_last_stage or not self._awaiting or not finished:
+            return finished
+        self._to_forget.append((self._num_sampled + len(self._awaiting), finished))
+        return []
+
+    def _forget_sampled(self) -> None:
+        """A micro-batch was sampled: forget the sequences nothing in flight holds now."""
+        assert self.sampler is not None
+        self._num_sampled += 1
+        while self._to_forget and self._to_forget[0][0] <= self._num_sampled:
+            self.sampler.track({}, self._to_forget.popleft()[1])
 
     def drain(self) -> None:
         """Wait until the next stage took every activation this rank sent (and the driver

@@ -164,3 +164,12 @@ def test_a_probe_lasts_probe_length_steps() -> None:
     assert choices[:PROBE_EVERY] == [True] * PROBE_EVERY
     assert choices[PROBE_EVERY:PROBE_EVERY + 3] == [False] * 3  # a plain probe of 3
     assert choices[-1] is True
+
+
+def test_a_step_of_another_batch_size_ends_a_probe_run() -> None:
+    s = SpeculationSwitch()
+    s.probe_length = 3
+    assert s.allow([3.0]) is True  # drafting timed first, held for two more steps
+    s.observe(1, True, 2.0)
+    assert s.allow([3.0] * 8) is True  # another bucket, untimed too: its own run
+    assert s.allow([3.0]) is False  # batch 1 chooses afresh: plain, still untimed

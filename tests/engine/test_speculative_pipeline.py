@@ -41,12 +41,13 @@ def plain() -> list[list[int]]:
     ["speculative=ngram", *EVERY_STEP],
     ["speculative=ngram", *EVERY_STEP, "engine.max_num_batched_tokens=7"],
     ["speculative=draft", *EVERY_STEP],
-    # The driver samples (a split LM head), small blocks force preemptions.
-    ["speculative=draft", *EVERY_STEP, "parallel.split_lm_head=true",
+    # The last stage samples (on a CPU pipeline the LM head is split by default, and the
+    # driver samples); small blocks force preemptions.
+    ["speculative=draft", *EVERY_STEP, "parallel.split_lm_head=false",
      "engine.block_size=4", "engine.num_gpu_blocks=40"],
     ["speculative=draft", *EVERY_STEP, "parallel.tp=2"],  # TP x PP: four ranks
     ["speculative=draft"],  # the run-time switch, timed on the pipeline's micro-batches
-], ids=["ngram", "ngram-chunk-7", "draft", "draft-split-head-preempt", "draft-tp2",
+], ids=["ngram", "ngram-chunk-7", "draft", "draft-last-stage-samples-preempt", "draft-tp2",
         "draft-switch"])
 def test_greedy_speculation_through_a_pipeline_is_token_identical(plain, overrides) -> None:
     llm = LLM("meshcoder", overrides=[*overrides, *PP2], progress=False)
@@ -55,6 +56,9 @@ def test_greedy_speculation_through_a_pipeline_is_token_identical(plain, overrid
         assert [o.token_ids for o in outs] == plain
         if "speculative=draft" in overrides and EVERY_STEP[0] not in overrides:
             assert llm.engine.stats.num_free_blocks == llm.engine.num_blocks
+            switch = llm.engine.scheduler.switch
+            assert switch is not None and switch.probe_length == 3
+            assert switch.num_drafted_steps > 0 and switch.num_plain_steps > 0  # both timed
         else:
             check_counts(llm, outs)
         if "engine.num_gpu_blocks=40" in overrides:
@@ -63,7 +67,9 @@ def test_greedy_speculation_through_a_pipeline_is_token_identical(plain, overrid
         llm.shutdown()
 
 
-def test_sampled_drafts_are_verified_against_the_drafts_distributions() -> None:
+@pytest.mark.parametrize("head", [["parallel.split_lm_head=false"], []],
+                         ids=["last-stage-samples", "split-head"])
+def test_sampled_drafts_are_verified_against_the_drafts_distributions(head: list[str]) -> None:
     """One micro-batch at a time, a pipeline schedules exactly as one rank does, and every
     generator is seeded alike: a sampled request's tokens are the same only where the last
     stage verifies the drafts against the draft model's distributions (as point masses,
@@ -76,7 +82,7 @@ def test_sampled_drafts_are_verified_against_the_drafts_distributions() -> None:
         drafted = one.engine.stats.spec.num_draft_tokens
     finally:
         one.shutdown()
-    llm = LLM("meshcoder", overrides=[*spec, *PP2, "parallel.num_micro_batches=1"],
+    llm = LLM("meshcoder", overrides=[*spec, *PP2, *head, "parallel.num_micro_batches=1"],
               progress=False)
     try:
         outs = llm.generate(PROMPTS, params)
@@ -87,16 +93,25 @@ def test_sampled_drafts_are_verified_against_the_drafts_distributions() -> None:
         llm.shutdown()
 
 
-def test_aborts_in_flight_free_both_caches() -> None:
-    llm = LLM("meshcoder", overrides=["speculative=draft", *EVERY_STEP, *PP2,
+@pytest.mark.parametrize("head", [["parallel.split_lm_head=false"], []],
+                         ids=["last-stage-samples", "split-head"])
+def test_aborts_in_flight_free_both_caches(head: list[str]) -> None:
+    """Greedy and sampled requests drafting through the pipeline; aborting one whose
+    micro-batch is in flight (its result still to be sampled) and two others leaves the
+    rest running and every block free."""
+    llm = LLM("meshcoder", overrides=["speculative=draft", *EVERY_STEP, *PP2, *head,
                                       "engine.block_size=4"], progress=False)
     engine = llm.engine
     try:
-        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-        ids = [engine.add_request(PROMPTS[1], long) for _ in range(4)]
-        while engine.stats.spec.num_draft_tokens == 0:
+        params = [SamplingParams(max_tokens=200, temperature=t, ignore_eos=True)
+                  for t in (0.0, 0.8, 0.0, 0.8, 0.0, 0.8)]
+        ids = [engine.add_request(PROMPTS[1], p) for p in params]
+        while engine.stats.spec.num_draft_tokens == 0 or not engine._in_flight:
             engine.step()
-        check_aborts_give_every_block_back(engine, ids[:3])  # some of them in flight
+        in_flight = {str(s.seq_id) for out, _ in engine._in_flight for s in out.scheduled}
+        victims = [next(i for i in ids if i in in_flight)]
+        victims += [i for i in ids if i not in victims][:2]
+        check_aborts_give_every_block_back(engine, victims)
     finally:
         llm.shutdown()
 
@@ -121,6 +136,19 @@ def test_drafting_micro_batches_share_the_sequences_evenly(plain) -> None:
     assert pipeline.decodes[3:13] == [5] * 10, pipeline.decodes
     sizes = pipeline.decodes[3:]
     assert max(abs(a - b) for a, b in zip(sizes, sizes[1:])) <= 2, pipeline.decodes
+
+
+def test_a_probe_lasts_one_step_on_one_rank_and_the_depth_plus_one_in_a_pipeline() -> None:
+    config = load_config(["model=meshcoder", *ONE_RANK, "speculative=ngram"])
+    one = Engine(config, progress=False)
+    local = InProcessExecutor(resolve_run(config, env=None), progress=False)
+    piped = Engine(config, progress=False, executor=InOrderPipeline(local, 2))
+    try:
+        assert one.scheduler.switch is not None and one.scheduler.switch.probe_length == 1
+        assert piped.scheduler.switch is not None and piped.scheduler.switch.probe_length == 3
+    finally:
+        one.shutdown()
+        piped.shutdown()
 
 
 @pytest.mark.parametrize(("hold", "scheduled"), [(False, [0, 1, 2, 3, 4]), (True, [0, 1])])
