@@ -85,6 +85,8 @@ class Scheduler:
         """Whether its prompt chunks run on the draft model too: it drafts, or the batch
         they join may draft soon."""
         self.spec_stats = SpecDecodeStats()
+        self._num_missed_drafts = 0
+        """Decodes of drafting steps whose proposer found nothing (Sequence's count)."""
         self.switch = (SpeculationSwitch() if spec is not None and spec.max_batch_size is None
                        else None)
         """Whether a step drafts: its timed cost against the acceptance of its requests."""
@@ -348,11 +350,17 @@ class Scheduler:
         return (total + seed * PRIOR_STEPS) / (self.spec_stats.num_drafts + PRIOR_STEPS)
 
     def _acceptances(self, seqs: list[Sequence]) -> list[float | None]:
-        """Per sequence, the drafts a verify step of it can expect to accept: its own mean,
-        seeded (as REQUEST_PRIOR_STEPS verify steps) with the run's mean so far, itself
-        seeded at half of speculative.num_tokens; None for one that would not draft."""
-        seed = self._run_accepted() * REQUEST_PRIOR_STEPS
-        return [(s.num_accepted_tokens + seed) / (s.num_verify_steps + REQUEST_PRIOR_STEPS)
+        """Per sequence, the drafts a drafting step can expect it to accept: its own mean
+        per such step (a step where its proposer found nothing counts, with none), seeded
+        (as REQUEST_PRIOR_STEPS steps) with the run's mean so far, itself seeded at half
+        of speculative.num_tokens; None for one that would not draft."""
+        assert self.speculative is not None
+        stats = self.spec_stats
+        run = ((stats.num_accepted_tokens + self.speculative.num_tokens / 2 * PRIOR_STEPS)
+               / (stats.num_drafts + self._num_missed_drafts + PRIOR_STEPS))
+        seed = run * REQUEST_PRIOR_STEPS
+        return [(s.num_accepted_tokens + seed)
+                / (s.num_verify_steps + s.num_missed_drafts + REQUEST_PRIOR_STEPS)
                 if s.speculate else None for s in seqs]
 
     def _pause_if_failing(self, seq: Sequence, num_accepted: int) -> None:
@@ -387,6 +395,9 @@ class Scheduler:
         if proposer is None:  # the draft model fills these slots on the worker
             return [PLACEHOLDER_TOKEN] * room, room
         drafts = proposer.propose(seq.token_ids, room)
+        if not drafts:
+            seq.num_missed_drafts += 1
+            self._num_missed_drafts += 1
         return drafts, room if self._hold_draft_slots else len(drafts)
 
     def _draft_context(self, seq: Sequence, start: int, end: int, drafting: bool

@@ -41,7 +41,7 @@ class Sequence:
         "arrival_time", "output_token_ids", "status", "block_table", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "finish_reason", "block_hashes", "_token_ids",
         "num_released_blocks", "speculate", "num_draft_tokens", "num_accepted_tokens",
-        "plain_steps", "num_draft_computed", "num_verify_steps",
+        "plain_steps", "num_draft_computed", "num_verify_steps", "num_missed_drafts",
     )
 
     def __init__(
@@ -73,6 +73,9 @@ class Sequence:
         """Drafted tokens verified for this sequence, and those accepted."""
         self.num_verify_steps = 0
         """Steps that verified drafts of it."""
+        self.num_missed_drafts = 0
+        """Decodes in drafting steps where its proposer found nothing to draft (prompt
+        lookup without a match): they emit one token, as plain ones do."""
         self.plain_steps = 0
         """Decodes since its drafts last failed (speculation paused, retried later)."""
         self.num_draft_computed = 0

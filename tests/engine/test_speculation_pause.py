@@ -40,3 +40,29 @@ def test_a_request_failing_far_below_the_run_pauses() -> None:
     failing = request(drafted=80, accepted=0)
     sched._pause_if_failing(failing, 0)
     assert not failing.speculate and failing.plain_steps == 0
+
+
+def test_decodes_prompt_lookup_finds_nothing_for_lower_what_drafting_promises() -> None:
+    """A drafting step emits one token for a sequence whose prompt lookup found no match:
+    the switch's gain counts such decodes as drafting steps that accepted nothing."""
+    from meshserve.engine.sequence import Sequence
+
+    sched = Scheduler(EngineConfig(block_size=4), num_blocks=64, max_model_len=256,
+                      speculative=SpeculativeConfig(method="ngram", num_tokens=4,
+                                                    max_batch_size=8))
+    seqs = []
+    for i in range(2):
+        s = Sequence(i, list(range(10 * i, 10 * i + 6)), max_tokens=40, arrival_time=float(i))
+        s.speculate = True
+        sched.add(s)
+        seqs.append(s)
+    out = sched.schedule()
+    sched.update(out, {x.seq_id: 100 + x.seq_id for x in out.scheduled})
+    before = sched._acceptances(seqs)
+    for _ in range(6):  # histories that never repeat: nothing to look up
+        out = sched.schedule()
+        assert all(x.num_drafts == 0 for x in out.scheduled)
+        sched.update(out, {x.seq_id: 200 + 10 * x.seq_id + x.start_pos for x in out.scheduled})
+    assert [s.num_missed_drafts for s in seqs] == [6, 6]
+    after = sched._acceptances(seqs)
+    assert all(a < b / 2 for a, b in zip(after, before)), (before, after)
