@@ -36,6 +36,7 @@ from meshserve.engine.launched_replicas import (
     launched_replica_run,
     launched_role,
 )
+from meshserve.engine.output_wire import OutputUnpacker, PackedOutput
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.prefix_cache import PrefixCacheStats
 from meshserve.engine.replica import BEAT_S
@@ -125,6 +126,8 @@ class _Remote:
         self.stats: SchedulerStats | None = None
         self.last_seen = time.monotonic()
         """When it last sent anything (outputs or a heartbeat)."""
+        self.outputs = OutputUnpacker()
+        """Its requests' outputs so far: it sends what is new in each."""
 
     @classmethod
     def spawn(cls, index: int, run: Run) -> _Remote:
@@ -394,6 +397,8 @@ class DataParallelEngine:
         owner = self._owner.pop(request_id)
         del self._prompt_of[request_id]
         self.router.done(owner, self._work_of.pop(request_id))
+        for r in self._remotes:  # aborted or lost: no last output will clear it
+            r.outputs.forget(request_id)
 
     def _busy_remotes(self) -> list[_Remote]:
         return [r for r in self._live_remotes() if self.router.load[r.index] > 0]
@@ -447,15 +452,21 @@ class DataParallelEngine:
                     msg = r.recv()
                     r.last_seen = time.monotonic()
                     if msg[0] == "outputs":
-                        for out in msg[1]:
+                        got = self._unpack(r, msg[1])
+                        for out in got:
                             out.replica = r.index
-                        outs += msg[1]
+                        outs += got
                         r.stats = msg[2]
                     elif msg[0] != "beat":
                         outs += self._on_message(r.index, msg)
             except RankFailure as e:
                 self._lose(r.index, str(e))
         return outs
+
+    def _unpack(self, r: _Remote, packed: list[PackedOutput]) -> list[RequestOutput]:
+        """A replica's outputs whole, but for requests that ended here meanwhile (aborted
+        while their outputs were on the way)."""
+        return r.outputs.unpack([p for p in packed if p.request_id in self._owner])
 
     def _on_message(self, index: int, msg: tuple[Any, ...]) -> list[RequestOutput]:
         """Hook: a message from replica `index` other than outputs and heartbeats."""
@@ -488,7 +499,10 @@ class DataParallelEngine:
                 r.stats = msg[2]
                 return int(msg[1])
             if msg[0] == "outputs":
-                self._buffered += msg[1]
+                got = self._unpack(r, msg[1])
+                for out in got:
+                    out.replica = r.index
+                self._buffered += got
                 r.stats = msg[2]
             elif msg[0] != "beat":
                 self._buffered += self._on_message(r.index, msg)

@@ -22,6 +22,7 @@ from meshserve.engine.engine import Engine
 from meshserve.engine.kv_connector import KV_STARTUP_S
 from meshserve.engine.kv_transfer import KVRole, kv_role
 from meshserve.engine.launched_replicas import connect_front, launched_store
+from meshserve.engine.output_wire import OutputPacker
 from meshserve.engine.run import Run
 
 BEAT_S = 1.0
@@ -90,6 +91,7 @@ def _serve(run: Run, conn: Connection, out: _Sender) -> int:
         out.send(("error", f"{type(e).__name__}: {e}"))
         return 1
     out.send(("ready", engine.num_blocks, engine.stats))
+    packer = OutputPacker()
     try:
         while True:
             while (not engine.has_unfinished() and not (role is not None and role.busy)
@@ -101,6 +103,7 @@ def _serve(run: Run, conn: Connection, out: _Sender) -> int:
                     engine.add_request(*args)
                 elif kind == "abort":
                     engine.abort(args[0])
+                    packer.forget(args[0])
                     if role is not None:
                         role.abort(args[0])
                 elif kind == "reset":
@@ -116,7 +119,7 @@ def _serve(run: Run, conn: Connection, out: _Sender) -> int:
                 continue
             outs = engine.step()
             if outs:
-                out.send(("outputs", outs, engine.stats))
+                out.send(("outputs", packer.pack(outs), engine.stats))
             if role is not None:
                 for reply in role.after_step(outs):
                     out.send(reply)
