@@ -291,16 +291,11 @@ class Scheduler:
         """Decide now whether the next schedule() may carry drafts, and keep the decision
         for it. Async scheduling asks before it schedules: a step that drafts must wait
         for the step in flight, one that does not is scheduled while it runs."""
-        self._planned_drafting = self._may_draft() if self._decodes_ready() else False
+        # With no decode to schedule no drafting step is in prospect, and the switch is
+        # not asked (a pipeline fills its last slots with nothing, or with prompt chunks).
+        ready = self._waiting_decodes()[0] > 0
+        self._planned_drafting = self._may_draft() if ready else False
         return self._planned_drafting
-
-    def _decodes_ready(self) -> bool:
-        """Whether a running sequence the next step may schedule decodes: else no step of
-        drafts is in prospect, and the switch is not asked (a pipeline fills its last
-        slots with nothing, or with prompt chunks)."""
-        in_flight = self._in_flight
-        return any(s.num_tokens - s.num_computed_tokens == 1 and s.seq_id not in in_flight
-                   for s in self.running)
 
     def _may_draft(self) -> bool:
         """Whether this step may carry drafts: up to speculative.max_batch_size running
@@ -311,7 +306,9 @@ class Scheduler:
         spec, switch = self.speculative, self.switch
         if spec is None:
             return False
-        ready = [s for s in self.running if s.seq_id not in self._in_flight]
+        in_flight = self._in_flight
+        ready = ([s for s in self.running if s.seq_id not in in_flight] if in_flight
+                 else self.running)
         if spec.max_batch_size is not None:
             return len(ready) <= spec.max_batch_size
         assert switch is not None

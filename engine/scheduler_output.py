@@ -50,6 +50,11 @@ class ScheduledSeq:
         """Tokens fed this step."""
         return len(self.token_ids)
 
+    @property
+    def drafts(self) -> list[int]:
+        """The proposed tokens: the last num_drafts of token_ids (none when 0)."""
+        return self.token_ids[len(self.token_ids) - self.num_drafts:]
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

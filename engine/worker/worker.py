@@ -92,7 +92,7 @@ class _Awaited:
 
 def _drafts_of(scheduled: list[ScheduledSeq]) -> dict[int, list[int]]:
     """Each speculating sequence's drafts in a step."""
-    return {s.seq_id: s.token_ids[-s.num_drafts:] for s in scheduled if s.num_drafts}
+    return {s.seq_id: s.drafts for s in scheduled if s.num_drafts}
 
 
 class Worker:
@@ -306,7 +306,7 @@ class Worker:
         driver = self.drafter is not None
         if driver:
             flat = torch.tensor([t for r, s in zip(reserved, filled) if r.num_drafts
-                                 for t in [*s.token_ids[len(s.token_ids) - s.num_drafts:],
+                                 for t in [*s.drafts,
                                            *[PLACEHOLDER_TOKEN] * (r.num_drafts - s.num_drafts)]],
                                 device=self.device)
         else:
