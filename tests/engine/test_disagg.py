@@ -160,7 +160,10 @@ def test_an_abort_at_any_stage_frees_both_sides(make_checkpoint, prompts,
         queued = engine.add_request(long[0], GREEDY)  # aborted before it ran
         engine.abort(queued)
         moving = engine.add_request(long[1], GREEDY)  # aborted once its first token is out
-        decoding = engine.add_request(long[2], GREEDY)  # aborted while it decodes
+        # aborted while it decodes: the decode replica runs ahead of the front, so it is
+        # given room never to finish before the abort reaches it
+        decoding = engine.add_request(long[2], SamplingParams(
+            max_tokens=200, temperature=0.0, ignore_eos=True))
         kept = engine.add_request(long[3], GREEDY)
         outs = run_until(engine, lambda o: any(x.request_id == moving for x in o))
         engine.abort(moving)  # its KV is held or in flight now (transfers start 0.6 s late)
