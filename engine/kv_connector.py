@@ -13,8 +13,9 @@ thread per transfer) and are bounded by disagg.transfer_timeout_s.
   own blocks over UCX (shared memory or TCP between processes' host memory; NVLink or
   InfiniBand between GPUs); the prefill side does nothing.
 - `torch`: torch.distributed point-to-point over a gloo group of every rank of every
-  replica: each prefill rank sends its pieces, each decode rank receives its own (a GPU
-  cache is staged through host memory).
+  replica: each prefill rank sends its pieces a layer at a time, each decode rank
+  receives its own and writes each layer into its cache as it lands, so packing, the
+  wire and placing overlap (a GPU cache is staged through host memory).
 
 Ranks find each other (where each one's KV sits, NIXL metadata, the KV spec the
 handshake compares) through one TCP store the front hosts.
@@ -36,11 +37,11 @@ from meshserve.engine.worker.kv_blocks import KVCache
 from meshserve.engine.worker.kv_pieces import (
     Piece,
     RankKV,
-    pack,
-    piece_shape,
+    layer_shape,
+    pack_layer,
     pieces_for,
     pieces_from,
-    unpack,
+    unpack_layer,
 )
 from meshserve.parallel.comm.nixl_kv import NixlKV, nixl_available
 
@@ -130,40 +131,65 @@ class TorchKVConnector(KVConnector):
                                            timedelta(seconds=KV_STARTUP_S))
 
     def send(self, dst: int, transfer_id: int, blocks: Sequence[int]) -> int:
+        """Each piece a layer at a time: a layer goes on the wire as soon as it is packed
+        (staged to host memory from a GPU), while the next one is packed."""
         out = pieces_from(self.me, self.peers.ranks(self.replica), self.peers.ranks(dst))
-        bufs = [pack(self.cache, self.me, p, blocks).cpu() for p in out]
+        idx = torch.as_tensor(list(blocks), dtype=torch.long, device=self.cache[0][0].device)
+        sent: list[tuple[dist.Work, torch.Tensor]] = []
         try:
-            works = [self.group.send([b], p.dst.rank, transfer_id) for p, b in zip(out, bufs,
-                                                                                 strict=True)]
-            for w in works:
-                w.wait(self._timeout)
+            for layer in range(max((_num_layers(p) for p in out), default=0)):
+                for p in out:
+                    if layer < _num_layers(p):
+                        buf = pack_layer(self.cache, self.me, p, idx, layer).cpu()
+                        sent.append((self.group.send([buf], p.dst.rank,
+                                                     _tag(transfer_id, layer)), buf))
+            for work, _ in sent:
+                work.wait(self._timeout)
         except RuntimeError as e:
             raise RuntimeError(f"sending {len(blocks)} KV blocks to replica {dst} failed "
                                f"(torch connector): {e}") from None
-        n = sum(b.numel() * b.element_size() for b in bufs)
+        n = sum(b.numel() * b.element_size() for _, b in sent)
         self.bytes_moved += n
         return n
 
     def pull(self, src: int, transfer_id: int, src_blocks: Sequence[int],
              dst_blocks: Sequence[int]) -> int:
+        """Every layer's receive posted at once; each layer is written into the cache as it
+        lands, while the later ones are still on the wire."""
         pieces = self._incoming(src)
         dtype = self.cache[0][0].dtype
-        bufs = [torch.empty(piece_shape(self.cache, p, len(dst_blocks)), dtype=dtype)
-                for p in pieces]
+        idx = torch.as_tensor(list(dst_blocks), dtype=torch.long,
+                              device=self.cache[0][0].device)
+        landing: list[tuple[Piece, int, torch.Tensor]] = [
+            (p, layer, torch.empty(layer_shape(self.cache, p, len(dst_blocks)), dtype=dtype))
+            for layer in range(max((_num_layers(p) for p in pieces), default=0))
+            for p in pieces if layer < _num_layers(p)]
         try:
-            works = [self.group.recv([b], p.src.rank, transfer_id) for p, b in zip(pieces, bufs,
-                                                                                 strict=True)]
-            for w in works:
+            works = [self.group.recv([b], p.src.rank, _tag(transfer_id, layer))
+                     for p, layer, b in landing]
+            for w, (p, layer, b) in zip(works, landing, strict=True):
                 w.wait(self._timeout)
+                unpack_layer(self.cache, self.me, p, idx, layer, b)
         except RuntimeError as e:
             raise RuntimeError(f"receiving {len(dst_blocks)} KV blocks from replica {src} "
                                f"failed or took over disagg.transfer_timeout_s="
                                f"{self.timeout_s} s (torch connector): {e}") from None
-        for p, b in zip(pieces, bufs, strict=True):
-            unpack(self.cache, self.me, p, dst_blocks, b)
-        n = sum(b.numel() * b.element_size() for b in bufs)
+        n = sum(b.numel() * b.element_size() for _, _, b in landing)
         self.bytes_moved += n
         return n
+
+
+def _num_layers(piece: Piece) -> int:
+    return piece.layers[1] - piece.layers[0]
+
+
+MAX_LAYERS = 1 << 10
+"""Layers a piece may have: a transfer's layer l travels under its own tag."""
+
+
+def _tag(transfer_id: int, layer: int) -> int:
+    """The point-to-point tag of one layer of one transfer (within gloo's 32 bits)."""
+    return (transfer_id * MAX_LAYERS + layer) % (1 << 31)
 
 
 class NixlKVConnector(KVConnector):

@@ -88,37 +88,73 @@ def pieces_from(src: RankKV, sources: Sequence[RankKV], dests: Sequence[RankKV])
     return [p for d in dests for p in pieces_for(sources, d) if p.src == src]
 
 
-def pack(cache: KVCache, me: RankKV, piece: Piece, blocks: Sequence[int]) -> torch.Tensor:
-    """The piece's KV of `blocks` from this rank's cache: [layers, 2, n, block_size, heads,
-    head_dim], contiguous (a copy)."""
-    layers, heads = piece.local(me)
-    idx = torch.as_tensor(list(blocks), dtype=torch.long, device=cache[0][0].device)
-    return torch.stack([torch.stack((k.index_select(0, idx)[:, :, heads],
-                                     v.index_select(0, idx)[:, :, heads]))
-                        for k, v in list(cache)[layers]]).contiguous()
+def layer_shape(cache: KVCache, piece: Piece, num_blocks: int) -> tuple[int, ...]:
+    """The shape of one layer of `piece` over `num_blocks` blocks: [2, n, block_size, heads,
+    head_dim], K then V."""
+    k = cache[0][0]
+    return (2, num_blocks, k.shape[1], piece.heads[1] - piece.heads[0], k.shape[3])
 
 
 def piece_shape(cache: KVCache, piece: Piece, num_blocks: int) -> tuple[int, ...]:
-    """The shape `pack` gives for `piece` over `num_blocks` blocks."""
-    k = cache[0][0]
-    return (piece.layers[1] - piece.layers[0], 2, num_blocks, k.shape[1],
-            piece.heads[1] - piece.heads[0], k.shape[3])
+    """The shape `pack` gives for `piece` over `num_blocks` blocks: its layers of
+    `layer_shape`."""
+    return (piece.layers[1] - piece.layers[0], *layer_shape(cache, piece, num_blocks))
+
+
+def _index(cache: KVCache, blocks: Sequence[int]) -> torch.Tensor:
+    return torch.as_tensor(list(blocks), dtype=torch.long, device=cache[0][0].device)
+
+
+def pack_layer(cache: KVCache, me: RankKV, piece: Piece,
+               blocks: Sequence[int] | torch.Tensor, layer: int) -> torch.Tensor:
+    """The piece's `layer`-th layer (counted from its first) of `blocks` from this rank's
+    cache, shaped as `layer_shape` (a copy: the cache may change after)."""
+    layers, heads = piece.local(me)
+    k, v = cache[layers.start + layer]
+    idx = blocks if isinstance(blocks, torch.Tensor) else _index(cache, blocks)
+    out = torch.empty(layer_shape(cache, piece, len(idx)), dtype=k.dtype, device=k.device)
+    for i, t in enumerate((k, v)):
+        if heads == slice(0, t.shape[2]):
+            torch.index_select(t, 0, idx, out=out[i])
+        else:
+            out[i].copy_(t.index_select(0, idx)[:, :, heads])
+    return out
+
+
+def pack(cache: KVCache, me: RankKV, piece: Piece, blocks: Sequence[int]) -> torch.Tensor:
+    """The piece's KV of `blocks` from this rank's cache, shaped as `piece_shape` (a copy)."""
+    idx = _index(cache, blocks)
+    return torch.stack([pack_layer(cache, me, piece, idx, i)
+                        for i in range(piece.layers[1] - piece.layers[0])])
+
+
+def unpack_layer(cache: KVCache, me: RankKV, piece: Piece,
+                 blocks: Sequence[int] | torch.Tensor, layer: int,
+                 packed: torch.Tensor) -> None:
+    """Write one packed layer (`layer_shape`) of the piece into `blocks` of this rank's
+    cache, in place."""
+    want = layer_shape(cache, piece, len(blocks))
+    if tuple(packed.shape) != want:
+        raise ValueError(f"a KV layer of shape {tuple(packed.shape)} does not fit: this rank "
+                         f"takes {want} for {len(blocks)} blocks")
+    layers, heads = piece.local(me)
+    k, v = cache[layers.start + layer]
+    idx = blocks if isinstance(blocks, torch.Tensor) else _index(cache, blocks)
+    packed = packed.to(device=k.device, dtype=k.dtype)
+    for t, part in ((k, packed[0]), (v, packed[1])):
+        if heads == slice(0, t.shape[2]):
+            t.index_copy_(0, idx, part)
+        else:
+            t[:, :, heads].index_copy_(0, idx, part)  # a view: writes through
 
 
 def unpack(cache: KVCache, me: RankKV, piece: Piece, blocks: Sequence[int],
            packed: torch.Tensor) -> None:
-    """Write a packed piece into `blocks` of this rank's cache, in place."""
-    layers, heads = piece.local(me)
+    """Write a packed piece (`piece_shape`) into `blocks` of this rank's cache, in place."""
     want = piece_shape(cache, piece, len(blocks))
     if tuple(packed.shape) != want:
         raise ValueError(f"a KV piece of shape {tuple(packed.shape)} does not fit: this rank "
                          f"takes {want} for {len(blocks)} blocks")
-    k0 = cache[0][0]
-    idx = torch.as_tensor(list(blocks), dtype=torch.long, device=k0.device)
-    packed = packed.to(device=k0.device, dtype=k0.dtype)
-    for i, (k, v) in enumerate(list(cache)[layers]):
-        for t, part in ((k, packed[i, 0]), (v, packed[i, 1])):
-            if heads == slice(0, t.shape[2]):
-                t.index_copy_(0, idx, part)
-            else:
-                t[:, :, heads].index_copy_(0, idx, part)  # a view: writes through
+    idx = _index(cache, blocks)
+    for i in range(want[0]):
+        unpack_layer(cache, me, piece, idx, i, packed[i])

@@ -1,0 +1,63 @@
+"""The torch connector between real gloo ranks of two replicas of different layouts: a
+pipeline of two stages sends to two tensor-parallel ranks, a layer at a time; every
+destination rank ends with exactly its layers and heads of the blocks asked for, in its
+own block ids; the byte counts; a bounded wait on a silent peer."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.parallel.conftest import RunRanks
+
+pytestmark = pytest.mark.slow
+
+RANK_PROGRAM = r'''
+import os, sys, time
+import torch
+import torch.distributed as dist
+from meshserve.engine.kv_connector import KVPeers, make_connector
+from meshserve.engine.worker.kv_pieces import RankKV
+
+rank, store_path = int(sys.argv[1]), sys.argv[2]
+L, BLOCKS, BS, H, D = 3, 12, 4, 4, 8
+full = torch.randn(L, 2, BLOCKS, BS, H, D, generator=torch.Generator().manual_seed(0))
+ranks = [RankKV(0, (0, 2), (0, 4)), RankKV(1, (2, 3), (0, 4)),  # replica 0: pp=2
+         RankKV(2, (0, 3), (0, 2)), RankKV(3, (0, 3), (2, 4))]  # replica 1: tp=2
+me = ranks[rank]
+h = slice(*me.heads)
+cache = [(full[i, 0][:, :, h].clone(), full[i, 1][:, :, h].clone()) for i in range(*me.layers)]
+peers = KVPeers(dist.FileStore(store_path, 4), [2, 2])
+conn = make_connector("torch", me, rank // 2, cache, peers, 1.0)
+src_blocks, dst_blocks = [7, 2, 9], [0, 5, 11]
+per_block = BS * 2 * D * 4  # tokens x heads x head dim x fp32, per layer, K or V
+if rank < 2:
+    n = conn.send(1, 5, src_blocks)
+    assert n == (me.layers[1] - me.layers[0]) * 2 * len(src_blocks) * 2 * per_block, n
+    time.sleep(3)  # silent while the destination waits for more
+else:
+    for k, v in cache:
+        k.zero_()
+        v.zero_()
+    n = conn.pull(0, 5, src_blocks, dst_blocks)
+    assert n == L * 2 * len(src_blocks) * per_block == conn.bytes_moved, n
+    for layer, (k, v) in enumerate(cache):
+        for which, t in enumerate((k, v)):
+            want = full[layer, which][src_blocks][:, :, h]
+            assert torch.equal(t[dst_blocks], want), (layer, which)
+            rest = [b for b in range(BLOCKS) if b not in dst_blocks]
+            assert not t[rest].any()  # blocks not asked for stay as they were
+    t0 = time.monotonic()
+    try:
+        conn.pull(0, 6, src_blocks, dst_blocks)
+    except RuntimeError as e:
+        assert "from replica 0" in str(e) and "transfer_timeout_s=1.0" in str(e), e
+    else:
+        raise AssertionError("a pull from a silent replica returned")
+    assert time.monotonic() - t0 < 2.5
+print("ok", rank, flush=True)
+os._exit(0)  # the pairs are broken after a timed-out wait: no collective shutdown
+'''
+
+
+def test_pieces_cross_gloo_ranks_of_two_layouts_layer_by_layer(run_ranks: RunRanks) -> None:
+    run_ranks(RANK_PROGRAM, 4, 120.0)
