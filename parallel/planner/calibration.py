@@ -171,9 +171,11 @@ def gemv_gbs(nbytes: int, device: torch.device, repeats: int) -> float:
     return w.numel() * 4 / best_time(lambda: v @ w, repeats, device) / 1e9
 
 
-KV_SHAPES = ((4, 32), (8, 128))
+KV_SHAPES = ((4, 32), (4, 64), (4, 128), (8, 128))
 """(KV heads, head dim) at which calibrate times paged decode attention, with twice as many
-query heads: a small model's 1 KiB rows (K and V, fp32) and a large one's 8 KiB."""
+query heads: rows (K and V, fp32) of 1, 2, 4 and 8 KiB. A row's time is not a straight
+line in its bytes (on this project's CPUs the middle sizes lie above the line through the
+ends), so the fit runs through all four, not through the ends alone."""
 KV_POOL_BYTES = 128 << 20
 """Each cache's size when timing attention: more than a last-level cache holds, as a served
 batch's KV is; several batches' block tables take turns over it."""
@@ -213,7 +215,7 @@ def kv_row_seconds(device: torch.device, repeats: int, kv_heads: int, head_dim: 
 
 def kv_read_fit(device: torch.device, repeats: int) -> tuple[float, float]:
     """(GB/s, ns per row) of paged decode attention: per cached token and layer it takes a
-    fixed time plus its K and V bytes at a rate, fitted through KV_SHAPES."""
+    fixed time plus its K and V bytes at a rate, least-squares fitted over KV_SHAPES."""
     sizes = [2 * kv_heads * head_dim * 4 for kv_heads, head_dim in KV_SHAPES]
     times = [kv_row_seconds(device, repeats, *shape) for shape in KV_SHAPES]
     row_s, per_byte = fit_line(sizes, times)

@@ -67,9 +67,10 @@ class ClusterConfig:
     kv_row_overhead_ns: float = 0.0
     """Time per cached token per decoder layer that decode attention spends besides reading
     its bytes (scores, softmax, finding scattered blocks), ns. `meshserve calibrate` fits it
-    with kv_read_fraction from two head shapes: on this project's CPUs the C kernel takes
-    60-70 ns a row beside the bytes, so a small model's 1 KiB rows read at a third of the
-    rate its 8 KiB rows do. 0 where the kernel hides it behind the bytes (GPUs)."""
+    with kv_read_fraction over four head shapes (rows of 1-8 KiB): on this project's CPUs
+    the C kernel takes 60-90 ns a row beside the bytes, so a small model's 1 KiB rows read
+    at about half the rate its 8 KiB rows do. 0 where the kernel hides it behind the bytes
+    (GPUs)."""
     attention_efficiency: float = 1.0
     """Share of the peak rate at which attention computes QK^T and PV (prefill chunks): on
     this project's CPUs PyTorch's SDPA reaches about half of it (`meshserve calibrate`
