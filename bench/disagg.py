@@ -25,6 +25,11 @@ measured run each layout serves a burst of `--profile-requests` other rag reques
 different seed); how much slower than the cost model priced them the engine ran that
 burst (`profile_scale`) scales the simulated steps, as DistServe profiles its model
 before simulating. Every layout serves the burst, so each measured run starts as warm.
+
+With `--capacity` it searches, instead, each planned layout's capacity: the highest rate at
+which ATTAINMENT (90%) of the requests meet both SLOs, bisected from the planner's
+prediction on the engine (each trial the same lengths and arrival pattern, scaled, with
+fresh prompt tokens) and on the simulation, beside the prediction itself.
 """
 
 from __future__ import annotations
@@ -49,7 +54,9 @@ from meshserve.models.arch import ModelArch
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.disagg_search import splits
 from meshserve.parallel.planner.layout_sim import (
+    ATTAINMENT,
     Replicas,
+    max_rate,
     profile_scale,
     simulate_colocated,
     simulate_disagg,
@@ -131,6 +138,69 @@ class Simulated:
         return simulate_colocated(*args, Replicas(tp, pp, dp, self.budget), sim, scale)
 
 
+CAPACITY_TOL = 0.15
+"""The capacity search stops once a served and an unserved rate lie within this ratio."""
+CAPACITY_SPAN = 0.125
+"""It looks no further than this factor of the prediction either way."""
+
+
+def search_capacity(name: str, base: list[str], args: argparse.Namespace, arch: ModelArch,
+                    cluster: ClusterConfig, profile: list | None,
+                    predicted: float | None) -> dict[str, Any]:
+    """Layout `name`'s capacity: the highest rate at which at least ATTAINMENT of the
+    requests meet both SLOs, bisected from the planner's prediction (each trial the same
+    requests at a scaled Poisson process), measured on the engine and simulated on the
+    cost model (its steps scaled by the profile burst, as in the rate runs)."""
+    def at(rate: float, trial: int = 0) -> list:
+        """The workload at `rate`; a trial's prompts are fresh tokens of the same lengths
+        (the rag prompts share nothing), so no trial hits what an earlier one cached."""
+        reqs = workloads.resolve("rag", arch.vocab_size, rate=rate,
+                                 num_requests=args.num_requests)
+        gen = torch.Generator().manual_seed(1000 + trial)
+        return [replace(r, prompt_token_ids=torch.randint(
+                    0, arch.vocab_size, (len(r.prompt_token_ids),), generator=gen).tolist())
+                for r in reqs] if trial else reqs
+
+    extra = ([f"disagg.connector={args.connector}",
+              f"engine.max_num_batched_tokens={args.prefill_step_tokens}"]
+             if name == "1P+1D" else [])
+    runner = MeshserveRunner(load_runtime_config([*base, *LAYOUTS[name], *extra]), name=name)
+    sims = Simulated(arch, at(1.0), args.ttft_ms, args.tpot_ms, cluster,
+                     args.prefill_step_tokens)
+    trials: list[dict[str, Any]] = []
+    try:
+        scale = 1.0
+        if profile:
+            priced = sims.run(name, profile)
+            scale = profile_scale(runner.run(profile).wall_s, priced) if priced else 1.0
+
+        def measured(rate: float) -> bool:
+            s = summarize(runner.run(at(rate, len(trials) + 1)), args.ttft_ms / 1e3,
+                          args.tpot_ms / 1e3)
+            good = round(s["goodput_req_s"] * s["wall_s"])
+            trials.append({"rate": round(rate, 4), "num_within_slo": good})
+            print(json.dumps({"layout": name, **trials[-1]}), flush=True)
+            return good >= ATTAINMENT * args.num_requests
+
+        guess = predicted or 0.5
+        found = max_rate(measured, guess, rel_tol=CAPACITY_TOL, floor=CAPACITY_SPAN)
+    finally:
+        runner.llm.shutdown()
+
+    def simulated(rate: float) -> bool:
+        sim = sims.run(name, at(rate), scale)
+        return sim is not None and sim.num_good >= ATTAINMENT * args.num_requests
+
+    sim_found = max_rate(simulated, guess, rel_tol=CAPACITY_TOL / 3, floor=CAPACITY_SPAN)
+    return {"layout": name, "measured_capacity_req_s": round(found, 4),
+            "predicted_goodput_req_s": round(predicted, 4) if predicted else None,
+            "predicted_over_measured": round(predicted / found, 3)
+            if predicted and found else None,
+            "simulated_capacity_req_s": round(sim_found, 4),
+            "simulated_over_measured": round(sim_found / found, 3) if found else None,
+            "profile_scale": round(scale, 3), "trials": trials}
+
+
 def best_colocated(rows: dict[str, dict[str, Any]]) -> str:
     """The colocated layout 1P+1D is held against: the most requests within both SLOs,
     then the lowest TPOT p99. (Goodputs of layouts that serve the same requests differ
@@ -166,6 +236,10 @@ def main() -> None:
     ap.add_argument("--cluster", default="local-cpu",
                     help="the cluster preset the planner predicts with: a name in conf/cluster "
                          "or a YAML file `meshserve calibrate calibrate.out=F` wrote")
+    ap.add_argument("--capacity", action="store_true",
+                    help="instead of the rates: search each planned layout's capacity, the "
+                         "highest rate at which ATTAINMENT of the requests meet both SLOs, "
+                         "measured and simulated, beside the planner's predicted goodput")
     ap.add_argument("--profile-requests", type=int, default=4,
                     help="a burst of this many other rag requests each layout serves before "
                          "the measured run: the simulation's steps are scaled by how much "
@@ -187,6 +261,11 @@ def main() -> None:
     planned = predicted_goodput(arch, reqs, args.ttft_ms, args.tpot_ms, cluster)
     print(json.dumps({"predicted_goodput_req_s": {n: round(g, 4) for n, g in planned.items()},
                       "cluster": cluster.name, "cluster_source": cluster.source}), flush=True)
+    if args.capacity:
+        for name in (n for n in args.layouts if n in PLANNED):
+            print(json.dumps(search_capacity(name, base, args, arch, cluster, profile,
+                                             planned.get(name))), flush=True)
+        return
     for i, rate in enumerate(args.rates):
         reqs = workloads.resolve("rag", arch.vocab_size, rate=rate,
                                  num_requests=args.num_requests)
