@@ -341,10 +341,11 @@ class Scheduler:
         assert self.speculative is not None
         return self._run_mean(self.spec_stats.num_draft_tokens, self.speculative.num_tokens)
 
-    def _run_mean(self, total: float, seed: float) -> float:
-        """`total` per verify step of the run, seeded with `seed` per step as PRIOR_STEPS
-        steps."""
-        return (total + seed * PRIOR_STEPS) / (self.spec_stats.num_drafts + PRIOR_STEPS)
+    def _run_mean(self, total: float, seed: float, extra_steps: int = 0) -> float:
+        """`total` per verify step of the run (and per each of `extra_steps` more), seeded
+        with `seed` per step as PRIOR_STEPS steps."""
+        return ((total + seed * PRIOR_STEPS)
+                / (self.spec_stats.num_drafts + extra_steps + PRIOR_STEPS))
 
     def _acceptances(self, seqs: list[Sequence]) -> list[float | None]:
         """Per sequence, the drafts a drafting step can expect it to accept: its own mean
@@ -352,10 +353,9 @@ class Scheduler:
         (as REQUEST_PRIOR_STEPS steps) with the run's mean so far, itself seeded at half
         of speculative.num_tokens; None for one that would not draft."""
         assert self.speculative is not None
-        stats = self.spec_stats
-        run = ((stats.num_accepted_tokens + self.speculative.num_tokens / 2 * PRIOR_STEPS)
-               / (stats.num_drafts + self._num_missed_drafts + PRIOR_STEPS))
-        seed = run * REQUEST_PRIOR_STEPS
+        seed = REQUEST_PRIOR_STEPS * self._run_mean(self.spec_stats.num_accepted_tokens,
+                                                    self.speculative.num_tokens / 2,
+                                                    self._num_missed_drafts)
         return [(s.num_accepted_tokens + seed)
                 / (s.num_verify_steps + s.num_missed_drafts + REQUEST_PRIOR_STEPS)
                 if s.speculate else None for s in seqs]
