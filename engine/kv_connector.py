@@ -37,6 +37,8 @@ from meshserve.engine.worker.kv_blocks import KVCache
 from meshserve.engine.worker.kv_pieces import (
     Piece,
     RankKV,
+    block_index,
+    by_layer,
     layer_shape,
     pack_layer,
     pieces_for,
@@ -134,15 +136,13 @@ class TorchKVConnector(KVConnector):
         """Each piece a layer at a time: a layer goes on the wire as soon as it is packed
         (staged to host memory from a GPU), while the next one is packed."""
         out = pieces_from(self.me, self.peers.ranks(self.replica), self.peers.ranks(dst))
-        idx = torch.as_tensor(list(blocks), dtype=torch.long, device=self.cache[0][0].device)
+        idx = block_index(self.cache, blocks)
         sent: list[tuple[dist.Work, torch.Tensor]] = []
         try:
-            for layer in range(max((_num_layers(p) for p in out), default=0)):
-                for p in out:
-                    if layer < _num_layers(p):
-                        buf = pack_layer(self.cache, self.me, p, idx, layer).cpu()
-                        sent.append((self.group.send([buf], p.dst.rank,
-                                                     _tag(transfer_id, layer)), buf))
+            for p, layer in by_layer(out):
+                buf = pack_layer(self.cache, self.me, p, idx, layer).cpu()
+                sent.append((self.group.send([buf], p.dst.rank, _tag(transfer_id, layer)),
+                             buf))
             for work, _ in sent:
                 work.wait(self._timeout)
         except RuntimeError as e:
@@ -158,12 +158,10 @@ class TorchKVConnector(KVConnector):
         lands, while the later ones are still on the wire."""
         pieces = self._incoming(src)
         dtype = self.cache[0][0].dtype
-        idx = torch.as_tensor(list(dst_blocks), dtype=torch.long,
-                              device=self.cache[0][0].device)
+        idx = block_index(self.cache, dst_blocks)
         landing: list[tuple[Piece, int, torch.Tensor]] = [
             (p, layer, torch.empty(layer_shape(self.cache, p, len(dst_blocks)), dtype=dtype))
-            for layer in range(max((_num_layers(p) for p in pieces), default=0))
-            for p in pieces if layer < _num_layers(p)]
+            for p, layer in by_layer(pieces)]
         try:
             works = [self.group.recv([b], p.src.rank, _tag(transfer_id, layer))
                      for p, layer, b in landing]
@@ -177,10 +175,6 @@ class TorchKVConnector(KVConnector):
         n = sum(b.numel() * b.element_size() for _, _, b in landing)
         self.bytes_moved += n
         return n
-
-
-def _num_layers(piece: Piece) -> int:
-    return piece.layers[1] - piece.layers[0]
 
 
 MAX_LAYERS = 1 << 10

@@ -45,6 +45,10 @@ class Piece:
     layers: tuple[int, int]
     heads: tuple[int, int]
 
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
     def local(self, side: RankKV) -> tuple[slice, slice]:
         """This piece's layers and heads in `side`'s own cache (its source or destination)."""
         return (slice(self.layers[0] - side.layers[0], self.layers[1] - side.layers[0]),
@@ -98,10 +102,11 @@ def layer_shape(cache: KVCache, piece: Piece, num_blocks: int) -> tuple[int, ...
 def piece_shape(cache: KVCache, piece: Piece, num_blocks: int) -> tuple[int, ...]:
     """The shape `pack` gives for `piece` over `num_blocks` blocks: its layers of
     `layer_shape`."""
-    return (piece.layers[1] - piece.layers[0], *layer_shape(cache, piece, num_blocks))
+    return (piece.num_layers, *layer_shape(cache, piece, num_blocks))
 
 
-def _index(cache: KVCache, blocks: Sequence[int]) -> torch.Tensor:
+def block_index(cache: KVCache, blocks: Sequence[int]) -> torch.Tensor:
+    """Block ids as an index tensor on the cache's device (made once per transfer)."""
     return torch.as_tensor(list(blocks), dtype=torch.long, device=cache[0][0].device)
 
 
@@ -111,7 +116,7 @@ def pack_layer(cache: KVCache, me: RankKV, piece: Piece,
     cache, shaped as `layer_shape` (a copy: the cache may change after)."""
     layers, heads = piece.local(me)
     k, v = cache[layers.start + layer]
-    idx = blocks if isinstance(blocks, torch.Tensor) else _index(cache, blocks)
+    idx = blocks if isinstance(blocks, torch.Tensor) else block_index(cache, blocks)
     out = torch.empty(layer_shape(cache, piece, len(idx)), dtype=k.dtype, device=k.device)
     for i, t in enumerate((k, v)):
         if heads == slice(0, t.shape[2]):
@@ -123,9 +128,9 @@ def pack_layer(cache: KVCache, me: RankKV, piece: Piece,
 
 def pack(cache: KVCache, me: RankKV, piece: Piece, blocks: Sequence[int]) -> torch.Tensor:
     """The piece's KV of `blocks` from this rank's cache, shaped as `piece_shape` (a copy)."""
-    idx = _index(cache, blocks)
+    idx = block_index(cache, blocks)
     return torch.stack([pack_layer(cache, me, piece, idx, i)
-                        for i in range(piece.layers[1] - piece.layers[0])])
+                        for i in range(piece.num_layers)])
 
 
 def unpack_layer(cache: KVCache, me: RankKV, piece: Piece,
@@ -139,7 +144,7 @@ def unpack_layer(cache: KVCache, me: RankKV, piece: Piece,
                          f"takes {want} for {len(blocks)} blocks")
     layers, heads = piece.local(me)
     k, v = cache[layers.start + layer]
-    idx = blocks if isinstance(blocks, torch.Tensor) else _index(cache, blocks)
+    idx = blocks if isinstance(blocks, torch.Tensor) else block_index(cache, blocks)
     packed = packed.to(device=k.device, dtype=k.dtype)
     for t, part in ((k, packed[0]), (v, packed[1])):
         if heads == slice(0, t.shape[2]):
@@ -155,6 +160,13 @@ def unpack(cache: KVCache, me: RankKV, piece: Piece, blocks: Sequence[int],
     if tuple(packed.shape) != want:
         raise ValueError(f"a KV piece of shape {tuple(packed.shape)} does not fit: this rank "
                          f"takes {want} for {len(blocks)} blocks")
-    idx = _index(cache, blocks)
+    idx = block_index(cache, blocks)
     for i in range(want[0]):
         unpack_layer(cache, me, piece, idx, i, packed[i])
+
+
+def by_layer(pieces: Sequence[Piece]) -> list[tuple[Piece, int]]:
+    """Every (piece, layer) of `pieces`, layer by layer: the order a transfer moves them in,
+    the same on both sides."""
+    return [(p, layer) for layer in range(max((p.num_layers for p in pieces), default=0))
+            for p in pieces if layer < p.num_layers]
