@@ -27,9 +27,11 @@ burst (`profile_scale`) scales the simulated steps, as DistServe profiles its mo
 before simulating. Every layout serves the burst, so each measured run starts as warm.
 
 With `--capacity` it searches, instead, each planned layout's capacity: the highest rate at
-which ATTAINMENT (90%) of the requests meet both SLOs, bisected from the planner's
-prediction on the engine (each trial the same lengths and arrival pattern, scaled, with
-fresh prompt tokens) and on the simulation, beside the prediction itself.
+which ATTAINMENT (90%) of the requests meet both SLOs, on the simulation (bisected from
+the planner's prediction) and on the engine (bisected from the simulated capacity; each
+trial the same lengths and arrival pattern, scaled, with fresh prompt tokens), beside the
+prediction itself. `--num-requests` sets how long a trial runs: near capacity the prefill
+queue takes many requests to reach its steady length.
 """
 
 from __future__ import annotations
@@ -148,9 +150,10 @@ def search_capacity(name: str, base: list[str], args: argparse.Namespace, arch: 
                     cluster: ClusterConfig, profile: list | None,
                     predicted: float | None) -> dict[str, Any]:
     """Layout `name`'s capacity: the highest rate at which at least ATTAINMENT of the
-    requests meet both SLOs, bisected from the planner's prediction (each trial the same
-    requests at a scaled Poisson process), measured on the engine and simulated on the
-    cost model (its steps scaled by the profile burst, as in the rate runs)."""
+    requests meet both SLOs, simulated on the cost model (its steps scaled by the profile
+    burst, as in the rate runs) and bisected from the planner's prediction, then measured
+    on the engine (each trial the same requests at a scaled Poisson process) and bisected
+    from the simulated capacity."""
     def at(rate: float, trial: int = 0) -> list:
         """The workload at `rate`; a trial's prompts are fresh tokens of the same lengths
         (the rag prompts share nothing), so no trial hits what an earlier one cached."""
@@ -168,11 +171,18 @@ def search_capacity(name: str, base: list[str], args: argparse.Namespace, arch: 
     sims = Simulated(arch, at(1.0), args.ttft_ms, args.tpot_ms, cluster,
                      args.prefill_step_tokens)
     trials: list[dict[str, Any]] = []
+    guess = predicted or 0.5
     try:
         scale = 1.0
         if profile:
             priced = sims.run(name, profile)
             scale = profile_scale(runner.run(profile).wall_s, priced) if priced else 1.0
+
+        def simulated(rate: float) -> bool:
+            sim = sims.run(name, at(rate), scale)
+            return sim is not None and sim.num_good >= ATTAINMENT * args.num_requests
+
+        sim_found = max_rate(simulated, guess, rel_tol=CAPACITY_TOL / 3, floor=CAPACITY_SPAN)
 
         def measured(rate: float) -> bool:
             s = summarize(runner.run(at(rate, len(trials) + 1)), args.ttft_ms / 1e3,
@@ -182,16 +192,10 @@ def search_capacity(name: str, base: list[str], args: argparse.Namespace, arch: 
             print(json.dumps({"layout": name, **trials[-1]}), flush=True)
             return good >= ATTAINMENT * args.num_requests
 
-        guess = predicted or 0.5
-        found = max_rate(measured, guess, rel_tol=CAPACITY_TOL, floor=CAPACITY_SPAN)
+        found = max_rate(measured, sim_found or guess, rel_tol=CAPACITY_TOL,
+                         floor=CAPACITY_SPAN)
     finally:
         runner.llm.shutdown()
-
-    def simulated(rate: float) -> bool:
-        sim = sims.run(name, at(rate), scale)
-        return sim is not None and sim.num_good >= ATTAINMENT * args.num_requests
-
-    sim_found = max_rate(simulated, guess, rel_tol=CAPACITY_TOL / 3, floor=CAPACITY_SPAN)
     return {"layout": name, "measured_capacity_req_s": round(found, 4),
             "predicted_goodput_req_s": round(predicted, 4) if predicted else None,
             "predicted_over_measured": round(predicted / found, 3)

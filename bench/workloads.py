@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 from dataclasses import asdict, dataclass
@@ -84,32 +85,45 @@ ONLINE = "online"
 """The longtail requests arriving as a Poisson process (needs a rate)."""
 
 
-def make(name: str, vocab_size: int, seed: int = 0) -> list[BenchRequest]:
-    """A named workload; ValueError lists the names."""
+def make(name: str, vocab_size: int, seed: int = 0, n: int | None = None
+         ) -> list[BenchRequest]:
+    """A named workload: `n` requests where it draws them (its default count without `n`;
+    the first requests do not depend on `n`), else its fixed set. ValueError lists the
+    names."""
     if name not in WORKLOADS:
         raise ValueError(f"bench.workload={name!r} is invalid: allowed is one of "
                          f"{sorted([*WORKLOADS, ONLINE])} or a JSON workload file")
-    return WORKLOADS[name](vocab_size, seed)
+    make_one = WORKLOADS[name]
+    if n is not None and "n" in inspect.signature(make_one).parameters:
+        return make_one(vocab_size, seed, n=n)
+    return make_one(vocab_size, seed)
 
 
 def resolve(spec: str, vocab_size: int, *, seed: int = 0, num_requests: int | None = None,
             rate: float | None = None) -> list[BenchRequest]:
     """`spec` (a workload name, 'online' or a JSON file) as validated requests.
 
-    `num_requests` keeps the first N; `rate` (requests/s) makes arrivals a Poisson process.
+    `num_requests`: that many requests, drawn where the workload draws them, else the
+    first N of its fixed set or file (ValueError where it holds fewer); `rate`
+    (requests/s) makes arrivals a Poisson process.
     """
     if spec == ONLINE:
         if rate is None:
             raise ValueError("bench.workload='online' needs bench.rate: allowed is a rate in "
                              "requests/s, e.g. bench.rate=2.0")
-        reqs = longtail(vocab_size, seed)
+        reqs = longtail(vocab_size, seed) if num_requests is None else longtail(
+            vocab_size, seed, n=num_requests)
     elif spec in WORKLOADS:
-        reqs = make(spec, vocab_size, seed)
+        reqs = make(spec, vocab_size, seed, num_requests)
     elif spec.endswith(".json") or Path(spec).expanduser().is_file():
         reqs = load(Path(spec).expanduser())
     else:
         reqs = make(spec, vocab_size, seed)  # raises, listing the names
-    reqs = reqs[:num_requests] if num_requests is not None else reqs
+    if num_requests is not None:
+        if num_requests > len(reqs):
+            raise ValueError(f"bench.num_requests={num_requests} is invalid: the workload "
+                             f"{spec!r} holds {len(reqs)}; allowed is at most that")
+        reqs = reqs[:num_requests]
     if rate is not None:
         reqs = poisson(reqs, rate, seed)
     check(reqs, vocab_size, spec)

@@ -48,6 +48,21 @@ def test_resolve_caps_and_applies_a_rate() -> None:
     assert len(online) == 3 and online[-1].arrival_s > 0
 
 
+def test_resolve_draws_more_requests_than_a_workload_s_default() -> None:
+    more = w.resolve("rag", VOCAB, num_requests=72)
+    assert len(more) == 72 and more[:48] == w.rag(VOCAB)  # the first ones do not move
+    assert len(w.resolve("online", VOCAB, num_requests=100, rate=1.0)) == 100
+
+
+def test_resolve_refuses_more_requests_than_a_fixed_set_holds(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"bench.num_requests=2.*'latency' holds 1"):
+        w.resolve("latency", VOCAB, num_requests=2)
+    path = tmp_path / "wl.json"
+    w.save(w.short(100)[:4], path)
+    with pytest.raises(ValueError, match=r"bench.num_requests=5.*holds 4"):
+        w.resolve(str(path), 100, num_requests=5)
+
+
 def test_save_load_round_trip(tmp_path: Path) -> None:
     reqs = w.poisson(w.short(100)[:4], rate=1.0)
     path = tmp_path / "wl.json"
