@@ -55,8 +55,8 @@ from meshserve.engine.runtime_config import load_runtime_config
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.disagg_search import splits
+from meshserve.parallel.planner.goodput import ATTAINMENT
 from meshserve.parallel.planner.layout_sim import (
-    ATTAINMENT,
     Replicas,
     max_rate,
     profile_scale,
@@ -83,9 +83,11 @@ replica on two threads) is no layout of its devices."""
 
 
 def predicted_goodput(arch: ModelArch, reqs: list, ttft_ms: float, tpot_ms: float,
-                      cluster: ClusterConfig) -> dict[str, float]:
+                      cluster: ClusterConfig, prefill_step_tokens: int = 512
+                      ) -> dict[str, float]:
     """The planner's goodput (req/s) of each planned layout on `cluster`, for the workload's
-    mean prompt and output and the bench's SLOs; no prefix is shared."""
+    mean prompt and output and the bench's SLOs; no prefix is shared. Steps carry what the
+    layouts' engines do: the split's `prefill_step_tokens`, the colocated engine's default."""
     config = load_runtime_config()
     prompt = round(statistics.mean(len(r.prompt_token_ids) for r in reqs))
     output = round(statistics.mean(r.max_new_tokens for r in reqs))
@@ -93,15 +95,16 @@ def predicted_goodput(arch: ModelArch, reqs: list, ttft_ms: float, tpot_ms: floa
                        prompt_len=prompt, output_len=output, shared_prefix_fraction=0.0,
                        ttft_slo_ms=ttft_ms, tpot_slo_ms=tpot_ms, max_batch=len(reqs))
     shape = ModelShape.from_arch(arch, "float32")
-    options = replace(options_for(config), max_num_batched_tokens=512)
+    split = replace(options_for(config), max_num_batched_tokens=prefill_step_tokens)
+    colocated = replace(split, max_num_batched_tokens=config.engine.step_token_cap)
     out = {}
     for name, degrees in PLANNED.items():
         if degrees is None:
-            found = [c for c in splits(shape, cluster, scenario, options)
+            found = [c for c in splits(shape, cluster, scenario, split)
                      if c.rejected is None and c.prefill.devices == c.decode.devices == 1]
             pred = found[0].prediction if found else None
         else:
-            pred = evaluate(shape, cluster, scenario, degrees, options).prediction
+            pred = evaluate(shape, cluster, scenario, degrees, colocated).prediction
         if pred is not None:
             out[name] = pred.goodput_req_s
     return out
@@ -262,7 +265,8 @@ def main() -> None:
     profile = (workloads.resolve("rag", arch.vocab_size, seed=1,
                                  num_requests=args.profile_requests)
                if args.profile_requests > 0 else None)
-    planned = predicted_goodput(arch, reqs, args.ttft_ms, args.tpot_ms, cluster)
+    planned = predicted_goodput(arch, reqs, args.ttft_ms, args.tpot_ms, cluster,
+                                args.prefill_step_tokens)
     print(json.dumps({"predicted_goodput_req_s": {n: round(g, 4) for n, g in planned.items()},
                       "cluster": cluster.name, "cluster_source": cluster.source}), flush=True)
     if args.capacity:

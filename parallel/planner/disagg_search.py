@@ -7,16 +7,16 @@ starts them: prefill replicas first, device by device, then decode replicas.
 
 The figures, for the scenario's typical request (prompt p, output o):
   - prefill replica: busy D = the prompt's prefill for each request; arrivals at rate λ per
-    replica queue as an M/D/1 queue, so TTFT = λD² / 2(1 - λD) + the prefill alone. The
-    first token comes from the prefill replica.
+    replica queue as an M/D/1 queue, so the mean TTFT = λD² / 2(1 - λD) + the prefill
+    alone. The first token comes from the prefill replica.
   - KV hop: the prompt's KV bytes over the link the two replicas share (NVLink or shared
     memory inside a node, InfiniBand across nodes when the replicas span nodes), every rank
     moving its own piece at once; it delays the second token, so it is spread over TPOT.
   - decode replica: decode-only steps at batch b (no prefill between them): TPOT = the step
     + the hop / (o - 1).
-Goodput is the largest arrival rate both sides carry within the SLOs: the prefill replicas'
-rate at which TTFT meets its SLO, or the decode replicas' at the largest batch meeting the
-TPOT SLO, whichever is lower.
+Goodput is the highest arrival rate at which ATTAINMENT of the requests meet both SLOs
+(goodput.py): the share of prompts whose wait fits the TTFT budget, times the share of
+requests whose decode batch (Poisson about its mean) keeps TPOT within its SLO.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 from meshserve.parallel.comm.mesh import divisors
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.cost_model import CostModel, StepWork
+from meshserve.parallel.planner.goodput import ATTAINMENT, DecodeTail
 from meshserve.parallel.planner.layout_sim import (
-    ATTAINMENT,
     Replicas,
     capacity_colocated,
     capacity_disagg,
@@ -55,6 +55,7 @@ from meshserve.parallel.planner.search import (
     sized,
 )
 from meshserve.parallel.planner.serving_sim import Attainment, SimRequest
+from meshserve.parallel.planner.tails import highest_rate, wait_within
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,13 +115,6 @@ def mdl_wait_s(rate: float, service_s: float) -> float:
     return float("inf") if load >= 1 else rate * service_s ** 2 / (2 * (1 - load))
 
 
-def rate_within(budget_s: float, service_s: float) -> float:
-    """The largest arrival rate whose M/D/1 mean wait is at most `budget_s`."""
-    if budget_s <= 0:
-        return 0.0
-    return 2 * budget_s / (service_s ** 2 + 2 * budget_s * service_s)
-
-
 def last_true(n: int, holds: Callable[[int], bool]) -> int:
     """The largest b in 1..n where `holds` (true up to some b, false after), else 0."""
     lo, hi = 0, n
@@ -162,10 +156,21 @@ def predict_split(prefill_cost: CostModel, decode_cost: CostModel, scenario: Sce
     def tpot_s(b: int) -> float:
         return step_s(b) + transfer_s / max(1, o - 1)
 
-    top = last_true(largest, lambda b: tpot_s(b) * 1e3 <= scenario.tpot_slo_ms)
-    decode_cap = decode.replicas * top / (step_s(top) * o) if top else 0.0
-    prefill_cap = prefill.replicas * rate_within(scenario.ttft_slo_ms / 1e3 - alone, busy)
-    good = min(prefill_cap, decode_cap)
+    ttft_budget = scenario.ttft_slo_ms / 1e3 - alone
+    tail = DecodeTail(decode_cost, scenario, largest, extra_s=transfer_s)
+
+    def prefill_share(rate: float) -> float:
+        return wait_within(ttft_budget, rate, busy, prefill.replicas)
+
+    def decode_share(rate: float) -> float:
+        return tail.share(rate / decode.replicas)
+
+    prefill_top = prefill.replicas / busy
+    decode_top = decode.replicas * largest / (max(1, o - 1) * step_s(1))
+    prefill_cap = highest_rate(prefill_share, ATTAINMENT, upper=prefill_top)
+    decode_cap = highest_rate(decode_share, ATTAINMENT, upper=decode_top)
+    good = highest_rate(lambda r: prefill_share(r) * decode_share(r), ATTAINMENT,
+                        upper=min(prefill_top, decode_top))
     saturated = min(prefill.replicas / busy * 0.99,
                     decode.replicas * largest / (step_s(largest) * o))
     if scenario.objective == "latency":  # the colocated planner's load: max_batch in all

@@ -74,11 +74,6 @@ def steady_requests(rate: float, lifetime_s: float, lifetimes: float = 3.0,
     return most if span >= most else max(least, math.ceil(span))
 
 
-ATTAINMENT = 0.9
-"""The share of requests within both SLOs at which a rate counts as served (DistServe's
-attainment target): a layout's simulated goodput is the highest such rate."""
-
-
 def max_rate(served: Callable[[float], bool], guess: float, rel_tol: float = 0.05,
              floor: float = 1e-3) -> float:
     """The highest rate at which `served(rate)` holds, to within `rel_tol`, for a predicate

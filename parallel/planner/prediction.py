@@ -10,10 +10,12 @@ a draft model's k steps plus one target step verifying k + 1 tokens per sequence
 tokens it emits (the accepted drafts and one more), at an acceptance stated here
 (SPEC_ACCEPTED of SPEC_TOKENS drafts per verify step; the bundled pair accepts about 2).
 
-Goodput counts requests/s at the largest batch that meets both SLOs (max_batch and the KV
-cache permitting). The figures are reported at an operating batch: for the latency
-objective the service carries max_batch sequences in all, spread over the replicas (so
-layouts are compared at the same load); otherwise each replica runs that largest batch.
+Goodput is the highest Poisson rate at which ATTAINMENT of the requests meet both SLOs,
+the waits and stalls that decide it priced (goodput.py). The other figures are the mean
+request's at an operating batch: for the latency objective the service carries max_batch
+sequences in all, spread over the replicas (so layouts are compared at the same load);
+otherwise each replica runs the largest batch whose mean step meets both SLOs (max_batch
+and the KV cache permitting).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshserve.parallel.planner.cost_model import CostModel, StepWork
+from meshserve.parallel.planner.goodput import colocated_goodput
 from meshserve.parallel.planner.scenario import ScenarioConfig
 
 SPEC_TOKENS = 4
@@ -75,7 +78,7 @@ class Prediction:
     throughput_tok_s: float
     """Generated tokens/s of all replicas at the operating batch."""
     goodput_req_s: float
-    """Requests/s that meet both SLOs (0 when even batch 1 misses them)."""
+    """Requests/s served with ATTAINMENT of them within both SLOs (goodput.py)."""
     meets_slo: bool
     """Whether the operating batch meets both SLOs."""
     speculative_decode_ms: float | None = None
@@ -97,9 +100,10 @@ def cached_tokens(scenario: ScenarioConfig) -> int:
     return int(scenario.prompt_len * scenario.shared_prefix_fraction)
 
 
-def predict(cost: CostModel, scenario: ScenarioConfig, *, dp: int,
-            kv_capacity_tokens: int) -> Prediction:
-    """Figures for `scenario` on `dp` replicas whose KV caches hold `kv_capacity_tokens`."""
+def predict(cost: CostModel, scenario: ScenarioConfig, *, dp: int, kv_capacity_tokens: int,
+            step_tokens: int = 2048) -> Prediction:
+    """Figures for `scenario` on `dp` replicas whose KV caches hold `kv_capacity_tokens`,
+    whose steps carry at most `step_tokens`."""
     p, o = scenario.prompt_len, scenario.output_len
     concurrency = kv_capacity_tokens // (p + o)
     assert concurrency >= 1, "the planner rejects layouts that can't hold one request"
@@ -114,7 +118,8 @@ def predict(cost: CostModel, scenario: ScenarioConfig, *, dp: int,
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if meets(mid) else (lo, mid - 1)
-    good = dp * lo / serving_step_s(cost, scenario, lo) / o if lo else 0.0
+    good = colocated_goodput(cost, scenario, dp=dp, largest=largest,
+                             cached=cached_tokens(scenario), step_tokens=step_tokens)
     if scenario.objective == "latency":
         batch = min(-(-scenario.max_batch // dp), concurrency)
     else:

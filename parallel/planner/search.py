@@ -205,7 +205,8 @@ def evaluate(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig
     if cost is None:
         return cand
     return replace(cand, prediction=predict(cost, scenario, dp=dp,
-                                            kv_capacity_tokens=cand.kv_capacity_tokens))
+                                            kv_capacity_tokens=cand.kv_capacity_tokens,
+                                            step_tokens=options.max_num_batched_tokens))
 
 
 METRICS = {"latency": ("latency per request", "ms", False),

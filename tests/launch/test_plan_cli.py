@@ -96,8 +96,9 @@ def test_plan_says_where_speculation_does_not_pay() -> None:
 
 def test_plan_disagg_auto_prints_both_kinds_and_picks() -> None:
     args = ("plan", "model=llama-3-70b", "cluster=dgx-h100", "scenario=rag",
-            "scenario.prompt_len=2000", "scenario.output_len=64", "scenario.ttft_slo_ms=4000",
-            "scenario.tpot_slo_ms=25", "disagg=auto")
+            "scenario.prompt_len=4000", "scenario.shared_prefix_fraction=0",
+            "scenario.output_len=256", "scenario.ttft_slo_ms=4000", "scenario.tpot_slo_ms=20",
+            "disagg=auto")
     out = meshserve(*args, "format=json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
