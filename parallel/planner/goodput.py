@@ -53,7 +53,11 @@ class DecodeTail:
 
         @cache
         def stall_s(batch: int) -> float:
-            """What one prompt's chunks add to the steps of `batch` decodes they ride in."""
+            """What one prompt's chunks add to the steps of `batch` decodes they ride in; in
+            a pipeline, its prefill's time on the slowest stage (what the prompt costs a
+            busy pipeline: a round's micro-batches change with the sequences in it)."""
+            if cost.layout.pp > 1:
+                return cost.prefill_busy_s(scenario.prompt_len, cached)
             decode = StepWork.decode(batch, context)
             alone, chunk = cost.step(decode).total_s, max(1, step_tokens - batch)
             added, done = 0.0, cached

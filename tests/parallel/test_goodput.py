@@ -66,3 +66,16 @@ def test_prompts_stall_colocated_decodes_and_not_a_split_s() -> None:
     assert colocated.share(rate) < split.share(rate)
     assert colocated.others(rate) > split.others(rate)  # the stalls stretch every life
     assert colocated.share(1.0 / prefill) == 0.0  # prompts alone fill the replica
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_prompt_always_stalls_for_some_time(pp: int) -> None:
+    """A pipeline round's micro-batches change with the sequences in it, so a round with a
+    prompt can be priced under one without: the stall is the prompt's slowest stage."""
+    shape, cluster, scenario, options = setup(*H100_CHAT)
+    cand, cost = sized(shape, cluster, scenario, 1, pp, options)
+    assert cost is not None
+    tail = DecodeTail(cost, scenario, 64, prompts=True)
+    assert all(tail.stall_s(b) > 0 for b in (1, 2, 16))
+    largest = min(64, cand.kv_capacity_tokens // (scenario.prompt_len + scenario.output_len))
+    assert colocated_goodput(cost, scenario, dp=1, largest=largest) > 0
