@@ -6,9 +6,9 @@ each request's prompt KV crosses from one to the other. Ranks are placed as the 
 starts them: prefill replicas first, device by device, then decode replicas.
 
 The figures, for the scenario's typical request (prompt p, output o):
-  - prefill replica: busy D = the prompt's prefill for each request; arrivals at rate λ per
-    replica queue as an M/D/1 queue, so the mean TTFT = λD² / 2(1 - λD) + the prefill
-    alone. The first token comes from the prefill replica.
+  - prefill replica: busy D = the prompt's prefill for each request; the mean TTFT it
+    reports is an M/D/1 queue's per replica at rate λ each, λD² / 2(1 - λD), plus the
+    prefill alone. The first token comes from the prefill replica.
   - KV hop: the prompt's KV bytes over the link the two replicas share (NVLink or shared
     memory inside a node, InfiniBand across nodes when the replicas span nodes), every rank
     moving its own piece at once; it delays the second token, so it is spread over TPOT.
