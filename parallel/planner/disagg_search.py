@@ -6,9 +6,10 @@ each request's prompt KV crosses from one to the other. Ranks are placed as the 
 starts them: prefill replicas first, device by device, then decode replicas.
 
 The figures, for the scenario's typical request (prompt p, output o):
-  - prefill replica: busy D = the prompt's prefill for each request; the mean TTFT it
-    reports is an M/D/1 queue's per replica at rate λ each, λD² / 2(1 - λD), plus the
-    prefill alone. The first token comes from the prefill replica.
+  - prefill replicas: busy D = the prompt's prefill for each request; the replicas share
+    one queue of prompts (M/D/c), so the mean TTFT is its mean wait plus the prefill alone
+    (for one replica at rate λ, λD² / 2(1 - λD)). The first token comes from the prefill
+    replica.
   - KV hop: the prompt's KV bytes over the link the two replicas share (NVLink or shared
     memory inside a node, InfiniBand across nodes when the replicas span nodes), every rank
     moving its own piece at once; it delays the second token, so it is spread over TPOT.
@@ -55,7 +56,7 @@ from meshserve.parallel.planner.search import (
     sized,
 )
 from meshserve.parallel.planner.serving_sim import Attainment, SimRequest
-from meshserve.parallel.planner.tails import highest_rate, wait_within
+from meshserve.parallel.planner.tails import highest_rate, mean_wait_s, wait_within
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,12 +108,6 @@ class SplitCandidate:
         """Which side limits goodput."""
         return ("prefill" if self.prefill_capacity_req_s <= self.decode_capacity_req_s
                 else "decode")
-
-
-def mdl_wait_s(rate: float, service_s: float) -> float:
-    """Mean wait of an M/D/1 queue (Poisson arrivals, fixed service); inf when saturated."""
-    load = rate * service_s
-    return float("inf") if load >= 1 else rate * service_s ** 2 / (2 * (1 - load))
 
 
 def last_true(n: int, holds: Callable[[int], bool]) -> int:
@@ -181,7 +176,7 @@ def predict_split(prefill_cost: CostModel, decode_cost: CostModel, scenario: Sce
         per_decode = rate / decode.replicas  # the smallest batch carrying it
         batch = min(largest, 1 + last_true(largest, lambda b: b / (step_s(b) * o)
                                            < per_decode))
-    ttft = (alone + mdl_wait_s(rate / prefill.replicas, busy)) * 1e3
+    ttft = (alone + mean_wait_s(rate, busy, prefill.replicas)) * 1e3
     tpot = tpot_s(batch) * 1e3
     decode_step = decode_cost.step(StepWork.decode(batch, context))
     pred = Prediction(

@@ -3,8 +3,8 @@ request's figures say only whether the average one does.
 
 Two effects set a steady service's tails under Poisson arrivals (DistServe's attainment:
 the share of requests within both SLOs):
-  - a prompt waits behind those queued before it: an M/D/1 queue of prefills
-    (`wait_within`);
+  - a prompt waits behind those queued before it: an M/D/c queue of prefills, one for
+    the replicas a router feeds (`wait_within`, `mean_wait_s`);
   - a decoding request is stalled by every prompt its replica prefills before it ends:
     those that arrive while it runs (and while its own prompt ran), and those that arrive
     during their prefills, recursively, the total count of a busy period
@@ -48,6 +48,18 @@ EXACT_WAIT = 10.0
 (its terms reach e^(2 rate t), so float64 keeps about 7 digits there)."""
 WAIT_TERMS = 80
 """Terms of Erlang's series summed at most: past them each is below EXACT_WAIT^k / k!."""
+
+
+def mean_wait_s(rate: float, service_s: float, servers: int = 1) -> float:
+    """The mean wait in the queue wait_within describes: Erlang's C times the exponential
+    tail's mean, service_s / (2 c (1 - load)); for one server the M/D/1 queue's exact mean
+    wait, load x service / (2 (1 - load)). inf when saturated."""
+    load = rate * service_s / servers
+    if load >= 1:
+        return math.inf
+    if load <= 0:
+        return 0.0
+    return erlang_c(servers, rate * service_s) * service_s / (2 * servers * (1 - load))
 
 
 def erlang_c(servers: int, offered: float) -> float:

@@ -15,7 +15,6 @@ from meshserve.parallel.planner.disagg_search import (
     SIM_SPLITS,
     choose_kind,
     last_true,
-    mdl_wait_s,
     simulated_goodput,
     splits,
 )
@@ -45,10 +44,6 @@ LONG_PROMPTS_TIGHT_TPOT = ("model=llama-3-70b", "cluster=dgx-h100", "scenario=ra
 @given(st.integers(0, 200), st.integers(0, 200))
 def test_last_true_bisects_a_monotone_predicate(n: int, edge: int) -> None:
     assert last_true(n, lambda b: b <= edge) == min(n, edge)
-
-
-def test_md1_edges() -> None:
-    assert mdl_wait_s(1.0, 1.0) == float("inf") and mdl_wait_s(0.0, 1.0) == 0.0
 
 
 def test_every_split_uses_every_device_and_prices_its_hop() -> None:

@@ -13,6 +13,7 @@ from meshserve.parallel.planner.tails import (
     busy_period_pmf,
     erlang_c,
     highest_rate,
+    mean_wait_s,
     stalls_within,
     wait_within,
 )
@@ -125,3 +126,15 @@ def test_stalls_within_takes_a_normal_law_for_large_counts() -> None:
     for x in (200, 214, 230):
         empirical = sum(c <= x for c in counts) / len(counts)
         assert stalls_within(x, 150.0, 0.3) == pytest.approx(empirical, abs=0.04)
+
+
+@pytest.mark.parametrize(("servers", "load"), [(1, 0.5), (1, 0.8), (2, 0.7), (4, 0.8)])
+def test_mean_wait_matches_a_simulated_queue(servers: int, load: float) -> None:
+    waits = _mdc_waits(load * servers, 1.0, servers, 200_000)
+    exact = sum(waits) / len(waits)
+    assert mean_wait_s(load * servers, 1.0, servers) == pytest.approx(exact, rel=0.15)
+
+
+def test_mean_wait_edges() -> None:
+    assert mean_wait_s(0.5, 1.0) == pytest.approx(0.5 / (2 * 0.5))  # M/D/1: ρS / 2(1-ρ)
+    assert mean_wait_s(1.0, 1.0) == math.inf and mean_wait_s(0.0, 1.0) == 0.0
