@@ -58,12 +58,12 @@ from meshserve.parallel.planner.disagg_search import splits
 from meshserve.parallel.planner.goodput import ATTAINMENT
 from meshserve.parallel.planner.layout_sim import (
     Replicas,
-    max_rate,
     profile_scale,
     simulate_colocated,
     simulate_disagg,
 )
 from meshserve.parallel.planner.model_shape import ModelShape
+from meshserve.parallel.planner.rate_search import max_rate
 from meshserve.parallel.planner.search import evaluate, options_for
 from meshserve.parallel.planner.serving_sim import Attainment, SimRequest
 

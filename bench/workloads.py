@@ -111,8 +111,7 @@ def resolve(spec: str, vocab_size: int, *, seed: int = 0, num_requests: int | No
         if rate is None:
             raise ValueError("bench.workload='online' needs bench.rate: allowed is a rate in "
                              "requests/s, e.g. bench.rate=2.0")
-        reqs = longtail(vocab_size, seed) if num_requests is None else longtail(
-            vocab_size, seed, n=num_requests)
+        reqs = make("longtail", vocab_size, seed, num_requests)
     elif spec in WORKLOADS:
         reqs = make(spec, vocab_size, seed, num_requests)
     elif spec.endswith(".json") or Path(spec).expanduser().is_file():

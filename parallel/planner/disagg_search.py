@@ -28,14 +28,13 @@ from dataclasses import dataclass, replace
 from meshserve.parallel.comm.mesh import divisors
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.cost_model import CostModel, StepWork
-from meshserve.parallel.planner.goodput import ATTAINMENT, DecodeTail
+from meshserve.parallel.planner.goodput import ATTAINMENT, DecodeTail, attained_rate
 from meshserve.parallel.planner.layout_sim import (
     Replicas,
     capacity_colocated,
     capacity_disagg,
     hop_bytes_s,
     hop_link,
-    max_rate,
     scenario_requests,
     simulate_colocated,
     simulate_disagg,
@@ -44,6 +43,7 @@ from meshserve.parallel.planner.layout_sim import (
 from meshserve.parallel.planner.model_shape import ModelShape
 from meshserve.parallel.planner.placement import Plan
 from meshserve.parallel.planner.prediction import Prediction, cached_tokens
+from meshserve.parallel.planner.rate_search import max_rate
 from meshserve.parallel.planner.scenario import ScenarioConfig
 from meshserve.parallel.planner.search import (
     METRICS,
@@ -56,7 +56,7 @@ from meshserve.parallel.planner.search import (
     sized,
 )
 from meshserve.parallel.planner.serving_sim import Attainment, SimRequest
-from meshserve.parallel.planner.tails import highest_rate, mean_wait_s, wait_within
+from meshserve.parallel.planner.tails import mean_wait_s, wait_within
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,10 +162,10 @@ def predict_split(prefill_cost: CostModel, decode_cost: CostModel, scenario: Sce
 
     prefill_top = prefill.replicas / busy
     decode_top = decode.replicas * largest / (max(1, o - 1) * step_s(1))
-    prefill_cap = highest_rate(prefill_share, ATTAINMENT, upper=prefill_top)
-    decode_cap = highest_rate(decode_share, ATTAINMENT, upper=decode_top)
-    good = highest_rate(lambda r: prefill_share(r) * decode_share(r), ATTAINMENT,
-                        upper=min(prefill_top, decode_top))
+    prefill_cap = attained_rate(prefill_share, upper=prefill_top)
+    decode_cap = attained_rate(decode_share, upper=decode_top)
+    good = attained_rate(lambda r: prefill_share(r) * decode_share(r),
+                         upper=min(prefill_top, decode_top))
     saturated = min(prefill.replicas / busy * 0.99,
                     decode.replicas * largest / (step_s(largest) * o))
     if scenario.objective == "latency":  # the colocated planner's load: max_batch in all

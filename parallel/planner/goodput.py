@@ -21,8 +21,9 @@ from collections.abc import Callable
 from functools import cache
 
 from meshserve.parallel.planner.cost_model import CostModel, StepWork
+from meshserve.parallel.planner.rate_search import max_rate
 from meshserve.parallel.planner.scenario import ScenarioConfig
-from meshserve.parallel.planner.tails import highest_rate, stalls_within, wait_within
+from meshserve.parallel.planner.tails import stalls_within, wait_within
 
 ATTAINMENT = 0.9
 """The share of requests within both SLOs at which a rate counts as served (DistServe's
@@ -30,6 +31,13 @@ attainment target): a layout's goodput is the highest such rate."""
 BATCH_SDS = 6.0
 """A decode batch's others are summed this many standard deviations either side of their
 mean (Poisson weights beyond are negligible)."""
+
+
+def attained_rate(share: Callable[[float], float], *, upper: float) -> float:
+    """The highest rate below `upper` at which `share(rate)` (falling with the rate) reaches
+    ATTAINMENT, to within 0.1%; 0 where even a vanishing rate misses it."""
+    return max_rate(lambda rate: rate < upper and share(rate) >= ATTAINMENT, upper / 2,
+                    rel_tol=1e-3, floor=1e-6)
 
 
 def context_of(scenario: ScenarioConfig) -> float:
@@ -68,12 +76,13 @@ class DecodeTail:
             return added
 
         self.stall_s: Callable[[int], float] = stall_s
+        self.others: Callable[[float], float] = cache(self._others)
 
     def load(self, rate: float, batch: int) -> float:
         """The share of the replica's time prompts take at `rate`."""
         return rate * self.stall_s(batch) if self.prompts else 0.0
 
-    def others(self, rate: float) -> float:
+    def _others(self, rate: float) -> float:
         """Mean sequences decoding beside one (Little: rate x decode life), the life
         stretched by the prompts prefilled meanwhile; inf where they never settle."""
         o = self.scenario.output_len
@@ -136,4 +145,4 @@ def colocated_goodput(cost: CostModel, scenario: ScenarioConfig, *, dp: int, lar
         return (wait_within(ttft_slo - alone - step, rate, service, dp)
                 * decode.share(r))
 
-    return highest_rate(share, ATTAINMENT, upper=dp / decode.stall_s(1))
+    return attained_rate(share, upper=dp / decode.stall_s(1))

@@ -14,7 +14,6 @@ the share of requests within both SLOs):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 
 def wait_within(t: float, rate: float, service_s: float, servers: int = 1) -> float:
@@ -126,16 +125,3 @@ def _stalls_pmf(n_max: int, initial_mean: float, load: float) -> list[float]:
     for n in range(1, n_max + 1):
         g.append(initial_mean / n * sum(jf[j] * g[n - j] for j in range(1, n + 1)))
     return g
-
-
-def highest_rate(share: Callable[[float], float], target: float, *, upper: float,
-                 rel_tol: float = 1e-3) -> float:
-    """The highest rate in (0, `upper`) at which `share(rate)` (falling with the rate) is at
-    least `target`, by bisection; 0 where even a vanishing rate misses it."""
-    lo, hi = 0.0, upper
-    if share(upper * 1e-6) < target:
-        return 0.0
-    while hi - lo > rel_tol * hi:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if share(mid) >= target else (lo, mid)
-    return lo

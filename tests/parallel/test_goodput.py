@@ -9,7 +9,7 @@ import pytest
 from meshserve.launch.config import load_config
 from meshserve.launch.plan import model_shape
 from meshserve.parallel.planner.disagg_search import simulated_goodput, splits
-from meshserve.parallel.planner.goodput import DecodeTail, colocated_goodput
+from meshserve.parallel.planner.goodput import DecodeTail, attained_rate, colocated_goodput
 from meshserve.parallel.planner.prediction import cached_tokens
 from meshserve.parallel.planner.search import evaluate, options_for, sized
 
@@ -79,3 +79,8 @@ def test_a_prompt_always_stalls_for_some_time(pp: int) -> None:
     assert all(tail.stall_s(b) > 0 for b in (1, 2, 16))
     largest = min(64, cand.kv_capacity_tokens // (scenario.prompt_len + scenario.output_len))
     assert colocated_goodput(cost, scenario, dp=1, largest=largest) > 0
+
+
+def test_attained_rate_bisects_a_falling_share() -> None:
+    assert attained_rate(lambda r: 1 - r / 10, upper=10.0) == pytest.approx(1.0, rel=1e-3)
+    assert attained_rate(lambda r: 0.5, upper=10.0) == 0.0

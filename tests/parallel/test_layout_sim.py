@@ -16,7 +16,6 @@ from meshserve.parallel.planner.layout_sim import (
     Replicas,
     capacity_colocated,
     kv_hop,
-    max_rate,
     profile_scale,
     scenario_requests,
     simulate_colocated,
@@ -24,6 +23,7 @@ from meshserve.parallel.planner.layout_sim import (
     steady_requests,
     step_time,
 )
+from meshserve.parallel.planner.rate_search import max_rate
 from meshserve.parallel.planner.search import options_for, sized
 from meshserve.parallel.planner.serving_sim import SimRequest, attainment, simulate
 

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from meshserve.parallel.planner.tails import (
     busy_period_pmf,
     erlang_c,
-    highest_rate,
     mean_wait_s,
     stalls_within,
     wait_within,
@@ -86,11 +85,6 @@ def test_stalls_within_is_monotone_between_integers() -> None:
     ps = [stalls_within(x, 1.2, 0.3) for x in xs]
     assert ps == sorted(ps) and ps[0] == pytest.approx(math.exp(-1.2))
     assert stalls_within(-0.5, 1.2, 0.3) == 0.0 and stalls_within(3.0, 0.0, 0.3) == 1.0
-
-
-def test_highest_rate_bisects_a_falling_share() -> None:
-    assert highest_rate(lambda r: 1 - r / 10, 0.9, upper=10.0) == pytest.approx(1.0, rel=1e-3)
-    assert highest_rate(lambda r: 0.5, 0.9, upper=10.0) == 0.0
 
 
 def _mdc_waits(rate: float, service: float, servers: int, n: int, seed: int = 0

@@ -6,7 +6,7 @@ from meshserve.bench.disagg import Simulated
 from meshserve.bench.layout_check import load_cluster
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.planner.goodput import ATTAINMENT
-from meshserve.parallel.planner.layout_sim import max_rate
+from meshserve.parallel.planner.rate_search import max_rate
 
 arch = ModelArch.from_dir(checkpoints.resolve("tiny"))
 cluster = load_cluster("docs/benchmarks/records/cpu-2026-12-05-sim/disagg_preset.yaml")
