@@ -11,8 +11,8 @@ import torch
 
 from meshserve.bench import checkpoints, workloads
 from meshserve.bench.harness import MeshserveRunner
-from meshserve.engine.runtime_config import load_runtime_config
 from meshserve.engine.disagg import DisaggEngine
+from meshserve.engine.runtime_config import load_runtime_config
 from meshserve.models.arch import ModelArch
 
 RATE, NUM = float(sys.argv[1]), int(sys.argv[2])
