@@ -66,6 +66,9 @@ class _Hop:
     """Whether the prefill replica granted the read (the blocks may be moving)."""
     import_sent_at: float = 0.0
     """When the front told the decode replica to import (its clock)."""
+    announced: int | None = None
+    """The transfer id of a read begun as the import was sent, whose grant the remote
+    prefill replica announces in the KV store (a pulling connector)."""
 
 
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -84,8 +87,9 @@ class TransferStats:
     num_skipped: int = 0
     """Requests that did not hop (short, cached, or their params need the whole run)."""
     num_granted_at_import: int = 0
-    """Reads the front began as it sent the import (KV held in its own process, a pulling
-    connector), so the decode replica never asked."""
+    """Reads begun as the import was sent (a pulling connector), so the decode replica
+    never asked: granted here for KV held in this process, announced in the KV store by
+    a remote prefill replica."""
     bytes: int = 0
     wire_seconds_sum: float = 0.0
     """Time the bytes themselves took (the decode replica's pulls)."""
@@ -137,6 +141,9 @@ class DisaggEngine(DataParallelEngine):
         self._hops: dict[str, _Hop] = {}
         self._transfers: dict[str, tuple[int, float]] = {}
         """Requests whose KV a decode replica is reading -> (prefill replica, start)."""
+        self._grant_keys: dict[str, tuple[int, int, bool, bool]] = {}
+        """Reads announced in the KV store -> (transfer id, prefill replica, grant seen,
+        transfer ended): the key goes once both are true (or its replica is lost)."""
         self._transfer_ids = itertools.count(1)
         self.transfers = TransferStats()
         self._progress = progress
@@ -295,15 +302,20 @@ class DisaggEngine(DataParallelEngine):
             self._transfers[rid] = (hop.prefill, hop.held_at)
             self._tell_or_lose(hop.prefill, "export", rid, transfer_id, first_block, index)
         elif kind == "granted":
+            self._grant_key_step(rid, seen=True)
             if hop is None:  # aborted after the read began: end it
                 self._end_transfer(rid)
                 return []
             assert hop.decode is not None
             hop.granted = True
-            self._tell_or_lose(hop.decode, "granted", rid)
+            if hop.announced is None:
+                self._tell_or_lose(hop.decode, "granted", rid)
+            else:  # the decode replica finds it in the store
+                self.transfers.num_granted_at_import += 1
         elif kind == "denied":
             (why,) = args
             self._transfers.pop(rid, None)
+            self._grant_keys.pop(rid, None)  # (nothing was announced)
             if hop is not None and hop.decode is not None:
                 self._tell_or_lose(hop.decode, "denied", rid, why)
                 return self._transfer_failed(rid, hop, str(why))
@@ -322,7 +334,7 @@ class DisaggEngine(DataParallelEngine):
         elif kind == "import_failed":
             (why,) = args
             self._end_transfer(rid)
-            if hop is not None:
+            if hop is not None and hop.stage != "decode":  # (else already failed over)
                 return self._transfer_failed(rid, hop, str(why))
         elif kind == "lease_expired":
             self.transfers.num_expired += 1
@@ -333,32 +345,59 @@ class DisaggEngine(DataParallelEngine):
     def _import(self, rid: str, hop: _Hop) -> None:
         """The prompt's KV is held and its first token known: send it to a decode replica.
 
-        When the KV is held here (replica 0) and the connector pulls, the lease's read
-        begins now and the decode replica pulls as soon as it has its blocks: no ask comes
-        back through this loop, which may be in the middle of a prefill step."""
+        When the connector pulls, the lease's read begins now and the decode replica pulls
+        as soon as it has its blocks, with no ask and no grant through this loop, which may
+        be in the middle of a prefill step: KV held here (replica 0) is granted at once; a
+        remote prefill replica is told to export and announces its grant in the KV store,
+        where the decode replica looks (a refusal still comes through here)."""
         assert hop.first is not None and hop.held_blocks is not None
         target = self._pick_decode()
         self._move(rid, hop.prefill, target)
         hop.decode, hop.stage = target, "held"
         transfer_id = next(self._transfer_ids)
-        if hop.prefill == 0 and not self.role.connector.pushes:
-            (reply,) = self.role.command("export", (rid, transfer_id, 0, target))
-            if reply[0] == "denied":
-                self._buffered += self._transfer_failed(rid, hop, str(reply[2]))
-                return
-            hop.stage, hop.granted = "import", True
-            self._transfers[rid] = (0, hop.held_at)
-            self.transfers.num_granted_at_import += 1
+        if not self.role.connector.pushes:
+            if hop.prefill == 0:
+                (reply,) = self.role.command("export", (rid, transfer_id, 0, target))
+                if reply[0] == "denied":
+                    self._buffered += self._transfer_failed(rid, hop, str(reply[2]))
+                    return
+                hop.granted = True
+                self.transfers.num_granted_at_import += 1
+            else:  # counted when the grant comes here too
+                hop.announced = transfer_id
+                self._grant_keys[rid] = (transfer_id, hop.prefill, False, False)
+            self._transfers[rid] = (hop.prefill, hop.held_at)
+            if hop.announced is not None:
+                self._tell_or_lose(hop.prefill, "export", rid, transfer_id, 0, target, True)
+                if hop.prefill in self.down:  # lost on the way: the hop failed over
+                    return
+            hop.stage = "import"
         hop.import_sent_at = time.monotonic()
         self._tell_or_lose(target, "import", rid, hop.ids + hop.first.token_ids,
                            decode_params(hop.params), hop.arrival, hop.prefill,
-                           hop.held_blocks, transfer_id, hop.granted)
+                           hop.held_blocks, transfer_id, hop.granted,
+                           hop.announced is not None)
+
+    def _grant_key_step(self, rid: str, *, seen: bool = False, ended: bool = False) -> None:
+        """A read announced in the KV store: its grant was seen here, or its transfer
+        ended. Once both, nobody will look for the key again: it goes."""
+        entry = self._grant_keys.get(rid)
+        if entry is None:
+            return
+        transfer_id, prefill, was_seen, was_ended = entry
+        seen, ended = seen or was_seen, ended or was_ended
+        if seen and ended:
+            del self._grant_keys[rid]
+            self.role.connector.peers.forget_grant(transfer_id)
+        else:
+            self._grant_keys[rid] = (transfer_id, prefill, seen, ended)
 
     def _end_transfer(self, rid: str) -> float | None:
         """A decode replica is done reading `rid`'s KV: the prefill replica unpins it."""
         entry = self._transfers.pop(rid, None)
         if entry is None:
             return None
+        self._grant_key_step(rid, ended=True)
         prefill, start = entry
         if prefill not in self.down:
             try:
@@ -477,6 +516,10 @@ class DisaggEngine(DataParallelEngine):
                 self._end_transfer(rid)
             elif prefill == index:
                 self._transfers.pop(rid)
+        for rid, (transfer_id, prefill, _, _) in list(self._grant_keys.items()):
+            if prefill == index:  # it announces nothing more; what it did, goes
+                del self._grant_keys[rid]
+                self.role.connector.peers.forget_grant(transfer_id)
         super()._lose(index, reason)
         for rid in [rid for rid in self._hops if rid not in self._owner]:
             del self._hops[rid]

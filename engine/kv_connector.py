@@ -84,6 +84,26 @@ class KVPeers:
                                     for i, f in enumerate(found)]  # type: ignore[arg-type]
         return self._ranks[replica]
 
+    # A read of a remote prefill replica's KV is begun as its import is sent (pulling
+    # connectors); the prefill replica announces the grant here, where the decode replica
+    # looks for it, so neither waits for the front to relay it between its own steps.
+
+    def announce_grant(self, transfer_id: int) -> None:
+        with self._lock:
+            self.store.set(_grant_key(transfer_id), b"1")
+
+    def grant_announced(self, transfer_id: int) -> bool:
+        with self._lock:
+            return self.store.check([_grant_key(transfer_id)])
+
+    def forget_grant(self, transfer_id: int) -> None:
+        with self._lock:
+            self.store.delete_key(_grant_key(transfer_id))
+
+
+def _grant_key(transfer_id: int) -> str:
+    return f"meshserve-kv/granted/{transfer_id}"
+
 
 class KVConnector(ABC):
     """One rank's end of KV traffic: replica indices name the peers."""

@@ -11,7 +11,9 @@ A decode replica told to "import" a request pins what its prefix cache already h
 the prompt and takes fresh blocks for the rest (`BlockManager.begin_import`); if nothing
 is missing, or no block is free, it admits the request at once (then it prefills what it
 lacks itself). Otherwise it asks ("want"), and once granted a thread pulls the blocks in
-(an import may come granted already: the front began the read of KV it holds itself);
+(an import may come granted already: the front began the read of KV it holds itself; or
+announced: the front began the read of a remote prefill replica's KV as it sent the
+import, and that replica announces the grant in the KV store, where this side looks);
 when the thread is done the blocks enter its prefix cache and the request (its prompt
 plus the first token) is admitted, a prefix hit for all but its last block. An abort at
 any point frees what the request holds on this side, once no thread still uses it.
@@ -92,6 +94,8 @@ class _Import:
     transfer_id: int
     received: float = 0.0
     """When the import came (this side's clock)."""
+    announced: bool = False
+    """Whether the grant comes through the KV store rather than from the front."""
     running: bool = False
     aborted: bool = False
 
@@ -183,9 +187,7 @@ class KVRole:
             return []
         if kind == "denied":
             rid, _why = args
-            job = self._imports.pop(rid, None)  # type: ignore[arg-type]
-            if job is not None:  # (gone if aborted meanwhile)
-                self.bm.finish_import(job.imp, written=False)
+            self._drop_import(rid)  # type: ignore[arg-type]
             return []
         raise ValueError(f"unknown disaggregation message {kind!r}")
 
@@ -193,10 +195,15 @@ class KVRole:
         """Free whatever `rid` holds here (once no thread uses it)."""
         self._prefills.pop(rid, None)
         self.bm.unpin(self.leases.abort(rid))
+        self._drop_import(rid)
+
+    def _drop_import(self, rid: str) -> None:
+        """Free an import's blocks, or have its thread's end free them (a pull announced
+        in the store may be running when a denial comes: its prefill replica was lost)."""
         job = self._imports.get(rid)
         if job is not None:
             if job.running:
-                job.aborted = True  # the thread's end frees it
+                job.aborted = True
             else:
                 del self._imports[rid]
                 self.bm.finish_import(job.imp, written=False)
@@ -232,6 +239,10 @@ class KVRole:
                     self._end_read(rid)
                 continue
             replies += self._finish_pull(rid, nbytes, seconds, error)
+        for rid, job in list(self._imports.items()):
+            if job.announced and not job.running \
+                    and self.connector.peers.grant_announced(job.transfer_id):
+                self._start_pull(rid)
         for rid, blocks in self.leases.expire(self.clock()):
             self.bm.unpin(blocks)
             replies.append(("lease_expired", rid))
@@ -254,11 +265,16 @@ class KVRole:
 
     # --- prefill side --------------------------------------------------------------------
 
-    def _export(self, rid: str, transfer_id: int, first_block: int, dst: int) -> list[Message]:
+    def _export(self, rid: str, transfer_id: int, first_block: int, dst: int,
+                announce: bool = False) -> list[Message]:
+        """Begin the lease's read for replica `dst` (refused if it lapsed or was aborted);
+        `announce`: say so in the KV store too, where the pulling decode replica looks."""
         try:
             blocks = self.leases.begin_read(rid, self.clock())
         except LeaseExpired as e:
             return [("denied", rid, str(e))]
+        if announce:
+            self.connector.peers.announce_grant(transfer_id)
         if self.connector.pushes:
             self._sending[rid] = transfer_id
             send = list(blocks[first_block:])
@@ -282,9 +298,9 @@ class KVRole:
 
     def _import(self, rid: str, ids: list[int], params: SamplingParams, arrival: float,
                 src: int, src_blocks: list[int], transfer_id: int,
-                granted: bool = False) -> list[Message]:
+                granted: bool = False, announced: bool = False) -> list[Message]:
         """Take blocks for what the prefix cache lacks of the prompt, then ask for the read
-        (or, `granted` already, pull at once)."""
+        (or, `granted` already, pull at once; `announced`, pull once the store says so)."""
         bs = self.bm.block_size
         shipped = ids[:len(src_blocks) * bs + 1]  # what the prefill side holds, + 1 token
         imp = self.bm.begin_import(shipped) if src_blocks else None
@@ -294,10 +310,12 @@ class KVRole:
             self.engine.add_request(ids, params, rid, arrival)
             return [("imported", rid, 0, 0.0, 0.0)]
         self._imports[rid] = _Import(imp, ids, params, arrival, src, src_blocks, transfer_id,
-                                     self.clock())
-        if granted:
+                                     self.clock(), announced)
+        if granted or (announced and self.connector.peers.grant_announced(transfer_id)):
             self._start_pull(rid)
             return []
+        if announced:
+            return []  # `poll` starts the pull
         want: Message = ("want", rid, transfer_id, imp.first_block)
         if "want" in self._delays:
             self._held_back.append((self.clock() + self._delays["want"], want))
@@ -306,7 +324,7 @@ class KVRole:
 
     def _start_pull(self, rid: str) -> None:
         job = self._imports.get(rid)
-        if job is None:  # aborted meanwhile
+        if job is None or job.running:  # aborted meanwhile, or begun already
             return
         job.running = True
         threading.Thread(target=self._pull, args=(rid, job), name=f"meshserve-kv-pull-{rid}",

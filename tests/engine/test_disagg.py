@@ -89,10 +89,22 @@ def test_disagg_auto_runs_the_planned_split(make_checkpoint, prompts, expected) 
         llm.shutdown()
 
 
+NIXL_ONLY = pytest.mark.skipif(not nixl_available(), reason="needs nixl (pip install nixl)")
+
+
+def assert_no_grant_left(engine: DisaggEngine) -> None:
+    """Every grant announced in the KV store is gone from it."""
+    assert not engine._grant_keys
+    peers = engine.role.connector.peers
+    last = next(engine._transfer_ids)
+    assert not any(peers.grant_announced(i) for i in range(1, last))
+
+
 SIDES = [pytest.param(("disagg.prefill.tp=2",), id="prefill-tp2"),
          pytest.param(("disagg.decode.tp=2",), id="decode-tp2"),
          pytest.param(("disagg.prefill.pp=2",), id="prefill-pp2"),
-         pytest.param(("disagg.decode.pp=2",), id="decode-pp2")]
+         pytest.param(("disagg.decode.pp=2",), id="decode-pp2"),
+         pytest.param(("disagg.prefill.replicas=2",), id="two-prefill")]
 
 
 @pytest.mark.parametrize("connector", CONNECTORS)
@@ -101,7 +113,8 @@ def test_sides_of_other_tp_and_pp_equal_transformers(make_checkpoint, prompts, e
                                                      connector: str,
                                                      side: tuple[str, ...]) -> None:
     """KV heads resharded (tp 2 -> 1, 1 -> 2) and stages gathered or split (pp 2 <-> 1)
-    on the way: every rank moves its own piece; the same tokens, the same bytes."""
+    on the way: every rank moves its own piece; the same tokens, the same bytes. With two
+    prefill replicas, replica 1's KV moves from another process than the front's."""
     llm = disagg_llm(str(make_checkpoint("llama")), f"disagg.connector={connector}", *side)
     try:
         engine = llm.engine
@@ -111,10 +124,53 @@ def test_sides_of_other_tp_and_pp_equal_transformers(make_checkpoint, prompts, e
         hopped = [p for p in prompts if len(p) >= 16]
         t = engine.transfers
         assert t.num_transfers == len(hopped) and t.num_failed == 0
-        # NIXL pulls: the front began each read itself, so no ask waited on its steps
+        # NIXL pulls: each read began as the import was sent (granted in the front for
+        # replica 0's KV, announced in the KV store by replica 1), so no ask or grant
+        # waited on the front's steps
         assert t.num_granted_at_import == (len(hopped) if connector == "nixl" else 0)
+        if engine.num_prefill == 2:
+            assert engine.requests_per_replica[1] > 0  # some prompts prefilled there
+            assert_no_grant_left(engine)
         block_bytes = 2 * 2 * 8 * 2 * 16 * 4  # every layer and head once, whatever the split
         assert t.bytes == sum((len(p) - 1) // 8 for p in hopped) * block_bytes
+        assert_no_blocks_held(engine)
+    finally:
+        llm.shutdown()
+
+
+@NIXL_ONLY
+@pytest.mark.usefixtures("slow_transfers")
+def test_an_abort_of_an_announced_read_frees_both_sides(make_checkpoint, prompts,
+                                                        expected) -> None:
+    """2P+1D over NIXL, pulls starting 0.6 s late: requests prefilled on replica 1 are
+    aborted once their read is announced; the others keep transformers' tokens, and no
+    block or key is left."""
+    llm = LLM(str(make_checkpoint("llama")), progress=False, min_replicas=2, overrides=[
+        *ONE_RANK, "disagg.prefill.replicas=2", "disagg.connector=nixl"])
+    try:
+        engine = llm.engine
+        long = [i for i, p in enumerate(prompts) if len(p) >= 16]
+        ids = {engine.add_request(prompts[i], GREEDY): i for i in long}
+
+        def announced_on_1(_: list[RequestOutput]) -> bool:
+            return any(h.prefill == 1 and h.announced is not None
+                       for h in engine._hops.values())
+
+        outs = run_until(engine, announced_on_1)
+        aborted = {r for r, h in engine._hops.items()
+                   if h.prefill == 1 and h.announced is not None}
+        for rid in aborted:
+            engine.abort(rid)
+        outs += run_until(engine, lambda o: not engine.has_unfinished(), 60.0)
+        finished = {o.request_id: o for o in outs if o.finished}
+        assert set(finished) == set(ids) - aborted
+        for rid, out in finished.items():
+            assert out.token_ids == expected[ids[rid]], rid
+        deadline = time.monotonic() + 10
+        while engine.role.busy or engine._transfers or engine._grant_keys:
+            assert time.monotonic() < deadline
+            engine.step()
+        assert_no_grant_left(engine)
         assert_no_blocks_held(engine)
     finally:
         llm.shutdown()
