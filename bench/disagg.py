@@ -10,7 +10,8 @@ process at each rate, on the bench's `tiny` model, every layout on the same two 
   - `1x-auto`: one replica, two threads, engine.max_num_batched_tokens=auto with
     scenario.tpot_slo_ms the TPOT SLO (the latency-set step budget).
 The SLOs are arguments, fixed before the run. Prints per rate and layout: goodput (requests
-per second meeting both SLOs), TTFT and TPOT p50/p99, throughput; for 1P+1D the KV moved
+per second meeting both SLOs), TTFT, TPOT and inter-token latency p50/p99 (as the caller
+receives the tokens), throughput; for 1P+1D the KV moved
 (bytes, bytes/s, transfer time p50) and how the transfer compares with TTFT (the first
 token comes from the prefill replica, so the transfer delays the second token, not the
 first); and the ratios of 1P+1D to the best colocated layout at that rate (the most
@@ -307,7 +308,9 @@ def main() -> None:
                    "ttft_p50_ms": round(s["ttft_s"]["p50"] * 1e3, 1),
                    "ttft_p99_ms": round(s["ttft_s"]["p99"] * 1e3, 1),
                    "tpot_p50_ms": round(s["tpot_s"]["p50"] * 1e3, 1),
-                   "tpot_p99_ms": round(s["tpot_s"]["p99"] * 1e3, 1)}
+                   "tpot_p99_ms": round(s["tpot_s"]["p99"] * 1e3, 1),
+                   "itl_p50_ms": round(s["itl_s"]["p50"] * 1e3, 1),
+                   "itl_p99_ms": round(s["itl_s"]["p99"] * 1e3, 1)}
             if transfers is not None and transfers.recent:
                 secs = list(transfers.recent)
                 row["kv"] = {"transfers": transfers.num_transfers,
