@@ -71,6 +71,19 @@ class _Hop:
     prefill replica announces in the KV store (a pulling connector)."""
 
 
+@dataclass
+class _Announced:
+    """A read a remote prefill replica announces in the KV store."""
+
+    transfer_id: int
+    prefill: int
+    decode: int
+    seen: bool = False
+    """Whether the prefill replica's grant has reached the front."""
+    ended: bool = False
+    """Whether the transfer has ended (the decode replica imported it, or gave it up)."""
+
+
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0)
 """Upper bounds (seconds) of the transfer-time histogram's buckets."""
@@ -141,9 +154,9 @@ class DisaggEngine(DataParallelEngine):
         self._hops: dict[str, _Hop] = {}
         self._transfers: dict[str, tuple[int, float]] = {}
         """Requests whose KV a decode replica is reading -> (prefill replica, start)."""
-        self._grant_keys: dict[str, tuple[int, int, bool, bool]] = {}
-        """Reads announced in the KV store -> (transfer id, prefill replica, grant seen,
-        transfer ended): the key goes once both are true (or its replica is lost)."""
+        self._grant_keys: dict[str, _Announced] = {}
+        """Reads announced in the KV store: the key goes once the grant reached the front
+        and the transfer ended, or once the prefill replica is lost."""
         self._transfer_ids = itertools.count(1)
         self.transfers = TransferStats()
         self._progress = progress
@@ -248,7 +261,8 @@ class DisaggEngine(DataParallelEngine):
             self.local.add_request(*args)
         elif kind == "abort":
             self.local.abort(args[0])
-            self.role.abort(args[0])
+            for reply in self.role.abort(args[0]):
+                self._buffered += self._on_message(0, reply)
         else:
             for reply in self.role.command(kind, tuple(args)):
                 self._buffered += self._on_message(0, reply)
@@ -302,9 +316,11 @@ class DisaggEngine(DataParallelEngine):
             self._transfers[rid] = (hop.prefill, hop.held_at)
             self._tell_or_lose(hop.prefill, "export", rid, transfer_id, first_block, index)
         elif kind == "granted":
+            announced = rid in self._grant_keys
             self._grant_key_step(rid, seen=True)
-            if hop is None:  # aborted after the read began: end it
-                self._end_transfer(rid)
+            if hop is None:  # aborted after the read began: end it, unless the decode
+                if not announced:  # replica may be reading (it reports the end)
+                    self._end_transfer(rid)
                 return []
             assert hop.decode is not None
             hop.granted = True
@@ -365,7 +381,7 @@ class DisaggEngine(DataParallelEngine):
                 self.transfers.num_granted_at_import += 1
             else:  # counted when the grant comes here too
                 hop.announced = transfer_id
-                self._grant_keys[rid] = (transfer_id, hop.prefill, False, False)
+                self._grant_keys[rid] = _Announced(transfer_id, hop.prefill, target)
             self._transfers[rid] = (hop.prefill, hop.held_at)
             if hop.announced is not None:
                 self._tell_or_lose(hop.prefill, "export", rid, transfer_id, 0, target, True)
@@ -381,16 +397,13 @@ class DisaggEngine(DataParallelEngine):
     def _grant_key_step(self, rid: str, *, seen: bool = False, ended: bool = False) -> None:
         """A read announced in the KV store: its grant was seen here, or its transfer
         ended. Once both, nobody will look for the key again: it goes."""
-        entry = self._grant_keys.get(rid)
-        if entry is None:
+        read = self._grant_keys.get(rid)
+        if read is None:
             return
-        transfer_id, prefill, was_seen, was_ended = entry
-        seen, ended = seen or was_seen, ended or was_ended
-        if seen and ended:
+        read.seen, read.ended = read.seen or seen, read.ended or ended
+        if read.seen and read.ended:
             del self._grant_keys[rid]
-            self.role.connector.peers.forget_grant(transfer_id)
-        else:
-            self._grant_keys[rid] = (transfer_id, prefill, seen, ended)
+            self.role.connector.peers.forget_grant(read.transfer_id)
 
     def _end_transfer(self, rid: str) -> float | None:
         """A decode replica is done reading `rid`'s KV: the prefill replica unpins it."""
@@ -471,6 +484,9 @@ class DisaggEngine(DataParallelEngine):
 
     def _busy_remotes(self) -> list[Any]:
         reading = {p for p, _ in self._transfers.values()}  # prefill replicas still read from
+        for read in self._grant_keys.values():  # replies still due on announced reads
+            reading |= ({read.decode} if not read.ended else set()) \
+                | ({read.prefill} if not read.seen else set())
         return [r for r in self._live_remotes()
                 if self.router.load[r.index] > 0 or r.index in reading]
 
@@ -516,10 +532,12 @@ class DisaggEngine(DataParallelEngine):
                 self._end_transfer(rid)
             elif prefill == index:
                 self._transfers.pop(rid)
-        for rid, (transfer_id, prefill, _, _) in list(self._grant_keys.items()):
-            if prefill == index:  # it announces nothing more; what it did, goes
-                del self._grant_keys[rid]
-                self.role.connector.peers.forget_grant(transfer_id)
+        for rid, read in list(self._grant_keys.items()):
+            if read.decode == index:  # (its request may be gone: aborted)
+                self._end_transfer(rid)
+            if read.prefill == index:  # it announces nothing more; what it did, goes
+                self._grant_keys.pop(rid, None)
+                self.role.connector.peers.forget_grant(read.transfer_id)
         super()._lose(index, reason)
         for rid in [rid for rid in self._hops if rid not in self._owner]:
             del self._hops[rid]

@@ -191,11 +191,17 @@ class KVRole:
             return []
         raise ValueError(f"unknown disaggregation message {kind!r}")
 
-    def abort(self, rid: str) -> None:
-        """Free whatever `rid` holds here (once no thread uses it)."""
+    def abort(self, rid: str) -> list[Message]:
+        """Free whatever `rid` holds here (once no thread uses it). The reply: an import
+        whose read was announced but not begun here ends, so the front ends the read
+        (its grant may have reached the front before the abort)."""
         self._prefills.pop(rid, None)
         self.bm.unpin(self.leases.abort(rid))
+        job = self._imports.get(rid)
         self._drop_import(rid)
+        if job is not None and job.announced and not job.running:
+            return [("import_failed", rid, "aborted")]
+        return []
 
     def _drop_import(self, rid: str) -> None:
         """Free an import's blocks, or have its thread's end free them (a pull announced

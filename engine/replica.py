@@ -105,7 +105,8 @@ def _serve(run: Run, conn: Connection, out: _Sender) -> int:
                     engine.abort(args[0])
                     packer.forget(args[0])
                     if role is not None:
-                        role.abort(args[0])
+                        for reply in role.abort(args[0]):
+                            out.send(reply)
                 elif kind == "reset":
                     out.send(("reset", engine.reset_prefix_cache(), engine.stats))
                 elif role is not None:

@@ -168,7 +168,7 @@ def test_an_abort_of_an_announced_read_frees_both_sides(make_checkpoint, prompts
             assert out.token_ids == expected[ids[rid]], rid
         deadline = time.monotonic() + 10
         while engine.role.busy or engine._transfers or engine._grant_keys:
-            assert time.monotonic() < deadline
+            assert time.monotonic() < deadline, (engine._transfers, engine._grant_keys)
             engine.step()
         assert_no_grant_left(engine)
         assert_no_blocks_held(engine)
