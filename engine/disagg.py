@@ -66,9 +66,9 @@ class _Hop:
     """Whether the prefill replica granted the read (the blocks may be moving)."""
     import_sent_at: float = 0.0
     """When the front told the decode replica to import (its clock)."""
-    announced: int | None = None
-    """The transfer id of a read begun as the import was sent, whose grant the remote
-    prefill replica announces in the KV store (a pulling connector)."""
+    announced: bool = False
+    """Whether the read began as the import was sent, with its grant announced in the KV
+    store by the remote prefill replica (a pulling connector)."""
 
 
 @dataclass
@@ -324,7 +324,7 @@ class DisaggEngine(DataParallelEngine):
                 return []
             assert hop.decode is not None
             hop.granted = True
-            if hop.announced is None:
+            if not hop.announced:
                 self._tell_or_lose(hop.decode, "granted", rid)
             else:  # the decode replica finds it in the store
                 self.transfers.num_granted_at_import += 1
@@ -380,10 +380,10 @@ class DisaggEngine(DataParallelEngine):
                 hop.granted = True
                 self.transfers.num_granted_at_import += 1
             else:  # counted when the grant comes here too
-                hop.announced = transfer_id
+                hop.announced = True
                 self._grant_keys[rid] = _Announced(transfer_id, hop.prefill, target)
             self._transfers[rid] = (hop.prefill, hop.held_at)
-            if hop.announced is not None:
+            if hop.announced:
                 self._tell_or_lose(hop.prefill, "export", rid, transfer_id, 0, target, True)
                 if hop.prefill in self.down:  # lost on the way: the hop failed over
                     return
@@ -391,8 +391,7 @@ class DisaggEngine(DataParallelEngine):
         hop.import_sent_at = time.monotonic()
         self._tell_or_lose(target, "import", rid, hop.ids + hop.first.token_ids,
                            decode_params(hop.params), hop.arrival, hop.prefill,
-                           hop.held_blocks, transfer_id, hop.granted,
-                           hop.announced is not None)
+                           hop.held_blocks, transfer_id, hop.granted, hop.announced)
 
     def _grant_key_step(self, rid: str, *, seen: bool = False, ended: bool = False) -> None:
         """A read announced in the KV store: its grant was seen here, or its transfer

@@ -153,12 +153,12 @@ def test_an_abort_of_an_announced_read_frees_both_sides(make_checkpoint, prompts
         ids = {engine.add_request(prompts[i], GREEDY): i for i in long}
 
         def announced_on_1(_: list[RequestOutput]) -> bool:
-            return any(h.prefill == 1 and h.announced is not None
+            return any(h.prefill == 1 and h.announced
                        for h in engine._hops.values())
 
         outs = run_until(engine, announced_on_1)
         aborted = {r for r, h in engine._hops.items()
-                   if h.prefill == 1 and h.announced is not None}
+                   if h.prefill == 1 and h.announced}
         for rid in aborted:
             engine.abort(rid)
         outs += run_until(engine, lambda o: not engine.has_unfinished(), 60.0)
