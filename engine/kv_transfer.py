@@ -197,22 +197,22 @@ class KVRole:
         (its grant may have reached the front before the abort)."""
         self._prefills.pop(rid, None)
         self.bm.unpin(self.leases.abort(rid))
-        job = self._imports.get(rid)
-        self._drop_import(rid)
-        if job is not None and job.announced and not job.running:
-            return [("import_failed", rid, "aborted")]
-        return []
+        dropped = self._drop_import(rid)
+        return [("import_failed", rid, "aborted")] if dropped and dropped.announced else []
 
-    def _drop_import(self, rid: str) -> None:
+    def _drop_import(self, rid: str) -> _Import | None:
         """Free an import's blocks, or have its thread's end free them (a pull announced
-        in the store may be running when a denial comes: its prefill replica was lost)."""
+        in the store may be running when a denial comes: its prefill replica was lost).
+        The import freed here, if one was (no thread's end will report it)."""
         job = self._imports.get(rid)
-        if job is not None:
-            if job.running:
-                job.aborted = True
-            else:
-                del self._imports[rid]
-                self.bm.finish_import(job.imp, written=False)
+        if job is None:
+            return None
+        if job.running:
+            job.aborted = True
+            return None
+        del self._imports[rid]
+        self.bm.finish_import(job.imp, written=False)
+        return job
 
     def after_step(self, outs: list[RequestOutput]) -> list[Message]:
         """Hold the KV of prompts prefilled here that finished for their length."""
