@@ -1,8 +1,10 @@
 """Data parallelism: parallel.dp replicas of the tp x pp layout, each a whole engine.
 
 A replica has its own scheduler, KV cache and ranks; replicas share nothing but the
-stream of requests. This process runs replica 0 itself and starts replicas 1..dp-1 as
-child processes, each of which starts its own tp x pp ranks as a lone engine would. Every
+stream of requests. This process builds replica 0 and steps it in a thread of its own, so
+the front (routing, relaying every replica's outputs) never waits on its steps; it starts
+replicas 1..dp-1 as child processes, each of which starts its own tp x pp ranks as a lone
+engine would. The front talks to every replica alike, over a socket pair. Every
 request goes to the replica parallel.router picks (engine/router.py: by default the one
 whose earlier prompts share the longest prefix with it, unless load is out of balance),
 and its outputs come back from there with that replica's counters.
@@ -22,6 +24,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -39,7 +42,7 @@ from meshserve.engine.launched_replicas import (
 from meshserve.engine.output_wire import OutputUnpacker, PackedOutput
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.prefix_cache import PrefixCacheStats
-from meshserve.engine.replica import BEAT_S
+from meshserve.engine.replica import BEAT_S, serve_in_thread
 from meshserve.engine.replica_state import COLOCATED, ReplicaState
 from meshserve.engine.router import Router
 from meshserve.engine.run import Run
@@ -115,13 +118,16 @@ def _sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
 
 
 class _Remote:
-    """The front's handle on one other replica: a child `python -m meshserve.engine.replica`
-    process (no multiprocessing spawn, which would re-run the user's script) talking over
-    a socket pair, or under a launcher the replica's driver rank, over TCP."""
+    """The front's handle on one replica: replica 0's thread in this process, a child
+    `python -m meshserve.engine.replica` process (no multiprocessing spawn, which would
+    re-run the user's script), both over a socket pair, or under a launcher the replica's
+    driver rank, over TCP."""
 
     def __init__(self, index: int, conn: Connection,
-                 proc: subprocess.Popen[bytes] | None = None, rank: int | None = None) -> None:
+                 proc: subprocess.Popen[bytes] | None = None, rank: int | None = None,
+                 thread: threading.Thread | None = None) -> None:
         self.index, self.conn, self.proc, self.rank = index, conn, proc, rank
+        self.thread = thread
         self.num_blocks = 0
         self.stats: SchedulerStats | None = None
         self.last_seen = time.monotonic()
@@ -141,15 +147,33 @@ class _Remote:
         remote.conn.send(run)
         return remote
 
+    @classmethod
+    def in_thread(cls, index: int, engine: Engine) -> _Remote:
+        """Serve `engine`, built here, from a thread of this process."""
+        mine, theirs = socket.socketpair()
+        thread = serve_in_thread(engine, Connection(theirs.detach()), index)
+        return cls(index, Connection(mine.detach()), thread=thread)
+
     def describe(self) -> str:
-        where = f"pid {self.proc.pid}" if self.proc is not None else f"driver rank {self.rank}"
+        where = ("this process" if self.thread is not None else f"pid {self.proc.pid}"
+                 if self.proc is not None else f"driver rank {self.rank}")
         return f"data-parallel replica {self.index} ({where})"
+
+    def exited(self) -> str | None:
+        """How its process or thread ended, if it has (a launched driver: None)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            return f"{self.describe()} exited (code {self.proc.returncode})"
+        if self.thread is not None and not self.thread.is_alive():
+            return f"{self.describe()} stopped serving"
+        return None
 
     def recv(self) -> tuple[Any, ...]:
         """The next message; RankFailure when the replica is gone or reported an error."""
         try:
             msg = self.conn.recv()
         except (EOFError, OSError):
+            if self.thread is not None:
+                raise RankFailure(f"{self.describe()} stopped serving") from None
             if self.proc is None:
                 raise RankFailure(f"{self.describe()} closed its connection (its process "
                                   "exited)") from None
@@ -174,6 +198,8 @@ class _Remote:
         if self.proc is not None and _exit_code(self.proc, STOP_TIMEOUT_S) is None:
             self.proc.kill()
             self.proc.wait(STOP_TIMEOUT_S)
+        if self.thread is not None:  # it shuts its engine down as it ends
+            self.thread.join(STOP_TIMEOUT_S)
         self.conn.close()
 
     def kill(self) -> None:
@@ -194,7 +220,8 @@ def _exit_code(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
 
 def _stop_all(remotes: list[_Remote]) -> None:
     for r in remotes:
-        if (r.proc is not None and r.proc.poll() is None) or not r.conn.closed:
+        if (r.proc is not None and r.proc.poll() is None) or not r.conn.closed \
+                or (r.thread is not None and r.thread.is_alive()):
             r.stop()
 
 
@@ -223,8 +250,13 @@ class DataParallelEngine:
                              for i in range(1, self.dp)]  # they load meanwhile
             one = self._replica_run(one, 0)
         self._finalizer = weakref.finalize(self, _stop_all, self._remotes)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
         try:
-            self.local = Engine(one, progress=progress)
+            engine = Engine(one, progress=progress)
+            self._engine0: Engine | None = engine
+            """Replica 0's engine, stepped by its thread; read here only (validation)."""
+            self._remotes.insert(0, _Remote.in_thread(0, engine))
             if listener is not None:
                 conns = listener.accept(self.dp, max(STARTUP_TIMEOUT_S, self._timeout_s))
                 self._remotes += [_Remote(i, conns[i], rank=role.driver_ranks[i])
@@ -235,22 +267,21 @@ class DataParallelEngine:
         except BaseException:
             self.shutdown()
             raise
-        self.tokenizer = self.local.tokenizer
-        self.arch = self.local.arch
-        self.model_dir = self.local.model_dir
-        self.max_model_len = self.local.max_model_len
-        self.device = self.local.device
-        self.timing = self.local.timing
-        self.num_blocks = self.local.num_blocks + sum(r.num_blocks for r in self._remotes)
+        self.tokenizer = engine.tokenizer
+        self.arch = engine.arch
+        self.model_dir = engine.model_dir
+        self.max_model_len = engine.max_model_len
+        self.device = engine.device
+        self.timing = engine.timing
+        self.num_blocks = sum(r.num_blocks for r in self._remotes)
         self._ids = itertools.count()
         self._owner: dict[str, int] = {}
         """Unfinished request id -> replica index (0: this process)."""
         self._prompt_of: dict[str, list[int]] = {}
         self._lost: list[RequestOutput] = []
         """Error outputs of a lost replica's requests, not yet returned by step()."""
-        self._local_stats = self.local.stats
         self.router = Router(config.parallel.router, self.dp, config.engine.block_size,
-                             self.local.num_blocks)
+                             self._remotes[0].num_blocks)
         self._work_of: dict[str, int] = {}
         self._buffered: list[RequestOutput] = []
         self.requests_per_replica = [0] * self.dp
@@ -265,7 +296,7 @@ class DataParallelEngine:
         return one
 
     def _connected(self) -> None:
-        """Hook: replica 0's engine is built and every other replica connected (they may
+        """Hook: replica 0's engine is built and every replica connected (the others may
         still be loading; their readiness is awaited next)."""
 
     def _role(self, index: int) -> str:
@@ -290,24 +321,35 @@ class DataParallelEngine:
         return self
 
     def check_health(self) -> None:
-        """Take out a replica that has died (or one of replica 0's ranks); RankFailure when
-        fewer than min_replicas are left."""
-        if 0 not in self.down:
+        """Take out a replica that has died (or one of replica 0's ranks, which an idle
+        replica would not see); RankFailure when fewer than min_replicas are left."""
+        if 0 not in self.down and self._engine0 is not None:
             try:
-                self.local.executor.check_health()
+                self._engine0.executor.check_health()
             except RankFailure as e:
-                self._lose(0, f"data-parallel replica 0 (this process): {e}")
+                self._lose(0, f"{self._remotes[0].describe()}: {e}")
         for r in self._live_remotes():
-            if r.proc is not None and r.proc.poll() is not None:
-                self._lose(r.index, f"{r.describe()} exited (code {r.proc.returncode})")
+            why = r.exited()
+            if why is not None:
+                self._lose(r.index, self._last_words(r) or why)
+
+    def _last_words(self, r: _Remote) -> str | None:
+        """The error an ended replica sent before it went, if it did."""
+        try:
+            while r.conn.poll():
+                r.recv()
+        except RankFailure as e:
+            return str(e)
+        except OSError:
+            pass
+        return None
 
     def replica_states(self) -> list[ReplicaState]:
         """Every replica: its KV blocks, its latest counters, and whether it is down."""
-        states = [ReplicaState(0, self._role(0), self.local.num_blocks, self._local_stats,
-                               self.down.get(0))]
-        return states + [ReplicaState(r.index, self._role(r.index), r.num_blocks,
-                                      r.stats or SchedulerStats(), self.down.get(r.index))
-                         for r in self._remotes]
+        self._read_arrived()
+        return [ReplicaState(r.index, self._role(r.index), r.num_blocks,
+                             r.stats or SchedulerStats(), self.down.get(r.index))
+                for r in self._remotes]
 
     def _live_remotes(self) -> list[_Remote]:
         return [r for r in self._remotes if r.index not in self.down]
@@ -325,13 +367,7 @@ class DataParallelEngine:
         print(f"meshserve: {reason}; its requests failed, {left} of {self.dp} replicas "
               "serve on", file=sys.stderr, flush=True)
         self.router.drop(index)
-        if index == 0:
-            try:
-                self.local.shutdown()
-            except Exception:  # noqa: BLE001 - what is left of it is going anyway
-                pass
-        else:
-            self._remotes[index - 1].kill()
+        self._remotes[index].kill()
         error = f"{reason}; the request was lost with it"
         for rid in [rid for rid, owner in self._owner.items() if owner == index]:
             self._lost.append(RequestOutput(rid, self._prompt_of[rid], finished=True,
@@ -340,7 +376,8 @@ class DataParallelEngine:
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a text prompt."""
-        return self.local.encode(prompt)
+        assert self._engine0 is not None
+        return self._engine0.encode(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
@@ -351,10 +388,7 @@ class DataParallelEngine:
         while True:  # a replica found lost on the way gets no request
             target = self.router.pick(ids, work)
             try:
-                if target == 0:
-                    self.local.add_request(ids, params, request_id, arrival)
-                else:
-                    self._remotes[target - 1].send("add", ids, params, request_id, arrival)
+                self._remotes[target].send("add", ids, params, request_id, arrival)
                 break
             except RankFailure as e:
                 self.router.done(target, work)
@@ -370,7 +404,8 @@ class DataParallelEngine:
                    ) -> tuple[list[int], SamplingParams, str, float, int]:
         """A new request's prompt ids, params, id, arrival and work (prompt tokens plus
         tokens allowed); ValueError naming the field for bad input or a reused id."""
-        ids, params = self.local.validate(prompt, params)
+        assert self._engine0 is not None
+        ids, params = self._engine0.validate(prompt, params)  # (reads nothing it steps)
         if request_id is None:
             request_id = f"dp-{next(self._ids)}"
         if request_id in self._owner:
@@ -384,13 +419,10 @@ class DataParallelEngine:
         if owner is None:
             return False
         self._done(request_id)
-        if owner == 0:
-            self.local.abort(request_id)
-        else:
-            try:
-                self._remotes[owner - 1].send("abort", request_id)
-            except RankFailure as e:
-                self._lose(owner, str(e))
+        try:
+            self._remotes[owner].send("abort", request_id)
+        except RankFailure as e:
+            self._lose(owner, str(e))
         return True
 
     def _done(self, request_id: str) -> None:
@@ -403,65 +435,98 @@ class DataParallelEngine:
     def _busy_remotes(self) -> list[_Remote]:
         return [r for r in self._live_remotes() if self.router.load[r.index] > 0]
 
-    def _local_busy(self) -> bool:
-        return 0 not in self.down and self.local.has_unfinished()
-
     def has_unfinished(self) -> bool:
         """Whether any replica has a request not yet finished (or a lost one's error
         outputs are still to be returned)."""
-        return bool(self._owner) or bool(self._lost) or self._local_busy()
+        return bool(self._owner) or bool(self._lost)
+
+    def wake(self) -> None:
+        """Cut short a step() waiting for the replicas (from any thread: the server's, as
+        a request arrives)."""
+        try:
+            self._wake_w.send(b"w")
+        except (BlockingIOError, OSError):  # already woken, or shut down
+            pass
 
     def step(self) -> list[RequestOutput]:
-        """Step replica 0 when it has work and collect what the others have produced;
-        with nothing to do here, wait for the others (at most parallel.timeout_s)."""
-        outs, self._buffered = self._buffered, []
-        outs += self._receive(timeout=0.0)
-        if self._local_busy():
-            try:
-                outs += self.local.step()
-                self._local_stats = self.local.stats
-            except RankFailure as e:
-                self._lose(0, f"data-parallel replica 0 (this process): {e}")
-            outs += self._receive(timeout=0.0)  # heartbeats sent meanwhile
-        else:
-            while not outs and not self._lost and self._busy_remotes():
-                outs += self._receive(timeout=BEAT_S)
-                self._check_alive()
-        self._check_alive()
+        """What the replicas have produced since the last call; while any has work and
+        nothing came, wait for its next message (checking every heartbeat for a replica
+        silent for parallel.timeout_s, which is lost) unless woken."""
+        outs = self._gather()
         kept, self._lost = self._lost, []
         for out in outs:
-            owner = self._owner.get(out.request_id)
-            if owner is None:  # aborted meanwhile, or its replica was lost
-                continue
-            out.replica = owner
-            if out.finished:
-                self._done(out.request_id)
-            kept.append(out)
+            returned = self._returned(out)
+            if returned is not None:
+                kept.append(returned)
         return kept
+
+    def _gather(self) -> list[RequestOutput]:
+        outs, self._buffered = self._buffered, []
+        came = self._receive_into(outs, timeout=0.0)
+        while not came and not outs and not self._lost and not self._buffered \
+                and self._busy_remotes():
+            came = self._receive_into(outs, timeout=BEAT_S)
+            self._check_alive()
+        self._check_alive()
+        outs, self._buffered = outs + self._buffered, []
+        return outs
+
+    def _returned(self, out: RequestOutput) -> RequestOutput | None:
+        """`out` as the caller sees it; None for a request no longer here."""
+        owner = self._owner.get(out.request_id)
+        if owner is None:  # aborted meanwhile, or its replica was lost
+            return None
+        out.replica = owner
+        if out.finished:
+            self._done(out.request_id)
+        return out
 
     def _receive(self, timeout: float) -> list[RequestOutput]:
         """Outputs the replicas have sent, waiting up to `timeout` for any message."""
-        busy = {r.conn: r for r in self._busy_remotes()}
-        if not busy:
-            return []
         outs: list[RequestOutput] = []
-        for conn in wait(list(busy), timeout):
-            r = busy[conn]  # type: ignore[index]
+        self._receive_into(outs, timeout)
+        return outs
+
+    def _receive_into(self, outs: list[RequestOutput], timeout: float) -> bool:
+        """Add the outputs the replicas have sent to `outs`, waiting up to `timeout` for
+        any message; whether one came other than a heartbeat (or `wake` cut the wait).
+        Idle replicas are read too: their counters, a lapsed lease, an error."""
+        live = {r.conn: r for r in self._live_remotes()}
+        if not live:
+            return False
+        came = False
+        for conn in wait([*live, self._wake_r], timeout):
+            if conn is self._wake_r:
+                self._wake_r.recv(4096)
+                came = True
+                continue
+            r = live[conn]  # type: ignore[index]
             try:
                 while r.conn.poll():
                     msg = r.recv()
                     r.last_seen = time.monotonic()
-                    if msg[0] == "outputs":
+                    if msg[0] == "beat":
+                        continue
+                    came = True
+                    if msg[0] == "stats":
+                        r.stats = msg[1]
+                    elif msg[0] == "outputs":
                         got = self._unpack(r, msg[1])
                         for out in got:
                             out.replica = r.index
                         outs += got
                         r.stats = msg[2]
-                    elif msg[0] != "beat":
+                    else:
                         outs += self._on_message(r.index, msg)
             except RankFailure as e:
+                came = True
                 self._lose(r.index, str(e))
-        return outs
+        return came
+
+    def _read_arrived(self) -> None:
+        """Handle the messages already here (outputs are kept for the next step)."""
+        if hasattr(self, "_buffered"):  # (once started)
+            self._buffered += self._receive(timeout=0.0)
 
     def _unpack(self, r: _Remote, packed: list[PackedOutput]) -> list[RequestOutput]:
         """A replica's outputs whole, but for requests that ended here meanwhile (aborted
@@ -483,7 +548,7 @@ class DataParallelEngine:
 
     def reset_prefix_cache(self) -> int:
         """Uncache every unused cached block on every replica; how many in all."""
-        n = 0 if 0 in self.down else self.local.reset_prefix_cache()
+        n = 0
         for r in self._live_remotes():
             try:
                 n += self._reset_remote(r)
@@ -504,17 +569,20 @@ class DataParallelEngine:
                     out.replica = r.index
                 self._buffered += got
                 r.stats = msg[2]
+            elif msg[0] == "stats":
+                r.stats = msg[1]
             elif msg[0] != "beat":
                 self._buffered += self._on_message(r.index, msg)
 
     @property
     def stats(self) -> SchedulerStats:
-        """Every replica's counters added up (the others' as of their latest message)."""
-        local = self._local_stats if 0 in self.down else self.local.stats
-        return _sum_stats([local] + [r.stats for r in self._remotes if r.stats is not None])
+        """Every replica's counters added up, as of its latest message."""
+        self._read_arrived()
+        return _sum_stats([r.stats for r in self._remotes if r.stats is not None])
 
     def shutdown(self) -> None:
-        """Stop every replica and its ranks."""
+        """Stop every replica and its ranks (replica 0's thread releases its own)."""
         self._finalizer()
-        if getattr(self, "local", None) is not None:
-            self.local.shutdown()
+        self._engine0 = None
+        self._wake_r.close()
+        self._wake_w.close()

@@ -1,14 +1,16 @@
 """Disaggregated serving: prefill replicas and decode replicas behind one front.
 
-Replicas 0..P-1 prefill (0 runs in this process), P..P+D-1 decode; each is a whole engine
-as in data parallelism (engine/data_parallel.py), and each has a KV connector and a
-`KVRole` (engine/kv_transfer.py). A request whose prompt is long enough goes to the
+Replicas 0..P-1 prefill, P..P+D-1 decode; each is a whole engine as in data parallelism
+(engine/data_parallel.py: replica 0 steps in a thread of this process, the others in
+their own), and each has a KV connector and a `KVRole` (engine/kv_transfer.py). A request whose prompt is long enough goes to the
 prefill replica the cache-aware router picks, with max_tokens=1; its first token is
 returned at once. When that replica has pinned the prompt's KV ("held"), the front picks
 the decode replica (the less loaded of two drawn at random) and tells it to import; the
 decode replica allocates, asks ("want"), the prefill replica grants the read of its lease
 (or refuses: lapsed, aborted), the blocks move, the decode replica admits the request and
-the prefill replica unpins them. Its outputs then come from the decode replica, after the
+the prefill replica unpins them. With a pulling connector (NIXL) the read is granted as
+the import is sent: the prefill replica announces it in the KV store, where the decode
+replica looks, and neither asks through the front. Its outputs then come from the decode replica, after the
 first token. Short prompts, prompts a decode replica mostly caches, and requests whose
 later tokens depend on the first one's state (structured outputs, presence and frequency
 penalties) prefill on a decode replica and never hop.
@@ -34,9 +36,9 @@ from typing import Any
 import torch.distributed as dist
 
 from meshserve.engine.data_parallel import STARTUP_TIMEOUT_S, DataParallelEngine
-from meshserve.engine.kv_connector import resolve_connector
-from meshserve.engine.kv_transfer import decode_params, kv_role
-from meshserve.engine.launched_replicas import launched_store
+from meshserve.engine.kv_connector import connector_pushes, forget_grant, resolve_connector
+from meshserve.engine.kv_transfer import decode_params
+from meshserve.engine.launched_replicas import own_launched_store
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.router import CACHE_THRESHOLD, PromptTree, Router
 from meshserve.engine.run import Run
@@ -68,12 +70,12 @@ class _Hop:
     """When the front told the decode replica to import (its clock)."""
     announced: bool = False
     """Whether the read began as the import was sent, with its grant announced in the KV
-    store by the remote prefill replica (a pulling connector)."""
+    store by the prefill replica (a pulling connector)."""
 
 
 @dataclass
 class _Announced:
-    """A read a remote prefill replica announces in the KV store."""
+    """A read a prefill replica announces in the KV store."""
 
     transfer_id: int
     prefill: int
@@ -101,8 +103,7 @@ class TransferStats:
     """Requests that did not hop (short, cached, or their params need the whole run)."""
     num_granted_at_import: int = 0
     """Reads begun as the import was sent (a pulling connector), so the decode replica
-    never asked: granted here for KV held in this process, announced in the KV store by
-    a remote prefill replica."""
+    never asked: the prefill replica announced the grant in the KV store."""
     bytes: int = 0
     wire_seconds_sum: float = 0.0
     """Time the bytes themselves took (the decode replica's pulls)."""
@@ -141,11 +142,14 @@ class DisaggEngine(DataParallelEngine):
         assert config.parallel.dp == d.num_replicas, "resolve_layout sets the replicas"
         self.num_prefill = d.prefill.replicas
         self.connector_name = resolve_connector(d.connector)
+        self._pushes = connector_pushes(self.connector_name)
         self._store: dist.Store | None = None
+        """The KV store (this process serves it, unless launched): the front deletes the
+        grants announced there once nobody looks for them."""
         super().__init__(run, progress=False, min_replicas=min_replicas)
         self.disagg = d
         self.prefill_router = Router(config.parallel.router, self.num_prefill,
-                                     config.engine.block_size, self.local.num_blocks)
+                                     config.engine.block_size, self._remotes[0].num_blocks)
         self.prefill_router.load = self.router.load  # replicas 0..P-1 are its 0..P-1
         self.decode_trees = {i: PromptTree(config.engine.block_size, r.num_blocks)
                              for i, r in ((r.index, r) for r in self._remotes)
@@ -171,7 +175,7 @@ class DisaggEngine(DataParallelEngine):
 
     def _connected(self) -> None:
         if self.run.env is not None:  # launched: every rank reaches the launcher's store
-            store, addr = launched_store(self.run), (None, None)
+            store, addr = own_launched_store(self.run), (None, None)
         else:
             store = dist.TCPStore("127.0.0.1", 0, self.dp, True, wait_for_workers=False,
                                   timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
@@ -179,7 +183,6 @@ class DisaggEngine(DataParallelEngine):
         self._store = store
         for r in self._remotes:
             r.send("kv", r.index, self.dp, *addr)
-        self.role = kv_role(self.local, self.run, 0, store, addr if addr[0] else None)
 
     def _role(self, index: int) -> str:
         return PREFILL if index < self.num_prefill else DECODE
@@ -252,20 +255,8 @@ class DisaggEngine(DataParallelEngine):
         return min(pair, key=lambda i: (self.router.load[i], i))
 
     def _tell(self, index: int, *msg: Any) -> None:
-        """Send a message to replica `index` (replica 0: handle it here)."""
-        if index != 0:
-            self._remotes[index - 1].send(*msg)
-            return
-        kind, *args = msg
-        if kind == "add":
-            self.local.add_request(*args)
-        elif kind == "abort":
-            self.local.abort(args[0])
-            for reply in self.role.abort(args[0]):
-                self._buffered += self._on_message(0, reply)
-        else:
-            for reply in self.role.command(kind, tuple(args)):
-                self._buffered += self._on_message(0, reply)
+        """Send a message to replica `index`."""
+        self._remotes[index].send(*msg)
 
     def _tell_or_lose(self, index: int, *msg: Any) -> None:
         """`_tell`, where a replica found gone is lost (its requests fail or are recomputed)
@@ -362,31 +353,21 @@ class DisaggEngine(DataParallelEngine):
         """The prompt's KV is held and its first token known: send it to a decode replica.
 
         When the connector pulls, the lease's read begins now and the decode replica pulls
-        as soon as it has its blocks, with no ask and no grant through this loop, which may
-        be in the middle of a prefill step: KV held here (replica 0) is granted at once; a
-        remote prefill replica is told to export and announces its grant in the KV store,
-        where the decode replica looks (a refusal still comes through here)."""
+        as soon as it has its blocks, with no ask and no grant through this loop: the
+        prefill replica is told to export and announces its grant in the KV store, where
+        the decode replica looks (a refusal still comes through here)."""
         assert hop.first is not None and hop.held_blocks is not None
         target = self._pick_decode()
         self._move(rid, hop.prefill, target)
         hop.decode, hop.stage = target, "held"
         transfer_id = next(self._transfer_ids)
-        if not self.role.connector.pushes:
-            if hop.prefill == 0:
-                (reply,) = self.role.command("export", (rid, transfer_id, 0, target))
-                if reply[0] == "denied":
-                    self._buffered += self._transfer_failed(rid, hop, str(reply[2]))
-                    return
-                hop.granted = True
-                self.transfers.num_granted_at_import += 1
-            else:  # counted when the grant comes here too
-                hop.announced = True
-                self._grant_keys[rid] = _Announced(transfer_id, hop.prefill, target)
+        if not self._pushes:  # (counted as granted at import when the grant comes here)
+            hop.announced = True
+            self._grant_keys[rid] = _Announced(transfer_id, hop.prefill, target)
             self._transfers[rid] = (hop.prefill, hop.held_at)
-            if hop.announced:
-                self._tell_or_lose(hop.prefill, "export", rid, transfer_id, 0, target, True)
-                if hop.prefill in self.down:  # lost on the way: the hop failed over
-                    return
+            self._tell_or_lose(hop.prefill, "export", rid, transfer_id, 0, target, True)
+            if hop.prefill in self.down:  # lost on the way: the hop failed over
+                return
             hop.stage = "import"
         hop.import_sent_at = time.monotonic()
         self._tell_or_lose(target, "import", rid, hop.ids + hop.first.token_ids,
@@ -402,7 +383,11 @@ class DisaggEngine(DataParallelEngine):
         read.seen, read.ended = read.seen or seen, read.ended or ended
         if read.seen and read.ended:
             del self._grant_keys[rid]
-            self.role.connector.peers.forget_grant(read.transfer_id)
+            self._forget_grant(read.transfer_id)
+
+    def _forget_grant(self, transfer_id: int) -> None:
+        if self._store is not None:
+            forget_grant(self._store, transfer_id)
 
     def _end_transfer(self, rid: str) -> float | None:
         """A decode replica is done reading `rid`'s KV: the prefill replica unpins it."""
@@ -442,44 +427,13 @@ class DisaggEngine(DataParallelEngine):
 
     # --- stepping ------------------------------------------------------------------------
 
-    def _local_busy(self) -> bool:
-        return 0 not in self.down and (self.local.has_unfinished() or self.role.busy)
-
-    def step(self) -> list[RequestOutput]:
-        """Step the prefill replica here, collect the others' outputs, and stitch each
-        hopping request's first token to what its decode replica produces."""
-        outs, self._buffered = self._buffered, []
-        outs += self._receive(timeout=0.0)
-        if 0 not in self.down:
-            for reply in self.role.poll():
-                outs += self._on_message(0, reply)
-        if 0 not in self.down and self.local.has_unfinished():
-            try:
-                local = self.local.step()
-                self._local_stats = self.local.stats
-                for out in local:
-                    out.replica = 0
-                outs += local
-                for reply in self.role.after_step(local):
-                    outs += self._on_message(0, reply)
-            except RankFailure as e:
-                self._lose(0, f"prefill replica 0 (this process): {e}")
-            outs += self._receive(timeout=0.0)
-        elif not outs and not self._lost:
-            outs += self._receive(timeout=0.002 if self._local_busy() else 1.0)
-        self._check_alive()
-        if 0 not in self.down:  # (leases released by the messages above count too)
-            self._local_stats = self.local.stats
-        kept, self._lost = self._lost, []
-        for out in outs:
-            merged = self._stitch(out)
-            if merged is None:
-                continue
-            if merged.finished and merged.request_id in self._owner:
-                self._hops.pop(merged.request_id, None)
-                self._done(merged.request_id)
-            kept.append(merged)
-        return kept
+    def _returned(self, out: RequestOutput) -> RequestOutput | None:
+        """`out` stitched (see `_stitch`); a finished request is done here."""
+        merged = self._stitch(out)
+        if merged is not None and merged.finished and merged.request_id in self._owner:
+            self._hops.pop(merged.request_id, None)
+            self._done(merged.request_id)
+        return merged
 
     def _busy_remotes(self) -> list[Any]:
         reading = {p for p, _ in self._transfers.values()}  # prefill replicas still read from
@@ -536,7 +490,7 @@ class DisaggEngine(DataParallelEngine):
                 self._end_transfer(rid)
             if read.prefill == index:  # it announces nothing more; what it did, goes
                 self._grant_keys.pop(rid, None)
-                self.role.connector.peers.forget_grant(read.transfer_id)
+                self._forget_grant(read.transfer_id)
         super()._lose(index, reason)
         for rid in [rid for rid in self._hops if rid not in self._owner]:
             del self._hops[rid]
@@ -561,7 +515,4 @@ class DisaggEngine(DataParallelEngine):
                   "prefilled on their decode replica", file=sys.stderr, flush=True)
             self._progress = False
         super().shutdown()
-        role = getattr(self, "role", None)
-        if role is not None:
-            role.close()
         self._store = None

@@ -212,6 +212,10 @@ class Engine:
         self._forget(seq_id)
         return True
 
+    def wake(self) -> None:
+        """Cut short a step() waiting for other replicas: this engine steps in the caller's
+        thread and never waits, so there is nothing to cut short."""
+
     def reset_prefix_cache(self) -> int:
         """Uncache every unused cached KV block (e.g. between benchmark runs); return how many."""
         return self.scheduler.reset_prefix_cache()

@@ -84,9 +84,9 @@ class KVPeers:
                                     for i, f in enumerate(found)]  # type: ignore[arg-type]
         return self._ranks[replica]
 
-    # A read of a remote prefill replica's KV is begun as its import is sent (pulling
+    # A read of a prefill replica's KV is begun as its import is sent (pulling
     # connectors); the prefill replica announces the grant here, where the decode replica
-    # looks for it, so neither waits for the front to relay it between its own steps.
+    # looks for it, so neither waits for the front to relay it.
 
     def announce_grant(self, transfer_id: int) -> None:
         with self._lock:
@@ -94,15 +94,21 @@ class KVPeers:
 
     def grant_announced(self, transfer_id: int) -> bool:
         with self._lock:
-            return self.store.check([_grant_key(transfer_id)])
-
-    def forget_grant(self, transfer_id: int) -> None:
-        with self._lock:
-            self.store.delete_key(_grant_key(transfer_id))
+            return grant_announced(self.store, transfer_id)
 
 
 def _grant_key(transfer_id: int) -> str:
     return f"meshserve-kv/granted/{transfer_id}"
+
+
+def forget_grant(store: dist.Store, transfer_id: int) -> None:
+    """The front: nobody will look for this read's announced grant again."""
+    store.delete_key(_grant_key(transfer_id))
+
+
+def grant_announced(store: dist.Store, transfer_id: int) -> bool:
+    """Whether this read's grant is (still) announced in the KV store."""
+    return store.check([_grant_key(transfer_id)])
 
 
 class KVConnector(ABC):
@@ -258,5 +264,14 @@ def make_connector(name: str, me: RankKV, replica: int, cache: KVCache, peers: K
     """This rank's connector (every rank of every replica makes its own at start-up,
     together)."""
     peers.publish(me)
-    cls = NixlKVConnector if resolve_connector(name) == "nixl" else TorchKVConnector
-    return cls(me, replica, cache, peers, timeout_s)
+    return _connector_class(name)(me, replica, cache, peers, timeout_s)
+
+
+def _connector_class(name: str) -> type[TorchKVConnector] | type[NixlKVConnector]:
+    return NixlKVConnector if resolve_connector(name) == "nixl" else TorchKVConnector
+
+
+def connector_pushes(name: str) -> bool:
+    """Whether `disagg.connector` `name` pushes (the prefill side sends, asked by the
+    decode side) rather than pulls (the decode side reads what it was granted)."""
+    return _connector_class(name).pushes

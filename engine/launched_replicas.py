@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from meshserve.engine.run import Run
 from meshserve.parallel.comm.mesh import ParallelDims, place_replicas
-from meshserve.parallel.comm.ranks import RankFailure, launcher_store
+from meshserve.parallel.comm.ranks import RankFailure, launcher_store, launcher_store_address
 
 FRONT_KEY = "dp/front"
 """Store key of the front's "host port token"."""
@@ -64,6 +64,14 @@ def _store(run: Run) -> dist.Store:
 def launched_store(run: Run) -> dist.Store:
     """A client of the launched world's store (every rank of every replica reaches it)."""
     return _store(run)
+
+
+def own_launched_store(run: Run) -> dist.Store:
+    """A connection of its own to `launched_store`'s keys (for a thread beside another
+    that uses that one)."""
+    assert run.env is not None
+    timeout = max(STARTUP_TIMEOUT_S, run.config.parallel.timeout_s)
+    return launcher_store_address(run.env.world or run.env).open(timedelta(seconds=timeout))
 
 
 def replica_layouts(run: Run, world_size: int) -> list[tuple[int, int]]:

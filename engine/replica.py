@@ -1,12 +1,14 @@
 """A data-parallel replica's process: `python -m meshserve.engine.replica FD`, or under a
-launcher the driver rank of a replica (engine/launched_replicas.py).
+launcher the driver rank of a replica (engine/launched_replicas.py); replica 0 is served
+the same way from a thread of the front's process (`serve_in_thread`).
 
 Started by `data_parallel.DataParallelEngine` with one end of a socket pair as FD (or
 connected to the launched front over TCP). The first message is the replica's resolved
 Run (a launched driver has its own); then it runs its own Engine (and that engine's
 tp x pp ranks), taking "add", "abort", "reset" and "stop" commands and sending back every
 step's outputs with its counters. A thread sends a heartbeat every BEAT_S, so the front
-tells a long step from a hung replica. It exits when told to stop or when the front is gone.
+tells a long step from a hung replica. It exits when told to stop or when the front is
+gone.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import threading
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
+import torch
 import torch.distributed as dist
 
 from meshserve.engine.engine import Engine
@@ -82,48 +85,45 @@ def serve_launched_replica(run: Run, replica: int) -> int:
 
 
 def _serve(run: Run, conn: Connection, out: _Sender) -> int:
-    role: KVRole | None = None
     try:
         engine = Engine(run, progress=False)
-        if run.config.disagg.enabled:  # the front's next message: where the KV store is
-            role = _kv_role(engine, run, conn.recv())
     except BaseException as e:  # noqa: BLE001 - reported to the front
         out.send(("error", f"{type(e).__name__}: {e}"))
         return 1
-    out.send(("ready", engine.num_blocks, engine.stats))
-    packer = OutputPacker()
+    return serve_engine(engine, conn, out)
+
+
+def serve_in_thread(engine: Engine, conn: Connection, index: int) -> threading.Thread:
+    """Serve `engine` (built in this process: replica 0 beside the front) on `conn` from a
+    thread of its own, as a replica process would, so the front's loop never waits on its
+    steps. The thread shuts the engine down when it ends."""
+    def run() -> None:
+        if engine.run.config.threads:
+            torch.set_num_threads(engine.run.config.threads)  # (set per thread)
+        if engine.device.type == "cuda":
+            torch.cuda.set_device(engine.device)  # (current per thread too)
+        out = _Sender(conn)
+        try:
+            serve_engine(engine, conn, out)
+        finally:
+            out.stopped.set()
+            conn.close()
+
+    thread = threading.Thread(target=run, name=f"meshserve-replica-{index}", daemon=True)
+    thread.start()
+    return thread
+
+
+def serve_engine(engine: Engine, conn: Connection, out: _Sender) -> int:
+    """Take the front's commands and step `engine` until "stop" or the front is gone (0),
+    or an error, sent to the front (1); the engine is shut down either way."""
+    role: KVRole | None = None
     try:
-        while True:
-            while (not engine.has_unfinished() and not (role is not None and role.busy)
-                   ) or conn.poll():
-                kind, *args = conn.recv()
-                if kind == "stop":
-                    return 0
-                if kind == "add":
-                    engine.add_request(*args)
-                elif kind == "abort":
-                    engine.abort(args[0])
-                    packer.forget(args[0])
-                    if role is not None:
-                        for reply in role.abort(args[0]):
-                            out.send(reply)
-                elif kind == "reset":
-                    out.send(("reset", engine.reset_prefix_cache(), engine.stats))
-                elif role is not None:
-                    for reply in role.command(kind, tuple(args)):
-                        out.send(reply)
-            if role is not None:
-                for reply in role.poll():
-                    out.send(reply)
-            if not engine.has_unfinished():
-                conn.poll(0.002)  # a transfer or a lease is outstanding: look again soon
-                continue
-            outs = engine.step()
-            if outs:
-                out.send(("outputs", packer.pack(outs), engine.stats))
-            if role is not None:
-                for reply in role.after_step(outs):
-                    out.send(reply)
+        if engine.run.config.disagg.enabled:  # the front's next message: the KV store
+            role = _kv_role(engine, engine.run, conn.recv())
+        out.send(("ready", engine.num_blocks, engine.stats))
+        _loop(engine, role, conn, out)
+        return 0
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the front is gone
         return 0
     except BaseException as e:  # noqa: BLE001 - reported to the front
@@ -136,6 +136,49 @@ def _serve(run: Run, conn: Connection, out: _Sender) -> int:
         if role is not None:
             role.close()
         engine.shutdown()
+
+
+def _loop(engine: Engine, role: KVRole | None, conn: Connection, out: _Sender) -> None:
+    packer = OutputPacker()
+    told = engine.stats
+    """The counters the front has (blocks freed by a command change them too)."""
+    while True:
+        while (not engine.has_unfinished() and not (role is not None and role.busy)
+               ) or conn.poll():
+            if not conn.poll() and engine.stats != told:  # about to wait: tell them first
+                told = engine.stats
+                out.send(("stats", told))
+            kind, *args = conn.recv()
+            if kind == "stop":
+                return
+            if kind == "add":
+                engine.add_request(*args)
+            elif kind == "abort":
+                engine.abort(args[0])
+                packer.forget(args[0])
+                if role is not None:
+                    for reply in role.abort(args[0]):
+                        out.send(reply)
+            elif kind == "reset":
+                n = engine.reset_prefix_cache()
+                told = engine.stats
+                out.send(("reset", n, told))
+            elif role is not None:
+                for reply in role.command(kind, tuple(args)):
+                    out.send(reply)
+        if role is not None:
+            for reply in role.poll():
+                out.send(reply)
+        if not engine.has_unfinished():
+            conn.poll(0.002)  # a transfer or a lease is outstanding: look again soon
+            continue
+        outs = engine.step()
+        if outs:
+            told = engine.stats
+            out.send(("outputs", packer.pack(outs), told))
+        if role is not None:
+            for reply in role.after_step(outs):
+                out.send(reply)
 
 
 def main(argv: list[str] | None = None) -> int:

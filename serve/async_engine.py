@@ -149,7 +149,7 @@ class AsyncEngine:
                 raise OverloadedError(f"{self._num_pending} requests pending; allowed is at most "
                                       f"serve.max_pending_requests={self.max_pending}")
             self._num_pending += len(choices)
-            self._commands.put(_Add(choices, stream, done, time.monotonic()))
+            self._command(_Add(choices, stream, done, time.monotonic()))
         try:
             await done
         except asyncio.CancelledError:  # the client left before the engine took them
@@ -161,7 +161,7 @@ class AsyncEngine:
         """Stop these requests and free their KV blocks (unknown or finished ids are skipped)."""
         with self._lock:
             if self.failure is None:
-                self._commands.put(_Abort(list(request_ids)))
+                self._command(_Abort(list(request_ids)))
 
     async def reset_prefix_cache(self) -> int:
         """Uncache every KV block no request holds (between benchmark runs); how many."""
@@ -170,17 +170,22 @@ class AsyncEngine:
         with self._lock:
             if self.failure is not None:
                 raise EngineDeadError(self.failure)
-            self._commands.put(_ResetPrefixCache(done))
+            self._command(_ResetPrefixCache(done))
         return await done
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Fail open streams, stop the thread, release the engine's ranks."""
         with self._lock:
             if self.failure is None:
-                self._commands.put(_Stop())
+                self._command(_Stop())
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         self.engine.shutdown()
+
+    def _command(self, cmd: _Command) -> None:
+        """Queue `cmd` for the engine thread, cutting short a wait for replicas there."""
+        self._commands.put(cmd)
+        self.engine.wake()
 
     # --- the engine thread -------------------------------------------------------------
 

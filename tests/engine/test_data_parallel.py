@@ -82,7 +82,7 @@ def test_replicas_give_the_tokens_of_one_engine(checkpoint: Path, prompts: list[
         assert (stats.num_running, stats.num_waiting) == (0, 0)
         assert stats.prefix_cache.num_queries > 0
         assert engine.reset_prefix_cache() >= 0
-        remote = engine._remotes[0].proc
+        remote = engine._remotes[1].proc
     assert remote.poll() is not None  # the replica process is gone
 
 
@@ -100,7 +100,7 @@ def test_bad_input_aborts_and_a_dead_replica(checkpoint: Path, prompts: list[lis
         while engine.has_unfinished():
             done += [o.request_id for o in engine.step() if o.finished]
         assert done == [a]
-        os.kill(engine._remotes[0].proc.pid, signal.SIGKILL)
+        os.kill(engine._remotes[1].proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(RankFailure, match=r"data-parallel replica 1 \(pid \d+\)"):
             engine.add_request(prompts[0], PARAMS)
@@ -116,7 +116,7 @@ def test_a_stopped_replica_is_reported_in_bounded_time(checkpoint: Path,
     overrides = [*ENGINE[:4], "threads=1", "parallel.timeout_s=3", "parallel.dp=2"]
     with LLM(str(checkpoint), overrides=overrides, progress=False) as llm:
         engine = llm.engine
-        pid = engine._remotes[0].proc.pid
+        pid = engine._remotes[1].proc.pid
         time.sleep(2.5)  # idle longer than a heartbeat: no false alarm on an idle replica
         os.kill(pid, signal.SIGSTOP)
         try:

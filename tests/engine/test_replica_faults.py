@@ -66,7 +66,7 @@ def test_a_lost_replica_fails_its_requests_and_the_survivor_serves_on(
         # A few steps in, the second replica's process dies (or stops answering).
         for _ in range(3):
             engine.step()
-        pid = engine._remotes[0].proc.pid
+        pid = engine._remotes[1].proc.pid
         os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
         t0 = time.monotonic()
         done = _run_until_done(engine, ids)
@@ -86,7 +86,7 @@ def test_a_lost_replica_fails_its_requests_and_the_survivor_serves_on(
         assert states[0].stats.num_used_blocks == 0  # nothing left behind on the survivor
         # The process is gone (killed even when it only hung), and new work goes to the
         # survivor and gives one engine's tokens.
-        assert engine._remotes[0].proc.poll() is not None
+        assert engine._remotes[1].proc.poll() is not None
         again = [engine.add_request(p, PARAMS) for p in prompts[:3]]
         assert {engine._owner[r] for r in again} == {0}
         done = _run_until_done(engine, again)
@@ -106,7 +106,7 @@ def test_below_min_replicas_the_run_stops_naming_the_replica(
     try:
         for p in prompts:
             engine.add_request(p, PARAMS)
-        os.kill(engine._remotes[0].proc.pid, signal.SIGKILL)
+        os.kill(engine._remotes[1].proc.pid, signal.SIGKILL)
         with pytest.raises(RankFailure, match=r"data-parallel replica 1 .*exited.*1 of 2 "
                                               r"replicas left, 2 needed"):
             while engine.has_unfinished():
