@@ -23,9 +23,10 @@ import torch.distributed as dist
 
 from meshserve.engine.engine import Engine
 from meshserve.engine.kv_connector import KV_STARTUP_S
-from meshserve.engine.kv_transfer import KVRole, kv_role
+from meshserve.engine.kv_transfer import KVRole, Message, kv_role
 from meshserve.engine.launched_replicas import connect_front, launched_store
 from meshserve.engine.output_wire import OutputPacker
+from meshserve.engine.replica_inbox import Inbox
 from meshserve.engine.run import Run
 
 BEAT_S = 1.0
@@ -139,16 +140,20 @@ def serve_engine(engine: Engine, conn: Connection, out: _Sender) -> int:
 
 
 def _loop(engine: Engine, role: KVRole | None, conn: Connection, out: _Sender) -> None:
+    inbox = Inbox(conn, role, out)
+    lock = inbox.role_lock
     packer = OutputPacker()
     told = engine.stats
     """The counters the front has (blocks freed by a command change them too)."""
     while True:
-        while (not engine.has_unfinished() and not (role is not None and role.busy)
-               ) or conn.poll():
-            if not conn.poll() and engine.stats != told:  # about to wait: tell them first
-                told = engine.stats
-                out.send(("stats", told))
-            kind, *args = conn.recv()
+        idle = not engine.has_unfinished() and not (role is not None and role.busy)
+        if idle and inbox.empty() and engine.stats != told:  # about to wait: tell them
+            told = engine.stats
+            out.send(("stats", told))
+        # idle: wait for a message; a transfer or a lease outstanding: look again soon
+        msg = inbox.get(None if idle else 0.0 if engine.has_unfinished() else 0.002)
+        while msg is not None:
+            kind, *args = msg
             if kind == "stop":
                 return
             if kind == "add":
@@ -157,28 +162,33 @@ def _loop(engine: Engine, role: KVRole | None, conn: Connection, out: _Sender) -
                 engine.abort(args[0])
                 packer.forget(args[0])
                 if role is not None:
-                    for reply in role.abort(args[0]):
-                        out.send(reply)
+                    with lock:
+                        _send_all(out, role.abort(args[0]))
             elif kind == "reset":
                 n = engine.reset_prefix_cache()
                 told = engine.stats
                 out.send(("reset", n, told))
             elif role is not None:
-                for reply in role.command(kind, tuple(args)):
-                    out.send(reply)
+                with lock:
+                    _send_all(out, role.command(kind, tuple(args)))
+            msg = inbox.get(0.0)
         if role is not None:
-            for reply in role.poll():
-                out.send(reply)
+            with lock:
+                _send_all(out, role.poll())
         if not engine.has_unfinished():
-            conn.poll(0.002)  # a transfer or a lease is outstanding: look again soon
             continue
-        outs = engine.step()
+        outs = engine.step()  # (exports go on meanwhile, in the inbox's thread)
         if outs:
             told = engine.stats
             out.send(("outputs", packer.pack(outs), told))
         if role is not None:
-            for reply in role.after_step(outs):
-                out.send(reply)
+            with lock:
+                _send_all(out, role.after_step(outs))
+
+
+def _send_all(out: _Sender, replies: list[Message]) -> None:
+    for reply in replies:
+        out.send(reply)
 
 
 def main(argv: list[str] | None = None) -> int:
