@@ -276,7 +276,7 @@ class DataParallelEngine:
         self.num_blocks = sum(r.num_blocks for r in self._remotes)
         self._ids = itertools.count()
         self._owner: dict[str, int] = {}
-        """Unfinished request id -> replica index (0: this process)."""
+        """Unfinished request id -> replica index."""
         self._prompt_of: dict[str, list[int]] = {}
         self._lost: list[RequestOutput] = []
         """Error outputs of a lost replica's requests, not yet returned by step()."""
@@ -505,23 +505,26 @@ class DataParallelEngine:
                 while r.conn.poll():
                     msg = r.recv()
                     r.last_seen = time.monotonic()
-                    if msg[0] == "beat":
-                        continue
-                    came = True
-                    if msg[0] == "stats":
-                        r.stats = msg[1]
-                    elif msg[0] == "outputs":
-                        got = self._unpack(r, msg[1])
-                        for out in got:
-                            out.replica = r.index
-                        outs += got
-                        r.stats = msg[2]
-                    else:
-                        outs += self._on_message(r.index, msg)
+                    if msg[0] != "beat":
+                        came = True
+                        outs += self._take(r, msg)
             except RankFailure as e:
                 came = True
                 self._lose(r.index, str(e))
         return came
+
+    def _take(self, r: _Remote, msg: tuple[Any, ...]) -> list[RequestOutput]:
+        """Replica `r`'s message (not a heartbeat): the outputs it carries, if any."""
+        if msg[0] == "stats":
+            r.stats = msg[1]
+            return []
+        if msg[0] == "outputs":
+            got = self._unpack(r, msg[1])
+            for out in got:
+                out.replica = r.index
+            r.stats = msg[2]
+            return got
+        return self._on_message(r.index, msg)
 
     def _read_arrived(self) -> None:
         """Handle the messages already here (outputs are kept for the next step)."""
@@ -563,16 +566,8 @@ class DataParallelEngine:
             if msg[0] == "reset":
                 r.stats = msg[2]
                 return int(msg[1])
-            if msg[0] == "outputs":
-                got = self._unpack(r, msg[1])
-                for out in got:
-                    out.replica = r.index
-                self._buffered += got
-                r.stats = msg[2]
-            elif msg[0] == "stats":
-                r.stats = msg[1]
-            elif msg[0] != "beat":
-                self._buffered += self._on_message(r.index, msg)
+            if msg[0] != "beat":
+                self._buffered += self._take(r, msg)
 
     @property
     def stats(self) -> SchedulerStats:

@@ -2,18 +2,19 @@
 
 Replicas 0..P-1 prefill, P..P+D-1 decode; each is a whole engine as in data parallelism
 (engine/data_parallel.py: replica 0 steps in a thread of this process, the others in
-their own), and each has a KV connector and a `KVRole` (engine/kv_transfer.py). A request whose prompt is long enough goes to the
-prefill replica the cache-aware router picks, with max_tokens=1; its first token is
-returned at once. When that replica has pinned the prompt's KV ("held"), the front picks
-the decode replica (the less loaded of two drawn at random) and tells it to import; the
-decode replica allocates, asks ("want"), the prefill replica grants the read of its lease
-(or refuses: lapsed, aborted), the blocks move, the decode replica admits the request and
-the prefill replica unpins them. With a pulling connector (NIXL) the read is granted as
-the import is sent: the prefill replica announces it in the KV store, where the decode
-replica looks, and neither asks through the front. Its outputs then come from the decode replica, after the
-first token. Short prompts, prompts a decode replica mostly caches, and requests whose
-later tokens depend on the first one's state (structured outputs, presence and frequency
-penalties) prefill on a decode replica and never hop.
+their own), and each has a KV connector and a `KVRole` (engine/kv_transfer.py). A request
+whose prompt is long enough goes to the prefill replica the cache-aware router picks,
+with max_tokens=1; its first token is returned at once. When that replica has pinned the
+prompt's KV ("held"), the front picks the decode replica (the less loaded of two drawn at
+random) and tells it to import; the decode replica allocates, asks ("want"), the prefill
+replica grants the read of its lease (or refuses: lapsed, aborted), the blocks move, the
+decode replica admits the request and the prefill replica unpins them. With a pulling
+connector (NIXL) the read is granted as the import is sent: the prefill replica announces
+it in the KV store, where the decode replica looks, and neither asks through the front.
+The request's outputs then come from the decode replica, after the first token. Short
+prompts, prompts a decode replica mostly caches, and requests whose later tokens depend
+on the first one's state (structured outputs, presence and frequency penalties) prefill
+on a decode replica and never hop.
 
 A request whose KV cannot be moved fails with an error output, or with
 disagg.on_failure=recompute is prefilled again on its decode replica. An abort reaches

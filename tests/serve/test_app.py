@@ -87,6 +87,9 @@ class _StubEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def wake(self) -> None:
+        pass
+
     def step(self) -> list:
         if self.error is not None:
             raise self.error
