@@ -481,12 +481,6 @@ class DataParallelEngine:
             self._done(out.request_id)
         return out
 
-    def _receive(self, timeout: float) -> list[RequestOutput]:
-        """Outputs the replicas have sent, waiting up to `timeout` for any message."""
-        outs: list[RequestOutput] = []
-        self._receive_into(outs, timeout)
-        return outs
-
     def _receive_into(self, outs: list[RequestOutput], timeout: float) -> bool:
         """Add the outputs the replicas have sent to `outs`, waiting up to `timeout` for
         any message; whether one came other than a heartbeat (or `wake` cut the wait).
@@ -529,7 +523,7 @@ class DataParallelEngine:
     def _read_arrived(self) -> None:
         """Handle the messages already here (outputs are kept for the next step)."""
         if hasattr(self, "_buffered"):  # (once started)
-            self._buffered += self._receive(timeout=0.0)
+            self._receive_into(self._buffered, timeout=0.0)
 
     def _unpack(self, r: _Remote, packed: list[PackedOutput]) -> list[RequestOutput]:
         """A replica's outputs whole, but for requests that ended here meanwhile (aborted

@@ -147,9 +147,11 @@ def _loop(engine: Engine, role: KVRole | None, conn: Connection, out: _Sender) -
     """The counters the front has (blocks freed by a command change them too)."""
     while True:
         idle = not engine.has_unfinished() and not (role is not None and role.busy)
-        if idle and inbox.empty() and engine.stats != told:  # about to wait: tell them
-            told = engine.stats
-            out.send(("stats", told))
+        if idle and inbox.empty():  # about to wait: the front's counters up to date first
+            now = engine.stats
+            if now != told:
+                told = now
+                out.send(("stats", told))
         # idle: wait for a message; a transfer or a lease outstanding: look again soon
         msg = inbox.get(None if idle else 0.0 if engine.has_unfinished() else 0.002)
         while msg is not None:

@@ -62,7 +62,7 @@ class Inbox:
         """The next message (None: none within `timeout`; None as timeout: wait for one).
         EOFError once the front is gone; an error of the reading thread is raised here."""
         try:
-            msg = self._queue.get(timeout=timeout) if timeout != 0 else self._queue.get_nowait()
+            msg = self._queue.get(timeout=timeout)
         except queue.Empty:
             return None
         if msg is _GONE:

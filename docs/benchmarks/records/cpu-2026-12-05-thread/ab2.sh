@@ -1,20 +1,3 @@
 #!/bin/bash
-# Usage: ab.sh OLD_PARENT_DIR  (a worktree of the commit before at OLD_PARENT_DIR/meshserve)
-cd "$(dirname "$0")/../../../.."
-old=$1
-run() {  # label pythonpath layout
-  date -u
-  echo "\$ [$1] python -m meshserve.bench.disagg --rates 0.36 --layouts $3 --num-requests 72 --prefill-step-tokens 512 --ttft-ms 6000 --tpot-ms 20 --cluster docs/benchmarks/records/cpu-2026-12-05-sim/disagg_preset.yaml"
-  PYTHONPATH=$2 .venv/bin/python -m meshserve.bench.disagg --rates 0.36 --layouts "$3" \
-    --num-requests 72 --prefill-step-tokens 512 --ttft-ms 6000 --tpot-ms 20 \
-    --cluster docs/benchmarks/records/cpu-2026-12-05-sim/disagg_preset.yaml 2>/dev/null \
-    | grep '"rate"'
-}
-echo "old: $(git -C "$old/meshserve" rev-parse --short HEAD)  new: $(git rev-parse --short HEAD)"
-run old "$old" 1P+1D
-run new "" 1P+1D
-run old "$old" 1P+1D
-run new "" 1P+1D
-
-
-date -u
+# Usage: ab2.sh OLD_PARENT_DIR: ab.sh's runs of 1P+1D only, twice each.
+exec "$(dirname "$0")/ab.sh" "$1" 1P+1D 1P+1D
