@@ -12,6 +12,7 @@ from meshserve.bench.metrics import RequestRecord, RunResult
 from meshserve.bench.peer_names import MESHSERVE
 from meshserve.bench.roofline import kv_bytes_per_token, weight_bytes_read
 from meshserve.bench.workloads import BenchRequest
+from meshserve.engine.engine import Engine
 from meshserve.engine.llm import LLM
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.run import compute_dtype
@@ -124,7 +125,10 @@ class MeshserveRunner:
     def _step(self, state: _RunState, on_finish: OnFinish | None) -> None:
         """One engine step; a decode-only step is timed with the bytes it must read."""
         engine = self.llm.engine
-        decode_only = state.started.issuperset(state.active) and engine.stats.num_waiting == 0
+        # Only one engine's step is one forward; a data-parallel front's step returns as
+        # soon as any replica has sent something, so timing it would measure nothing.
+        decode_only = (isinstance(engine, Engine) and state.started.issuperset(state.active)
+                       and engine.stats.num_waiting == 0)
         context = sum(state.active.values()) if decode_only else 0
         t0 = time.perf_counter()
         outs = engine.step()

@@ -26,7 +26,8 @@ def result(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPa
     save([BenchRequest(list(range(1, 30)), 5), BenchRequest([9, 8, 7], 2),
           BenchRequest(list(range(40, 60)), 7)], tmp / "wl.json")
     out = subprocess.run(
-        [MESHSERVE, "bench", f"model.path={ckpt}", f"bench.workload={tmp / 'wl.json'}",
+        [MESHSERVE, "bench", f"model.path={ckpt}", "parallel=single",
+         f"bench.workload={tmp / 'wl.json'}",
          f"bench.peers=[{','.join(PEERS)}]", "bench.repeats=1", f"bench.out={tmp / 'out'}",
          "bench.roofline_read_bytes=16777216", "bench.roofline_matmul_size=128",
          "engine.kv_cache_memory=16777216"],
