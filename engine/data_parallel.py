@@ -43,6 +43,7 @@ from meshserve.engine.output_wire import OutputUnpacker, PackedOutput
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.prefix_cache import PrefixCacheStats
 from meshserve.engine.replica import BEAT_S, serve_in_thread
+from meshserve.engine.replica_gpus import replica_env, replica_gpus, visible_gpus
 from meshserve.engine.replica_state import COLOCATED, ReplicaState
 from meshserve.engine.router import Router
 from meshserve.engine.run import Run
@@ -98,6 +99,15 @@ def with_step_log_of(run: Run, replica: int) -> Run:
     return run.with_config(replace(config, engine=replace(config.engine, step_log=str(own))))
 
 
+def _replica_envs(runs: Sequence[Run]) -> list[dict[str, str] | None]:
+    """Each self-spawned replica's environment: on GPUs, the next GPUs of this node for
+    its ranks (replica 0, in this process, the first ones); on CPUs, this process's."""
+    if runs[0].device_type != "cuda":
+        return [None] * len(runs)
+    gpus = replica_gpus([r.config.parallel.world_size for r in runs], visible_gpus())
+    return [replica_env(g) for g in gpus]
+
+
 def _sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
     """Counters of several replicas added up."""
     cache = PrefixCacheStats(**{f.name: sum(getattr(s.prefix_cache, f.name) for s in stats)
@@ -136,12 +146,13 @@ class _Remote:
         """Its requests' outputs so far: it sends what is new in each."""
 
     @classmethod
-    def spawn(cls, index: int, run: Run) -> _Remote:
-        """Start replica `index` as a child process and send it its Run."""
+    def spawn(cls, index: int, run: Run, env: dict[str, str] | None = None) -> _Remote:
+        """Start replica `index` as a child process (in `env`, or this process's
+        environment) and send it its Run."""
         mine, theirs = socket.socketpair()
         proc = subprocess.Popen(
             [sys.executable, "-m", "meshserve.engine.replica", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),))
+            pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
         remote = cls(index, Connection(mine.detach()), proc=proc)
         remote.conn.send(run)
@@ -245,10 +256,12 @@ class DataParallelEngine:
             listener = FrontListener(run)
             self._remotes: list[_Remote] = []
         else:
-            one = replica_run(run)
-            self._remotes = [_Remote.spawn(i, with_step_log_of(self._replica_run(one, i), i))
+            runs = [with_step_log_of(self._replica_run(replica_run(run), i), i)
+                    for i in range(self.dp)]
+            envs = _replica_envs(runs)
+            self._remotes = [_Remote.spawn(i, runs[i], envs[i])
                              for i in range(1, self.dp)]  # they load meanwhile
-            one = self._replica_run(one, 0)
+            one = runs[0]
         self._finalizer = weakref.finalize(self, _stop_all, self._remotes)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
