@@ -256,8 +256,8 @@ class DataParallelEngine:
             listener = FrontListener(run)
             self._remotes: list[_Remote] = []
         else:
-            runs = [with_step_log_of(self._replica_run(replica_run(run), i), i)
-                    for i in range(self.dp)]
+            one = replica_run(run)
+            runs = [with_step_log_of(self._replica_run(one, i), i) for i in range(self.dp)]
             envs = _replica_envs(runs)
             self._remotes = [_Remote.spawn(i, runs[i], envs[i])
                              for i in range(1, self.dp)]  # they load meanwhile

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+import torch
+
 VISIBLE = "CUDA_VISIBLE_DEVICES"
 
 
@@ -21,8 +23,6 @@ def visible_gpus() -> list[str]:
     named = os.environ.get(VISIBLE)
     if named is not None:
         return [d.strip() for d in named.split(",") if d.strip()]
-    import torch
-
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
