@@ -617,7 +617,9 @@ void ms_linear_t_f32(const float *x, int64_t xs, const float *wt, int64_t ws, fl
  * call instead). The panel stays in L2 for the next rows of x. Five rows left take one
  * tile of 15 accumulators where AVX-512VL gives 32 registers (else three and two), never
  * a lone row's three FMA chains, which wait on the FMA latency. One row alone streams
- * four panels at once (four memory streams). Each output is one FMA chain over k in
+ * four panels at once (four memory streams), two rows two or four. Tiles ask for no
+ * prefetches: the hardware follows a panel, and at three or four rows a software
+ * prefetch per k cost 10% (on a 2-core EPYC VM). Each output is one FMA chain over k in
  * order, so a row's result does not depend on M or on the other rows.
  */
 #define PANEL 24
@@ -670,7 +672,6 @@ void ms_pack_f32(const float *w, int64_t ws_n, int64_t ws_k, float *p, int64_t N
         float tmp[PANEL];                                                                  \
         for (int64_t k = 0; k < K; k++) {                                                  \
             const float *w = panel + k * PANEL;                                            \
-            _mm_prefetch((const char *)(w + 8 * PANEL), _MM_HINT_T0);                      \
             const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);             \
             const __m256 w2 = _mm256_loadu_ps(w + 16);                                     \
             PK_ROW(0) PK_ROW(1) PK_ROW(2) PK_ROW(3) PK_ROW(4)                              \
@@ -686,26 +687,40 @@ PK_TILE(pk_tile4, 4)
 PK_TILE(pk_tile5, 5) /* 15 accumulators: only where EVEX gives 32 vector registers */
 #endif
 
-#define PK_STREAM(q, a0, a1, a2)                                                           \
-    w = q + k * PANEL;                                                                     \
-    a0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w), a0);                                      \
-    a1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 8), a1);                                  \
-    a2 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 16), a2);
-/* One row of x against four full panels from q0 (the same FMA chains as pk_tile1). */
-static void pk_row_four_panels(const float *x, const float *q0, int64_t K, float *o) {
-    const float *q1 = q0 + K * PANEL, *q2 = q1 + K * PANEL, *q3 = q2 + K * PANEL, *w;
-    const __m256 z = _mm256_setzero_ps();
-    __m256 a0 = z, a1 = z, a2 = z, b0 = z, b1 = z, b2 = z;
-    __m256 c0 = z, c1 = z, c2 = z, d0 = z, d1 = z, d2 = z;
-    for (int64_t k = 0; k < K; k++) {
-        const __m256 xv = _mm256_broadcast_ss(x + k);
-        PK_STREAM(q0, a0, a1, a2) PK_STREAM(q1, b0, b1, b2)
-        PK_STREAM(q2, c0, c1, c2) PK_STREAM(q3, d0, d1, d2)
+/* ROWS rows of x against NP consecutive full panels from q0, the panels streamed at once
+ * (one stream does not saturate memory). Each output is the same FMA chain as in the
+ * tiles. The accumulators, ROWS x NP x 3, must fit the registers. */
+#define PK_PANELS(NAME, ROWS, NP)                                                          \
+    static void NAME(const float *x, int64_t xs, const float *q0, int64_t K, float *o,     \
+                     int64_t os) {                                                         \
+        __m256 acc[ROWS][NP][3];                                                           \
+        for (int r = 0; r < ROWS; r++)                                                     \
+            for (int p = 0; p < NP; p++)                                                   \
+                for (int j = 0; j < 3; j++) acc[r][p][j] = _mm256_setzero_ps();            \
+        for (int64_t k = 0; k < K; k++) {                                                  \
+            __m256 w[NP][3];                                                               \
+            for (int p = 0; p < NP; p++)                                                   \
+                for (int j = 0; j < 3; j++)                                                \
+                    w[p][j] = _mm256_loadu_ps(q0 + (p * K + k) * PANEL + 8 * j);           \
+            for (int r = 0; r < ROWS; r++) {                                               \
+                const __m256 a = _mm256_broadcast_ss(x + r * xs + k);                      \
+                for (int p = 0; p < NP; p++)                                               \
+                    for (int j = 0; j < 3; j++)                                            \
+                        acc[r][p][j] = _mm256_fmadd_ps(a, w[p][j], acc[r][p][j]);          \
+            }                                                                              \
+        }                                                                                  \
+        for (int r = 0; r < ROWS; r++)                                                     \
+            for (int p = 0; p < NP; p++)                                                   \
+                for (int j = 0; j < 3; j++)                                                \
+                    _mm256_storeu_ps(o + r * os + p * PANEL + 8 * j, acc[r][p][j]);        \
     }
-    const __m256 acc[12] = {a0, a1, a2, b0, b1, b2, c0, c1, c2, d0, d1, d2};
-    for (int i = 0; i < 12; i++)
-        _mm256_storeu_ps(o + 8 * i, acc[i]);
-}
+#if defined(__AVX512VL__)
+#define TWO_ROW_PANELS 4 /* 24 accumulators of 32 registers */
+#else
+#define TWO_ROW_PANELS 2 /* 12 of 16 */
+#endif
+PK_PANELS(pk_one_row, 1, 4)
+PK_PANELS(pk_two_rows, 2, TWO_ROW_PANELS)
 
 #endif
 
@@ -713,11 +728,14 @@ void ms_linear_packed_f32(const float *x, int64_t xs, const float *p, float *out
                           int64_t M, int64_t K, int64_t N) {
     int64_t panels = (N + PANEL - 1) / PANEL, q = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    /* Fewer than four rows stream four panels at once (one stream does not saturate
-     * memory), a row at a time: the second and third rows find the panels in L2. */
+    /* One or two rows (decode) stream several panels at once; the tiles take the rest. */
     if (M == 1)
         for (; q + 4 <= panels && (q + 4) * PANEL <= N; q += 4)
-            pk_row_four_panels(x, p + q * K * PANEL, K, out + q * PANEL);
+            pk_one_row(x, xs, p + q * K * PANEL, K, out + q * PANEL, os);
+    if (M == 2)
+        for (; q + TWO_ROW_PANELS <= panels && (q + TWO_ROW_PANELS) * PANEL <= N;
+             q += TWO_ROW_PANELS)
+            pk_two_rows(x, xs, p + q * K * PANEL, K, out + q * PANEL, os);
     for (; q < panels; q++) {
         const float *panel = p + q * K * PANEL;
         int64_t ncols = N - q * PANEL < PANEL ? N - q * PANEL : PANEL;

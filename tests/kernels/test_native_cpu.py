@@ -143,8 +143,8 @@ def test_linear_matches_torch_and_a_row_never_depends_on_the_batch(
 def test_packed_linear_matches_torch_and_a_row_never_depends_on_the_batch(
         m: int, k: int, n: int, column_major: bool, x_pad: int, seed: int) -> None:
     """Every tile height (1-5 rows; five left over after tiles of four), the one-row
-    four-panel path (n >= 96), a last panel narrower than PANEL, and packing from either
-    layout."""
+    four-panel and two-row multi-panel paths (n >= 96, n >= 48), a last panel narrower
+    than PANEL, and packing from either layout."""
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(n, k, generator=gen)
     source = weight.t().contiguous().t() if column_major else weight
