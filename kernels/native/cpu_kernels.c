@@ -124,18 +124,38 @@ static void key_scores(float *scores, int64_t len, const float *q, const float *
     }
 }
 
+/* A block's K and V lines still to be asked for: `done` of `bytes` from each of k and v. */
+typedef struct {
+    const char *k, *v;
+    int64_t bytes, done;
+} Pending;
+
+/* Asks for the next `bytes` of the pending block's K and V (into L2: a few blocks ahead
+ * overflow L1). */
+static void prefetch_some(Pending *pf, int64_t bytes) {
+    const int64_t end = pf->done + bytes < pf->bytes ? pf->done + bytes : pf->bytes;
+    for (int64_t i = pf->done; i < end; i += 64) {
+        __builtin_prefetch(pf->k + i, 0, 1);
+        __builtin_prefetch(pf->v + i, 0, 1);
+    }
+    pf->done = end;
+}
+
 /* o[0:head_dim] = o * corr + sum_r p[r] * rows[r * tok_stride + 0:head_dim] for r < count, in
- * order of r, CHUNK floats at a time in registers. */
+ * order of r, CHUNK floats at a time in registers; asks for `per_row` more bytes of the
+ * pending block `pf` (NULL: none) at each row. */
 static void value_rows(float *o, float corr, const float *p, const float *rows, int64_t count,
-                       int64_t tok_stride, int64_t head_dim) {
+                       int64_t tok_stride, int64_t head_dim, Pending *pf, int64_t per_row) {
     for (int64_t c = 0; c < head_dim; c += CHUNK) {
         const int64_t width = head_dim - c < CHUNK ? head_dim - c : CHUNK;
         if (width == CHUNK) {
             if (corr != 1.0f) /* the running maximum held: most blocks after the first */
                 for (int64_t i = 0; i < CHUNK; i++) o[c + i] *= corr;
             CHUNK_ACC_LOAD(o + c)
-            for (int64_t r = 0; r < count; r++)
+            for (int64_t r = 0; r < count; r++) {
+                if (pf) prefetch_some(pf, per_row);
                 CHUNK_ACC_STEP(p[r], rows + r * tok_stride + c)
+            }
             CHUNK_ACC_STORE(o + c)
         } else {
             for (int64_t i = 0; i < width; i++) o[c + i] *= corr;
@@ -198,10 +218,11 @@ static float max_of(const float *s, int64_t n) {
  * on. The kernel prefetches PREFETCH_BLOCKS of them ahead of the one it works on, across
  * sequence boundaries: blocks lie anywhere in the pool, where the hardware prefetcher can't
  * guess them, and one block of a small model's cache (16 rows of 1 KiB) is too little to
- * cover the memory's latency. A block's lines are asked for a slice per head while the
- * block PREFETCH_BLOCKS before it is weighed, not all at once: a burst of a thousand
- * prefetches fills the core's miss queues and stalls the loads the work needs (on a 2-core
- * EPYC VM: cold-cache decode attention up from about 10 to 12 GB/s). */
+ * cover the memory's latency. A block's lines are asked for a line or two of K and V at
+ * each value row of the block PREFETCH_BLOCKS before it, not all at once: a burst of a
+ * thousand prefetches fills the core's miss queues and stalls the loads the work needs (on
+ * a 2-core EPYC VM, cold-cache decode attention: about 10 GB/s in bursts, 12 a slice per
+ * head, 13-14 a line or two a row, against 15-19 for a plain read of the same blocks). */
 #define PREFETCH_BLOCKS 4
 
 typedef struct {
@@ -214,12 +235,6 @@ static int64_t seq_start(const BlockCursor *c, int64_t b) {
     const int64_t n = c->lens[b];
     return (c->window > 0 && n > c->window) ? n - c->window : 0;
 }
-
-/* A block's K and V lines still to be asked for: `done` of `bytes` from each of k and v. */
-typedef struct {
-    const char *k, *v;
-    int64_t bytes, done;
-} Pending;
 
 /* Moves the cursor to the next block holding wanted rows and makes its K and V pending;
  * 0 when the batch has no more. */
@@ -241,17 +256,6 @@ static int prefetch_next(BlockCursor *c, const float *k, const float *v, int64_t
     pf->bytes = (hi - lo) * tok_stride * (int64_t)sizeof(float);
     pf->done = 0;
     return 1;
-}
-
-/* Asks for the next `bytes` of the pending block's K and V (into L2: a few blocks ahead
- * overflow L1). */
-static void prefetch_some(Pending *pf, int64_t bytes) {
-    const int64_t end = pf->done + bytes < pf->bytes ? pf->done + bytes : pf->bytes;
-    for (int64_t i = pf->done; i < end; i += 64) {
-        __builtin_prefetch(pf->k + i, 0, 1);
-        __builtin_prefetch(pf->v + i, 0, 1);
-    }
-    pf->done = end;
 }
 
 /* One query token per sequence against its cached keys and values, in one pass over the
@@ -297,15 +301,16 @@ int ms_paged_decode_f32(const float *q, int64_t q_stride, const float *k, const 
         }
         for (int64_t blk = start / block_size; blk * block_size < n; blk++) {
             if (more) more = prefetch_next(&ahead, k, v, blk_stride, tok_stride, &pf);
-            const int64_t slice = more ? (pf.bytes / heads + 63) / 64 * 64 : 0;
             const int64_t first = blk * block_size;
             const int64_t lo = first < start ? start - first : 0;
             const int64_t hi = n - first < block_size ? n - first : block_size;
             const int64_t rows = hi - lo, off = table[blk] * blk_stride + lo * tok_stride;
+            /* The pending block's bytes a value row: a line or two of K and of V. */
+            const int64_t steps = heads * rows * ((head_dim + CHUNK - 1) / CHUNK);
+            const int64_t per_row = more ? (pf.bytes / steps + 63) / 64 * 64 : 0;
             key_scores(scores, block_size, qb, k + off, rows, tok_stride, heads, group,
                        head_dim, scale);
             for (int64_t h = 0; h < heads; h++) {
-                if (more) prefetch_some(&pf, slice);
                 float *s = scores + h * block_size;
                 const float m = max_of(s, rows);
                 const float new_max = m > run_max[h] ? m : run_max[h];
@@ -314,8 +319,9 @@ int ms_paged_decode_f32(const float *q, int64_t q_stride, const float *k, const 
                 run_sum[h] = run_sum[h] * corr + exp_shifted(s, rows, new_max);
                 run_max[h] = new_max;
                 value_rows(ob + h * head_dim, corr, s, v + off + (h / group) * head_dim, rows,
-                           tok_stride, head_dim);
+                           tok_stride, head_dim, more ? &pf : NULL, per_row);
             }
+            if (more) prefetch_some(&pf, pf.bytes); /* what a head_dim % CHUNK tail left */
         }
         for (int64_t h = 0; h < heads; h++) {
             const float inv = run_sum[h] > 0.0f ? 1.0f / run_sum[h] : 0.0f;
