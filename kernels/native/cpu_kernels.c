@@ -143,22 +143,21 @@ static void prefetch_some(Pending *pf, int64_t bytes) {
 
 /* o[0:head_dim] = o * corr + sum_r p[r] * rows[r * tok_stride + 0:head_dim] for r < count, in
  * order of r, CHUNK floats at a time in registers; asks for `per_row` more bytes of the
- * pending block `pf` (NULL: none) at each row. */
+ * pending block `pf` at each row. */
 static void value_rows(float *o, float corr, const float *p, const float *rows, int64_t count,
                        int64_t tok_stride, int64_t head_dim, Pending *pf, int64_t per_row) {
+    if (corr != 1.0f) /* 1: the running maximum held, most blocks after the first */
+        for (int64_t i = 0; i < head_dim; i++) o[i] *= corr;
     for (int64_t c = 0; c < head_dim; c += CHUNK) {
         const int64_t width = head_dim - c < CHUNK ? head_dim - c : CHUNK;
         if (width == CHUNK) {
-            if (corr != 1.0f) /* the running maximum held: most blocks after the first */
-                for (int64_t i = 0; i < CHUNK; i++) o[c + i] *= corr;
             CHUNK_ACC_LOAD(o + c)
             for (int64_t r = 0; r < count; r++) {
-                if (pf) prefetch_some(pf, per_row);
+                prefetch_some(pf, per_row);
                 CHUNK_ACC_STEP(p[r], rows + r * tok_stride + c)
             }
             CHUNK_ACC_STORE(o + c)
         } else {
-            for (int64_t i = 0; i < width; i++) o[c + i] *= corr;
             for (int64_t r = 0; r < count; r++)
                 for (int64_t i = 0; i < width; i++)
                     o[c + i] += p[r] * rows[r * tok_stride + c + i];
@@ -305,9 +304,10 @@ int ms_paged_decode_f32(const float *q, int64_t q_stride, const float *k, const 
             const int64_t lo = first < start ? start - first : 0;
             const int64_t hi = n - first < block_size ? n - first : block_size;
             const int64_t rows = hi - lo, off = table[blk] * blk_stride + lo * tok_stride;
-            /* The pending block's bytes a value row: a line or two of K and of V. */
+            /* The pending block's bytes a value row: a line or two of K and of V (none once
+             * the last block is asked for: its `done` is its `bytes`). */
             const int64_t steps = heads * rows * ((head_dim + CHUNK - 1) / CHUNK);
-            const int64_t per_row = more ? (pf.bytes / steps + 63) / 64 * 64 : 0;
+            const int64_t per_row = (pf.bytes / steps + 63) / 64 * 64;
             key_scores(scores, block_size, qb, k + off, rows, tok_stride, heads, group,
                        head_dim, scale);
             for (int64_t h = 0; h < heads; h++) {
@@ -319,9 +319,9 @@ int ms_paged_decode_f32(const float *q, int64_t q_stride, const float *k, const 
                 run_sum[h] = run_sum[h] * corr + exp_shifted(s, rows, new_max);
                 run_max[h] = new_max;
                 value_rows(ob + h * head_dim, corr, s, v + off + (h / group) * head_dim, rows,
-                           tok_stride, head_dim, more ? &pf : NULL, per_row);
+                           tok_stride, head_dim, &pf, per_row);
             }
-            if (more) prefetch_some(&pf, pf.bytes); /* what a head_dim % CHUNK tail left */
+            prefetch_some(&pf, pf.bytes); /* what a head_dim % CHUNK tail left */
         }
         for (int64_t h = 0; h < heads; h++) {
             const float inv = run_sum[h] > 0.0f ? 1.0f / run_sum[h] : 0.0f;
