@@ -139,7 +139,7 @@ class Simulated:
         degrees = PLANNED[name]
         if degrees is None:  # the split runs with --prefill-step-tokens on both sides
             side = Replicas(budget=self.prefill_step_tokens)
-            return simulate_disagg(*args, side, side, sim, BLOCK_SIZE, scale)
+            return simulate_disagg(*args, side, side, sim, scale)
         tp, pp, dp = degrees
         return simulate_colocated(*args, Replicas(tp, pp, dp, self.budget), sim, scale)
 

@@ -15,7 +15,7 @@ from meshserve.engine.prefix_cache import (
     PrefixCacheStats,
     hash_block,
 )
-from meshserve.engine.sequence import Sequence
+from meshserve.engine.sequence import Sequence, SequenceStatus
 from meshserve.validation import require
 
 _NEVER = sys.maxsize
@@ -30,12 +30,19 @@ class NoFreeBlocksError(RuntimeError):
 class KVImport:
     """The blocks a prompt's KV arriving from another replica lands in: its full blocks
     this cache already holds (`cached`, not sent) and fresh ones for the rest (`blocks`,
-    to be written), all pinned until `finish_import`."""
+    to be written), and with `tail` a fresh block for the tokens after the last full
+    block, all pinned until `finish_import`."""
 
     token_ids: list[int]
     hashes: list[int]
     cached: list[int]
     blocks: list[int]
+    tail: int | None = None
+
+    @property
+    def written(self) -> list[int]:
+        """The blocks the transfer writes, in the prompt's order."""
+        return self.blocks + ([self.tail] if self.tail is not None else [])
 
     @property
     def first_block(self) -> int:
@@ -108,13 +115,27 @@ class BlockManager:
         self._hash_blocks(seq, max_blocks)
         return self.prefix_cache.lookup(seq.block_hashes, seq.token_ids, max_blocks)
 
+    def tail_rows(self, seq: Sequence, num_cached_blocks: int) -> int:
+        """Tokens `seq.kv_tail` adds to a prefix of `num_cached_blocks` cached blocks: the
+        rest of its tokens but the last, when those blocks are all the full blocks before
+        them; else 0 (admission then drops the tail and its tokens are computed)."""
+        if seq.kv_tail is None or self.sliding_window is not None:
+            return 0
+        num_before = seq.num_tokens - 1
+        if num_cached_blocks != num_before // self.block_size:
+            return 0
+        return num_before % self.block_size
+
     def admit(self, seq: Sequence, cached_blocks: Seq[int], num_new_tokens: int) -> bool:
-        """Give a blockless `seq` its cached blocks plus room for `num_new_tokens`; all or nothing."""
+        """Give a blockless `seq` its cached blocks (and its `kv_tail`, see `tail_rows`)
+        plus room for `num_new_tokens`; all or nothing."""
         assert not seq.block_table and seq.num_computed_tokens == 0, seq
         assert num_new_tokens >= 1
-        num_cached_tokens = len(cached_blocks) * self.block_size
+        num_tail = self.tail_rows(seq, len(cached_blocks))
+        num_cached_tokens = len(cached_blocks) * self.block_size + num_tail
         assert num_cached_tokens + num_new_tokens <= seq.num_tokens
-        num_needed = cdiv(num_cached_tokens + num_new_tokens, self.block_size) - len(cached_blocks)
+        num_needed = (cdiv(num_cached_tokens + num_new_tokens, self.block_size)
+                      - len(cached_blocks) - (num_tail > 0))
         behind = self._num_behind_window(num_cached_tokens, len(cached_blocks))
         ref_count = self._ref_count
         num_reclaimed = sum(1 for b in cached_blocks[behind:] if ref_count[b] == 0)
@@ -128,6 +149,12 @@ class BlockManager:
             ref_count[block] += 1
         table = seq.block_table
         table.extend(cached_blocks)
+        if seq.kv_tail is not None:  # its reference moves into the table, or goes
+            if num_tail:
+                table.append(seq.kv_tail)
+            else:
+                self._release(seq.kv_tail)
+            seq.kv_tail = None
         self._grow(table, num_needed)
         for i in range(behind):  # read by no query: never taken, placeholders in the table
             table[i] = table[-1]
@@ -136,7 +163,7 @@ class BlockManager:
         if cache is not None:
             last_uid = cache.uid_of(cached_blocks[-1]) if cached_blocks else ROOT_UID
             self._progress[seq.seq_id] = [len(cached_blocks), last_uid]
-            self._record_lookup(cache.stats, seq, num_cached_tokens)
+            self._record_lookup(cache.stats, seq, len(cached_blocks) * self.block_size)
             num_known_full = seq.num_tokens // self.block_size
             self._hash_blocks(seq, num_known_full)
             assert self.pending is not None
@@ -251,20 +278,35 @@ class BlockManager:
         return n - done
 
     def free(self, seq: Sequence) -> None:
-        """Release all of `seq`'s blocks, tail first."""
+        """Release all of `seq`'s blocks, tail first, and a `kv_tail` it never took in; with
+        `keep_tail`, a finish for its length keeps the block of its prompt's partial last
+        block, in `kv_tail`."""
+        keep = self._tail_to_keep(seq)
+        if seq.kv_tail is not None:
+            self._release(seq.kv_tail)
         for block in reversed(seq.block_table[seq.num_released_blocks:]):
-            self._release(block)
+            if block != keep:
+                self._release(block)
+        seq.kv_tail = keep
         seq.block_table.clear()
         seq.num_released_blocks = 0
         self._progress.pop(seq.seq_id, None)
         if self.pending is not None:
             self.pending.discard(seq.seq_id)
 
-    def begin_import(self, token_ids: list[int]) -> KVImport | None:
+    def _tail_to_keep(self, seq: Sequence) -> int | None:
+        n, bs = seq.num_prompt_tokens, self.block_size
+        if (not seq.keep_tail or seq.status is not SequenceStatus.FINISHED_LENGTH
+                or n % bs == 0 or seq.num_computed_tokens < n
+                or not seq.num_released_blocks <= n // bs < len(seq.block_table)):
+            return None
+        return seq.block_table[n // bs]
+
+    def begin_import(self, token_ids: list[int], *, tail: bool = False) -> KVImport | None:
         """Pin the cached full blocks of a prompt's prefix and take fresh blocks for its
-        other full blocks (the last token is left to compute, as for a prefix hit); None
-        when too few blocks are free. No block of the import is reused before
-        `finish_import`, whatever the transfer does."""
+        other full blocks (the last token is left to compute, as for a prefix hit), and with
+        `tail` one for the tokens after them; None when too few blocks are free. No block of
+        the import is reused before `finish_import`, whatever the transfer does."""
         cache = self.prefix_cache
         require(cache is not None, "engine.enable_prefix_caching", False,
                 "true on a replica that receives KV")
@@ -273,17 +315,19 @@ class BlockManager:
         hashes = self._prompt_hashes(token_ids, n_full)
         cached = cache.lookup(hashes, token_ids, n_full)
         num_reclaimed = sum(1 for b in cached if self._ref_count[b] == 0)
-        if n_full - len(cached) > self.num_free_blocks - num_reclaimed:
+        if n_full - len(cached) + tail > self.num_free_blocks - num_reclaimed:
             return None
         self._pin(cached)
         fresh: list[int] = []
         self._grow(fresh, n_full - len(cached))
-        return KVImport(list(token_ids), hashes, cached, fresh)
+        return KVImport(list(token_ids), hashes, cached, fresh,
+                        self._take_block() if tail else None)
 
-    def finish_import(self, imp: KVImport, *, written: bool) -> None:
+    def finish_import(self, imp: KVImport, *, written: bool) -> int | None:
         """Unpin an import's blocks. `written`: its fresh blocks hold the prompt's KV, so
-        they enter the prefix cache (the prompt's admission finds them); else they are
-        freed uncached."""
+        they enter the prefix cache (the prompt's admission finds them), and its tail
+        block, still held, is returned for the sequence's `kv_tail`; else all are freed
+        uncached."""
         cache = self.prefix_cache
         assert cache is not None
         if written:
@@ -294,9 +338,13 @@ class BlockManager:
                                      imp.token_ids[i * bs:(i + 1) * bs])
                 if uid == ROOT_UID:  # a hash collision: cache nothing after it
                     break
+        tail, imp.tail = imp.tail, None
+        if tail is not None and not written:
+            self._release(tail)
         for block in reversed(imp.cached + imp.blocks):
             self._release(block)
         imp.cached, imp.blocks = [], []
+        return tail if written else None
 
     def pin_prefix(self, token_ids: list[int]) -> list[int]:
         """Pin the cached full blocks of the longest cached prefix of `token_ids` (all but

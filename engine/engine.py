@@ -98,6 +98,8 @@ class Engine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._requests: dict[int, _Request] = {}
         self._by_request_id: dict[str, int] = {}
+        self._kept_tails: dict[str, int] = {}
+        """Finished requests -> the block `keep_prompt_tail` kept, until taken."""
         self._seq_ids = itertools.count()
         if self.step_log is not None:
             self.step_log.comm = self._measured_comm()
@@ -219,6 +221,26 @@ class Engine:
     def reset_prefix_cache(self) -> int:
         """Uncache every unused cached KV block (e.g. between benchmark runs); return how many."""
         return self.scheduler.reset_prefix_cache()
+
+    # --- a prompt's partial last block, moved between replicas (engine/kv_transfer.py) ---
+
+    def keep_prompt_tail(self, request_id: str) -> None:
+        """When the request finishes for its length, keep the block holding its prompt's
+        partial last block for `take_prompt_tail` instead of freeing it."""
+        self._requests[self._by_request_id[request_id]].seq.keep_tail = True
+
+    def take_prompt_tail(self, request_id: str) -> int | None:
+        """The block kept for a finished request (now the caller's: it releases it with
+        the block manager's `unpin`), or None."""
+        return self._kept_tails.pop(request_id, None)
+
+    def give_prompt_tail(self, request_id: str, block: int) -> None:
+        """Hand a request not yet admitted a block the caller holds with the KV of its
+        prompt's tokens after the last full block, all but the last token: its admission
+        takes it into the block table, or frees it if the cached prefix before it is gone."""
+        seq = self._requests[self._by_request_id[request_id]].seq
+        assert seq.kv_tail is None and not seq.block_table, seq.seq_id
+        seq.kv_tail = block
 
     def _forget(self, seq_id: int) -> None:
         """Tell the executor (at the next step) that this sequence's state can go."""
@@ -470,6 +492,8 @@ class Engine:
         m.num_accepted_tokens = seq.num_accepted_tokens
         if seq.is_finished:
             m.finish_time = now
+            if seq.kv_tail is not None:
+                self._kept_tails[req.request_id], seq.kv_tail = seq.kv_tail, None
             self._requests.pop(seq.seq_id, None)
             self._by_request_id.pop(req.request_id, None)
             self._forget(seq.seq_id)

@@ -170,6 +170,7 @@ class KVRole:
         if kind == "prefill":
             ids, params, rid, arrival = args
             self.engine.add_request(ids, params, rid, arrival)  # type: ignore[arg-type]
+            self.engine.keep_prompt_tail(rid)  # type: ignore[arg-type]
             self._prefills[rid] = list(ids)  # type: ignore[index, arg-type]
             return []
         if kind == "export":
@@ -215,15 +216,24 @@ class KVRole:
         return job
 
     def after_step(self, outs: list[RequestOutput]) -> list[Message]:
-        """Hold the KV of prompts prefilled here that finished for their length."""
+        """Hold the KV of prompts prefilled here that finished for their length: every
+        full block, then the block of the tokens after them (kept at the finish), so the
+        decode replica computes only the first token's."""
         replies: list[Message] = []
         for out in outs:
             if not out.finished or out.request_id not in self._prefills:
                 continue
             ids = self._prefills.pop(out.request_id)
-            if out.finish_reason != "length":
-                continue  # stopped at its first token: nothing to ship
-            blocks = self.bm.pin_prefix(ids)
+            tail = self.engine.take_prompt_tail(out.request_id)
+            if out.finish_reason != "length":  # stopped at its first token: nothing to ship
+                self.bm.unpin([tail] if tail is not None else [])
+                continue
+            blocks = self.bm.pin_prefix(ids + out.token_ids[:1])
+            if tail is not None:
+                if len(blocks) == len(ids) // self.bm.block_size:
+                    blocks.append(tail)
+                else:  # a full block before it is missing: the decode side computes it
+                    self.bm.unpin([tail])
             self.leases.hold(out.request_id, blocks, self.clock())
             replies.append(("held", out.request_id, blocks))
         return replies
@@ -305,12 +315,16 @@ class KVRole:
     def _import(self, rid: str, ids: list[int], params: SamplingParams, arrival: float,
                 src: int, src_blocks: list[int], transfer_id: int,
                 granted: bool = False, announced: bool = False) -> list[Message]:
-        """Take blocks for what the prefix cache lacks of the prompt, then ask for the read
-        (or, `granted` already, pull at once; `announced`, pull once the store says so)."""
+        """Take blocks for what the prefix cache lacks of the prompt (`ids`: it and its first
+        token) and for the tokens after its last full block if they come too, then ask for
+        the read (or, `granted` already, pull at once; `announced`, pull once the store
+        says so)."""
         bs = self.bm.block_size
-        shipped = ids[:len(src_blocks) * bs + 1]  # what the prefill side holds, + 1 token
-        imp = self.bm.begin_import(shipped) if src_blocks else None
-        if imp is None or not imp.blocks:  # nothing missing, or no room: prefill here
+        num_full = min(len(src_blocks), (len(ids) - 1) // bs)
+        shipped = ids[:num_full * bs + 1]  # the full blocks the prefill side holds, + 1 token
+        imp = (self.bm.begin_import(shipped, tail=len(src_blocks) > num_full) if src_blocks
+               else None)
+        if imp is None or not imp.written:  # nothing missing, or no room: prefill here
             if imp is not None:
                 self.bm.finish_import(imp, written=True)
             self.engine.add_request(ids, params, rid, arrival)
@@ -341,7 +355,7 @@ class KVRole:
         time.sleep(self._delays.get("pull", 0.0))
         try:
             n = self.connector.pull(job.src, job.transfer_id,
-                                    job.src_blocks[job.imp.first_block:], job.imp.blocks)
+                                    job.src_blocks[job.imp.first_block:], job.imp.written)
         except Exception as e:  # noqa: BLE001 - reported on the main thread
             self._results.put(("pulled", rid, 0, time.perf_counter() - t0, str(e)))
             return
@@ -351,12 +365,19 @@ class KVRole:
                      error: str | None) -> list[Message]:
         job = self._imports.pop(rid)
         ok = error is None and not job.aborted
-        self.bm.finish_import(job.imp, written=ok)
+        tail = self.bm.finish_import(job.imp, written=ok)
         if job.aborted:
             return [("import_failed", rid, "aborted")]
         if error is not None:
             self.num_failed += 1
             return [("import_failed", rid, error)]
         self.bytes_received += nbytes
-        self.engine.add_request(job.ids, job.params, rid, job.arrival)
+        try:
+            self.engine.add_request(job.ids, job.params, rid, job.arrival)
+        except Exception:
+            if tail is not None:
+                self.bm.unpin([tail])
+            raise
+        if tail is not None:
+            self.engine.give_prompt_tail(rid, tail)
         return [("imported", rid, nbytes, seconds, self.clock() - job.received)]

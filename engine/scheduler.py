@@ -590,7 +590,7 @@ class Scheduler:
             if self._defer(seq, len(cached)):
                 deferred.append(waiting.popleft())
                 continue
-            num_cached_tokens = len(cached) * bm.block_size
+            num_cached_tokens = len(cached) * bm.block_size + bm.tail_rows(seq, len(cached))
             num_new = self._num_new_tokens(seq.num_tokens - num_cached_tokens, budget)
             if num_new == 0 or not bm.admit(seq, cached, num_new):
                 break

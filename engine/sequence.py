@@ -42,6 +42,7 @@ class Sequence:
         "num_cached_tokens", "num_preemptions", "finish_reason", "block_hashes", "_token_ids",
         "num_released_blocks", "speculate", "num_draft_tokens", "num_accepted_tokens",
         "plain_steps", "num_draft_computed", "num_verify_steps", "num_missed_drafts",
+        "kv_tail", "keep_tail",
     )
 
     def __init__(
@@ -90,6 +91,15 @@ class Sequence:
         self.block_hashes: list[int] = []
         """Chained hashes of this sequence's leading full blocks; grows, never changes."""
         self._token_ids: list[int] = list(self.prompt_token_ids)
+        self.kv_tail: int | None = None
+        """A block this sequence holds a reference to outside its table: the KV of the
+        prompt's tokens after its last full block. Arriving from another replica, it holds
+        all but the last token's; the first admission takes it into the table, so only that
+        token is computed (engine/kv_transfer.py). Kept at a finish (`keep_tail`), it holds
+        what this replica computed, for the replica to send."""
+        self.keep_tail = False
+        """At a finish for its length, keep the block holding the prompt's partial last
+        block (in `kv_tail`) rather than freeing it."""
 
     @property
     def num_tokens(self) -> int:

@@ -441,7 +441,7 @@ def _simulate(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfi
     budget = options.max_num_batched_tokens
     if isinstance(layout, SplitCandidate):
         return simulate_disagg(shape, cluster, scenario, options, *_sides(layout, budget),
-                               reqs, BLOCK_SIZE)
+                               reqs)
     return simulate_colocated(shape, cluster, scenario, options,
                               Replicas(layout.tp, layout.pp, layout.dp, budget), reqs)
 
@@ -451,15 +451,11 @@ def _capacity(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfi
     """`layout`'s saturated throughput, simulated (layout_sim)."""
     budget = options.max_num_batched_tokens
     if isinstance(layout, SplitCandidate):
-        return capacity_disagg(shape, cluster, scenario, options, *_sides(layout, budget),
-                               BLOCK_SIZE)
+        return capacity_disagg(shape, cluster, scenario, options, *_sides(layout, budget))
     return capacity_colocated(shape, cluster, scenario, options,
                               Replicas(layout.tp, layout.pp, layout.dp, budget))
 
 
-BLOCK_SIZE = 16
-"""The KV block size the simulated split's decode side counts whole blocks of (the
-engine's default)."""
 SIM_LIFETIMES = 3.0
 """Lifetimes of a request the arrivals of choose_kind's check span (steady_requests)."""
 

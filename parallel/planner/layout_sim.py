@@ -174,7 +174,7 @@ def simulate_colocated(shape: ModelShape, cluster: ClusterConfig, scenario: Scen
 
 def simulate_disagg(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
                     options: PlannerOptions, prefill: Replicas, decode: Replicas,
-                    requests: Sequence[SimRequest], block_size: int, scale: float = 1.0
+                    requests: Sequence[SimRequest], scale: float = 1.0
                     ) -> Attainment | None:
     """The prefill/decode split serving `requests` within the scenario's SLOs, its steps
     at `scale` times the cost model's price (the KV hop as priced); None where the
@@ -187,8 +187,7 @@ def simulate_disagg(shape: ModelShape, cluster: ClusterConfig, scenario: Scenari
                          hop_s=kv_hop(shape, cluster, prefill, decode),
                          prefill_replicas=prefill.count, decode_replicas=decode.count,
                          prefill_budget=prefill.budget, decode_budget=decode.budget,
-                         max_seqs=dec.max_seqs, prefill_max_seqs=pre.max_seqs,
-                         block_size=block_size)
+                         max_seqs=dec.max_seqs, prefill_max_seqs=pre.max_seqs)
     return attainment(requests, res, scenario.ttft_slo_ms / 1e3, scenario.tpot_slo_ms / 1e3)
 
 
@@ -206,8 +205,7 @@ def capacity_colocated(shape: ModelShape, cluster: ClusterConfig, scenario: Scen
 
 
 def capacity_disagg(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig,
-                    options: PlannerOptions, prefill: Replicas, decode: Replicas,
-                    block_size: int) -> float:
+                    options: PlannerOptions, prefill: Replicas, decode: Replicas) -> float:
     """The same for a split: the lower of its prefill side's rate (prompts to their first
     token) and its decode side's (the rest, from the moved KV)."""
     sides = _split(shape, cluster, scenario, options, prefill, decode)
@@ -220,7 +218,7 @@ def capacity_disagg(shape: ModelShape, cluster: ClusterConfig, scenario: Scenari
         budget=prefill.budget, max_seqs=pre.max_seqs)
     if o <= 1:
         return prompts
-    rest = SimRequest(0.0, p + 1, o - 1, (p // block_size) * block_size)
+    rest = SimRequest(0.0, p + 1, o - 1, p)  # every prompt token's KV moved
     return min(prompts, decode.count * replica_capacity(rest, step_time(dec.cost),
                                                         budget=decode.budget,
                                                         max_seqs=dec.max_seqs))

@@ -220,17 +220,16 @@ def simulate_split(requests: Sequence[SimRequest], prefill_step_s: StepTime,
                    decode_step_s: StepTime, *, hop_s: Callable[[SimRequest], float],
                    prefill_replicas: int = 1, decode_replicas: int = 1,
                    prefill_budget: int = 2048, decode_budget: int = 2048,
-                   max_seqs: int = 256, prefill_max_seqs: int | None = None,
-                   block_size: int = 16) -> SimResult:
+                   max_seqs: int = 256, prefill_max_seqs: int | None = None) -> SimResult:
     """Prompts on the prefill replicas (the first token), each prompt's KV moved in
-    `hop_s(request)`, the rest on the decode replicas from the moved KV (its last partial
-    block computed again there). `max_seqs` caps the decode replicas' batch, and the
-    prefill replicas' too unless `prefill_max_seqs` is given."""
+    `hop_s(request)`, the rest on the decode replicas from the moved KV (every prompt
+    token's, so only the first token is computed before the second comes). `max_seqs` caps
+    the decode replicas' batch, and the prefill replicas' too unless `prefill_max_seqs` is
+    given."""
     firsts = simulate([SimRequest(r.arrival_s, r.prompt, 1, r.cached) for r in requests],
                       prefill_step_s, replicas=prefill_replicas, budget=prefill_budget,
                       max_seqs=prefill_max_seqs or max_seqs).first_token_s
-    later = [SimRequest(f + hop_s(r), r.prompt + 1, r.output - 1,
-                        (r.prompt // block_size) * block_size)
+    later = [SimRequest(f + hop_s(r), r.prompt + 1, r.output - 1, r.prompt)
              for f, r in zip(firsts, requests, strict=True) if r.output > 1]
     rest = simulate(later, decode_step_s, replicas=decode_replicas, budget=decode_budget,
                     max_seqs=max_seqs).finish_s

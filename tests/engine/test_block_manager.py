@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from meshserve.engine.block_manager import BlockManager, NoFreeBlocksError
-from meshserve.engine.sequence import Sequence
+from meshserve.engine.sequence import Sequence, SequenceStatus
 
 _next_id = iter(range(10**9))
 _BASE = (0, 1, 2, 0, 2, 1, 1, 0, 2, 2, 0, 1)
@@ -281,6 +281,33 @@ def test_fork_without_a_free_block_raises() -> None:
     with pytest.raises(NoFreeBlocksError):
         bm.fork(parent, parent.fork(7))
     assert bm.ref_count(0) == 1
+
+
+@pytest.mark.parametrize("status", [SequenceStatus.FINISHED_LENGTH,
+                                    SequenceStatus.FINISHED_STOPPED,
+                                    SequenceStatus.FINISHED_ABORTED])
+def test_a_length_finish_keeps_the_prompts_partial_block_when_asked(
+        status: SequenceStatus) -> None:
+    bm = BlockManager(8, 4)
+    a = make_seq(list(range(10)))  # 2 full blocks, 2 tokens in the third
+    a.keep_tail = True
+    run(bm, a)
+    partial = a.block_table[2]
+    a.append_token(77)  # its first token (the prefill's only one)
+    a.set_finished(status)
+    bm.free(a)
+    if status is SequenceStatus.FINISHED_LENGTH:
+        assert a.kv_tail == partial and bm.ref_count(partial) == 1
+        assert len(bm.find_cached_prefix(make_seq(list(range(10))))) == 2  # the full ones
+        bm.unpin([partial])
+    assert bm.num_used_blocks == 0
+    whole = make_seq(list(range(8)))  # no partial block: nothing kept
+    whole.keep_tail = True
+    run(bm, whole)
+    whole.set_finished(SequenceStatus.FINISHED_LENGTH)
+    bm.free(whole)
+    assert whole.kv_tail is None and bm.num_used_blocks == 0
+    bm.check_invariants()
 
 
 def test_double_free_is_caught() -> None:

@@ -5,6 +5,7 @@ block held on either side; a lapsed lease fails the request (or is recomputed)."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -67,7 +68,8 @@ def test_one_prefill_one_decode_equals_transformers(make_checkpoint, prompts, ex
         # NIXL pulls: the front began each read itself, so no ask waited on its steps
         assert t.num_granted_at_import == (len(hopped) if connector == "nixl" else 0)
         block_bytes = 2 * 2 * 8 * 2 * 16 * 4  # layers x K/V x block x kv heads x head dim x fp32
-        assert t.bytes == sum((len(p) - 1) // 8 for p in hopped) * block_bytes
+        # every block of each prompt, its partial last one too
+        assert t.bytes == sum(-(-len(p) // 8) for p in hopped) * block_bytes
         assert_no_blocks_held(engine)
         # The same prompts again: the decode replica caches them, so nothing hops or moves.
         again = llm.generate(prompts, GREEDY)
@@ -76,6 +78,21 @@ def test_one_prefill_one_decode_equals_transformers(make_checkpoint, prompts, ex
         assert_no_blocks_held(engine)
     finally:
         llm.shutdown()
+
+
+def test_the_decode_replica_computes_only_the_first_token_of_a_hop(
+        make_checkpoint, prompts, expected, tmp_path) -> None:
+    """The prompt's partial last block comes with its full ones, so no step of the decode
+    replica carries a prompt chunk of a request that hopped: only the short prompts'."""
+    llm = disagg_llm(str(make_checkpoint("llama")), f"engine.step_log={tmp_path / 's.jsonl'}")
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    finally:
+        llm.shutdown()
+    lines = (tmp_path / "s.replica1.jsonl").read_text().splitlines()
+    steps = [r for r in map(json.loads, lines) if "num_prefill_tokens" in r]
+    assert steps and sum(r["num_prefill_tokens"] for r in steps) == sum(
+        len(p) for p in prompts if 1 < len(p) < 16)  # (one token is a decode row)
 
 
 def test_disagg_auto_runs_the_planned_split(make_checkpoint, prompts, expected) -> None:
@@ -137,7 +154,7 @@ def test_sides_of_other_tp_and_pp_equal_transformers(make_checkpoint, prompts, e
             assert engine.requests_per_replica[1] > 0  # some prompts prefilled there
             assert_no_grant_left(engine)
         block_bytes = 2 * 2 * 8 * 2 * 16 * 4  # every layer and head once, whatever the split
-        assert t.bytes == sum((len(p) - 1) // 8 for p in hopped) * block_bytes
+        assert t.bytes == sum(-(-len(p) // 8) for p in hopped) * block_bytes
         assert_no_blocks_held(engine)
     finally:
         llm.shutdown()

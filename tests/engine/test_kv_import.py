@@ -1,6 +1,7 @@
 """Importing a prompt's KV into the block manager: blocks it already caches are not asked
 for, the rest land in pinned fresh blocks, and once written the prompt's admission hits
-them all; every block comes back."""
+them all; the tokens after the last full block land in a block of their own, which the
+request's admission takes in; every block comes back."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshserve.engine.block_manager import BlockManager
+from meshserve.engine.block_manager import BlockManager, KVImport
 from meshserve.engine.sequence import Sequence
 
 BS = 4
@@ -60,33 +61,87 @@ def test_too_few_free_blocks_and_no_prefix_cache() -> None:
         BlockManager(4, BS, enable_prefix_caching=False).begin_import([1, 2, 3, 4, 5])
 
 
+def test_a_tail_lands_in_its_own_block_and_the_admission_computes_one_token() -> None:
+    bm = BlockManager(16, BS)
+    prompt = list(range(14))  # 3 full blocks, then 2 tokens in the tail
+    imp = bm.begin_import(prompt[:13], tail=True)
+    assert imp is not None and imp.tail is not None and imp.written == [*imp.blocks, imp.tail]
+    assert bm.num_used_blocks == 4
+    tail = bm.finish_import(imp, written=True)
+    assert tail is not None and bm.num_used_blocks == 1  # the tail stays held, for the request
+    seq = _seq([*prompt, 99])  # the prompt and its first token
+    seq.kv_tail = tail
+    cached = bm.find_cached_prefix(seq)
+    assert len(cached) == 3 and bm.tail_rows(seq, 3) == 2
+    assert bm.admit(seq, cached, 1)
+    assert seq.num_computed_tokens == 14 and seq.block_table == [*cached, tail]
+    assert seq.kv_tail is None and seq.num_cached_tokens == 12  # the tail is no prefix hit
+    bm.free(seq)
+    assert bm.num_used_blocks == 0
+    bm.check_invariants()
+
+
+def test_a_tail_after_a_lost_prefix_is_dropped_and_an_unwritten_one_freed() -> None:
+    bm = BlockManager(16, BS)
+    prompt = list(range(14))
+    imp = bm.begin_import(prompt[:13], tail=True)
+    assert imp is not None
+    tail = bm.finish_import(imp, written=True)
+    bm.reset_prefix_cache()  # the full blocks before the tail are evicted
+    seq = _seq([*prompt, 99])
+    seq.kv_tail = tail
+    assert bm.find_cached_prefix(seq) == [] and bm.tail_rows(seq, 0) == 0
+    assert bm.admit(seq, [], 15)  # the whole prompt is computed; the tail goes back
+    assert seq.kv_tail is None and tail not in seq.block_table
+    bm.free(seq)
+    failed = bm.begin_import(prompt[:13], tail=True)
+    assert failed is not None and bm.finish_import(failed, written=False) is None
+    waiting = _seq([*prompt, 99], seq_id=1)  # a tail given to a request aborted unadmitted
+    imp = bm.begin_import(prompt[:13], tail=True)
+    assert imp is not None
+    waiting.kv_tail = bm.finish_import(imp, written=True)
+    bm.free(waiting)
+    assert bm.num_used_blocks == 0 and waiting.kv_tail is None
+    bm.check_invariants()
+
+
 PROMPTS = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=20), min_size=1,
                    max_size=8)
 
 
 @settings(max_examples=200, deadline=None)
-@given(PROMPTS, st.lists(st.booleans(), min_size=8, max_size=8), st.integers(3, 12))
+@given(PROMPTS, st.lists(st.booleans(), min_size=8, max_size=8),
+       st.lists(st.booleans(), min_size=8, max_size=8), st.integers(3, 12))
 def test_imports_pin_then_return_every_block(prompts: list[list[int]], written: list[bool],
-                                             num_blocks: int) -> None:
+                                             tails: list[bool], num_blocks: int) -> None:
     bm = BlockManager(num_blocks, BS)
-    open_imports = []
+    open_imports: list[tuple[KVImport, bool]] = []
+    kept: list[int] = []  # tails of written imports, as requests would hold them
+
+    def finish(imp: KVImport, with_tail: bool, ok: bool) -> None:
+        tail = bm.finish_import(imp, written=ok)
+        assert (tail is not None) == (ok and with_tail)
+        kept.extend([tail] if tail is not None else [])
+
     for i, prompt in enumerate(prompts):
-        imp = bm.begin_import(prompt)
-        if imp is None:
-            assert (len(prompt) - 1) // BS > bm.num_free_blocks  # refused only when short
+        tail = tails[i]
+        imp = bm.begin_import(prompt, tail=tail)
+        if imp is None:  # refused only when short
+            assert (len(prompt) - 1) // BS + tail > bm.num_free_blocks
         else:
-            held = imp.cached + imp.blocks
-            assert len(set(held)) == len(held) == (len(prompt) - 1) // BS
-            for other in open_imports:  # no block is in two transfers at once
-                assert not set(imp.blocks) & set(other.cached + other.blocks)
-            open_imports.append(imp)
+            held = imp.cached + imp.written
+            assert len(set(held)) == len(held) == (len(prompt) - 1) // BS + tail
+            for other, _ in open_imports:  # no block is in two transfers at once
+                assert not set(imp.written) & set(other.cached + other.written)
+            assert not set(held) & set(kept)
+            open_imports.append((imp, tail))
         bm.check_invariants()
         if i % 2:  # finish the oldest, written or not
-            oldest = open_imports.pop(0) if open_imports else None
-            if oldest is not None:
-                bm.finish_import(oldest, written=written[i])
+            if open_imports:
+                finish(*open_imports.pop(0), written[i])
                 bm.check_invariants()
-    for imp in open_imports:
-        bm.finish_import(imp, written=True)
+    for imp, with_tail in open_imports:
+        finish(imp, with_tail, True)
+    bm.unpin(kept)
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == num_blocks
     bm.check_invariants()

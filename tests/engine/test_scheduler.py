@@ -50,6 +50,25 @@ def run_to_end(s: Scheduler, seqs: list[Sequence], max_steps: int = 1000) -> Non
     raise AssertionError("did not finish")
 
 
+def test_a_sequence_with_its_kv_tail_computes_only_its_last_token() -> None:
+    s = make_scheduler()
+    bm = s.block_manager
+    a = seq(1, 11, max_tokens=1)  # 2 full blocks and 3 tokens after them
+    a.keep_tail = True
+    s.add(a)
+    run_to_end(s, [a])
+    tail = a.kv_tail
+    assert tail is not None and bm.num_used_blocks == 1
+    b = Sequence(2, a.token_ids, max_tokens=3)  # the prompt and its first token
+    b.kv_tail, a.kv_tail = tail, None
+    s.add(b)
+    out = step(s)
+    assert chunks(out) == [(2, 11, 1, True)]
+    assert out.scheduled[0].block_table[2] == tail and b.num_cached_tokens == 8
+    run_to_end(s, [b])
+    assert bm.num_used_blocks == 0
+
+
 def test_chunked_prefill_boundaries_and_block_tables() -> None:
     s = make_scheduler(max_num_batched_tokens=8)
     a = seq(1, 20, max_tokens=2)

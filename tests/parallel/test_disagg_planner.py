@@ -168,8 +168,8 @@ def test_simulated_goodput_stays_below_the_saturated_throughput() -> None:
     budget = options.max_num_batched_tokens
     pre = Replicas(split.prefill.tp, split.prefill.pp, split.prefill.replicas, budget)
     dec = Replicas(split.decode.tp, split.decode.pp, split.decode.replicas, budget)
-    capacity = capacity_disagg(shape, cluster, scenario, options, pre, dec, 16)
+    capacity = capacity_disagg(shape, cluster, scenario, options, pre, dec)
     above = scenario_requests(scenario, 1.5 * capacity, 2000)
-    burst = simulate_disagg(shape, cluster, scenario, options, pre, dec, above, 16)
+    burst = simulate_disagg(shape, cluster, scenario, options, pre, dec, above)
     assert burst is not None and burst.attained >= ATTAINMENT  # the finite run's verdict
     assert 0 < simulated_goodput(shape, cluster, scenario, options, split) < capacity

@@ -72,7 +72,7 @@ def test_the_hop_takes_the_inter_node_link_once_the_split_leaves_the_node() -> N
 def test_a_split_answers_first_from_the_prefill_side_and_decodes_after_the_hop() -> None:
     shape, cluster, scenario, options = setup("model=llama-3-8b")
     att = simulate_disagg(shape, cluster, scenario, options, Replicas(tp=2), Replicas(tp=2),
-                          REQUESTS, block_size=16)
+                          REQUESTS)
     colo = simulate_colocated(shape, cluster, scenario, options, Replicas(tp=2, count=2),
                               REQUESTS)
     assert att is not None and colo is not None
@@ -85,7 +85,7 @@ def test_a_replica_the_sizing_rejects_simulates_nothing() -> None:
     shape, cluster, scenario, options = setup("model=llama-3-70b")
     assert simulate_colocated(shape, cluster, scenario, options, Replicas(), REQUESTS) is None
     assert simulate_disagg(shape, cluster, scenario, options, Replicas(), Replicas(tp=4),
-                           REQUESTS, block_size=16) is None
+                           REQUESTS) is None
     assert simulate_colocated(shape, cluster, scenario, options, Replicas(tp=4),
                               REQUESTS) is not None
 

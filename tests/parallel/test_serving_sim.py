@@ -70,12 +70,12 @@ def test_a_split_prefills_there_moves_the_kv_and_decodes_from_the_cached_prompt(
         return 1.0
 
     res = simulate_split([SimRequest(0.0, prompt=40, output=3)], flat, decode_side,
-                         hop_s=lambda r: 0.25, block_size=16)
+                         hop_s=lambda r: 0.25)
     assert res.first_token_s == [1.0]
-    # Arrives at 1.25: recomputes its last partial block (41 - 32 = 9 tokens) and samples
+    # Arrives at 1.25 with every prompt token's KV: computes its first token's and samples
     # token 2 at 2.25, token 3 at 3.25.
     assert res.finish_s == [3.25]
-    assert seen[0].num_new_tokens == 9 and seen[0].num_kv_read == 32
+    assert seen[0].num_new_tokens == 1 and seen[0].num_kv_read == 40
 
 
 def test_attainment_counts_the_requests_within_both_slos() -> None:
