@@ -84,8 +84,7 @@ replica on two threads) is no layout of its devices."""
 
 
 def predicted_goodput(arch: ModelArch, reqs: list, ttft_ms: float, tpot_ms: float,
-                      cluster: ClusterConfig, prefill_step_tokens: int = 512
-                      ) -> dict[str, float]:
+                      cluster: ClusterConfig, prefill_step_tokens: int) -> dict[str, float]:
     """The planner's goodput (req/s) of each planned layout on `cluster`, for the workload's
     mean prompt and output and the bench's SLOs; no prefix is shared. Steps carry what the
     layouts' engines do: the split's `prefill_step_tokens`, the colocated engine's default."""
@@ -238,9 +237,9 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--connector", default="auto", choices=["auto", "nixl", "torch"])
-    ap.add_argument("--prefill-step-tokens", type=int, default=512,
-                    help="1P+1D's engine.max_num_batched_tokens (short prefill steps keep "
-                         "the front, which runs the prefill replica, answering)")
+    ap.add_argument("--prefill-step-tokens", type=int, default=None,
+                    help="1P+1D's engine.max_num_batched_tokens (default: the engine's, as "
+                         "the colocated layouts run)")
     ap.add_argument("--cluster", default="local-cpu",
                     help="the cluster preset the planner predicts with: a name in conf/cluster "
                          "or a YAML file `meshserve calibrate calibrate.out=F` wrote")
@@ -253,6 +252,8 @@ def main() -> None:
                          "the measured run: the simulation's steps are scaled by how much "
                          "slower than the cost model's price the engine ran it (0: none)")
     args = ap.parse_args()
+    if args.prefill_step_tokens is None:
+        args.prefill_step_tokens = load_runtime_config().engine.step_token_cap
     torch.set_num_threads(1)
     path = checkpoints.resolve(args.model)
     arch = ModelArch.from_dir(path)
