@@ -80,11 +80,16 @@ def test_one_prefill_one_decode_equals_transformers(make_checkpoint, prompts, ex
         llm.shutdown()
 
 
+@pytest.mark.parametrize("min_tokens", [16, 2])
 def test_the_decode_replica_computes_only_the_first_token_of_a_hop(
-        make_checkpoint, prompts, expected, tmp_path) -> None:
-    """The prompt's partial last block comes with its full ones, so no step of the decode
-    replica carries a prompt chunk of a request that hopped: only the short prompts'."""
-    llm = disagg_llm(str(make_checkpoint("llama")), f"engine.step_log={tmp_path / 's.jsonl'}")
+        make_checkpoint, prompts, expected, tmp_path, min_tokens: int) -> None:
+    """The prompt's partial last block comes with its full ones (or alone, for a prompt
+    shorter than a block), so no step of the decode replica carries a prompt chunk of a
+    request that hopped: only the prompts too short to hop."""
+    overrides = [o for o in ONE_RANK if not o.startswith("disagg.min_prefill_tokens")]
+    llm = LLM(str(make_checkpoint("llama")), progress=False, overrides=[
+        *overrides, f"disagg.min_prefill_tokens={min_tokens}",
+        f"engine.step_log={tmp_path / 's.jsonl'}"])
     try:
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     finally:
@@ -92,7 +97,7 @@ def test_the_decode_replica_computes_only_the_first_token_of_a_hop(
     lines = (tmp_path / "s.replica1.jsonl").read_text().splitlines()
     steps = [r for r in map(json.loads, lines) if "num_prefill_tokens" in r]
     assert steps and sum(r["num_prefill_tokens"] for r in steps) == sum(
-        len(p) for p in prompts if 1 < len(p) < 16)  # (one token is a decode row)
+        len(p) for p in prompts if 1 < len(p) < min_tokens)  # (one token is a decode row)
 
 
 def test_disagg_auto_runs_the_planned_split(make_checkpoint, prompts, expected) -> None:
