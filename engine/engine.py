@@ -229,10 +229,11 @@ class Engine:
         partial last block for `take_prompt_tail` instead of freeing it."""
         self._requests[self._by_request_id[request_id]].seq.keep_tail = True
 
-    def take_prompt_tail(self, request_id: str) -> int | None:
-        """The block kept for a finished request (now the caller's: it releases it with
-        the block manager's `unpin`), or None."""
-        return self._kept_tails.pop(request_id, None)
+    def take_prompt_tail(self, request_id: str) -> list[int]:
+        """The block kept for a finished request, if one was (now the caller's: it
+        releases it with the block manager's `unpin`)."""
+        block = self._kept_tails.pop(request_id, None)
+        return [] if block is None else [block]
 
     def give_prompt_tail(self, request_id: str, block: int) -> None:
         """Hand a request not yet admitted a block the caller holds with the KV of its

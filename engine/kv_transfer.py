@@ -226,14 +226,13 @@ class KVRole:
             ids = self._prefills.pop(out.request_id)
             tail = self.engine.take_prompt_tail(out.request_id)
             if out.finish_reason != "length":  # stopped at its first token: nothing to ship
-                self.bm.unpin([tail] if tail is not None else [])
+                self.bm.unpin(tail)
                 continue
             blocks = self.bm.pin_prefix(ids + out.token_ids[:1])
-            if tail is not None:
-                if len(blocks) == len(ids) // self.bm.block_size:
-                    blocks.append(tail)
-                else:  # a full block before it is missing: the decode side computes it
-                    self.bm.unpin([tail])
+            if len(blocks) == len(ids) // self.bm.block_size:
+                blocks += tail
+            else:  # a full block before it is missing: the decode side computes it
+                self.bm.unpin(tail)
             self.leases.hold(out.request_id, blocks, self.clock())
             replies.append(("held", out.request_id, blocks))
         return replies
@@ -372,12 +371,7 @@ class KVRole:
             self.num_failed += 1
             return [("import_failed", rid, error)]
         self.bytes_received += nbytes
-        try:
-            self.engine.add_request(job.ids, job.params, rid, job.arrival)
-        except Exception:
-            if tail is not None:
-                self.bm.unpin([tail])
-            raise
+        self.engine.add_request(job.ids, job.params, rid, job.arrival)
         if tail is not None:
             self.engine.give_prompt_tail(rid, tail)
         return [("imported", rid, nbytes, seconds, self.clock() - job.received)]
