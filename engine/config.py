@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from meshserve.validation import require as _require
 
 SCHEDULING_POLICIES = ("continuous", "static")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance")
 AUTO_STEP_TOKENS = 2048
 """The cap of an automatic step budget (engine.max_num_batched_tokens=auto)."""
@@ -18,6 +19,13 @@ class EngineConfig:
 
     block_size: int = 16
     """Tokens per KV-cache block."""
+
+    kv_cache_dtype: str = "auto"
+    """What the KV cache stores: auto (the model's compute dtype), float32, bfloat16, float16.
+    Attention reads it into the compute dtype. A float32 model on the CPU with a bfloat16
+    cache reads half the bytes per decode step and holds twice the tokens, at bf16's
+    rounding of K and V (the C kernels read fp32 and bf16 caches; GPUs take the model's
+    dtype only)."""
 
     num_gpu_blocks: int | None = None
     """KV blocks per rank; None sizes the cache from `kv_cache_memory` / `gpu_memory_utilization`."""
@@ -96,6 +104,8 @@ class EngineConfig:
         _require(self.structured_outputs_backend in GRAMMAR_BACKENDS,
                  "engine.structured_outputs_backend", self.structured_outputs_backend,
                  f"one of {GRAMMAR_BACKENDS}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "engine.kv_cache_dtype",
+                 self.kv_cache_dtype, f"one of {KV_CACHE_DTYPES}")
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
                  "engine.block_size", self.block_size, "a power of two >= 1")
         _require(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1,

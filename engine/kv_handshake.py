@@ -1,6 +1,6 @@
 """The handshake of a KV transfer: what the prefill and the decode side must agree on
 before a block moves. TP and PP may differ (heads are resharded, layers gathered from each
-stage); the model, block size, dtype and per-token KV layout must not."""
+stage); the model, block size, KV cache dtype and per-token KV layout must not."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class KVSpec:
 MUST_MATCH = ("model", "block_size", "dtype", "num_layers", "num_kv_heads", "head_dim")
 """What both sides must share; `tp` and `pp` may differ."""
 
-_FIELD = {"model": "model", "block_size": "engine.block_size", "dtype": "model.dtype",
+_FIELD = {"model": "model", "block_size": "engine.block_size", "dtype": "engine.kv_cache_dtype",
           "num_layers": "num_hidden_layers", "num_kv_heads": "num_key_value_heads",
           "head_dim": "head_dim"}
 

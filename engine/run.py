@@ -128,3 +128,19 @@ def compute_dtype(run: Run) -> torch.dtype:
     """The dtype the model computes in (the planner's rule: auto is float32 on CPU, the
     checkpoint's dtype on GPU)."""
     return DTYPES[resolve_dtype(run.config.model.dtype, run.arch.dtype, run.device_type)]
+
+
+def kv_cache_dtype(run: Run) -> torch.dtype:
+    """What the run's KV cache stores (engine.kv_cache_dtype; auto: the compute dtype). A
+    dtype other than the compute dtype is for CPU runs (GPU attention kernels read the
+    model's dtype)."""
+    asked = run.config.engine.kv_cache_dtype
+    compute = compute_dtype(run)
+    if asked == "auto" or DTYPES[asked] is compute:
+        return compute
+    if run.device_type != "cpu":
+        raise ValueError(f"engine.kv_cache_dtype={asked} with a model computing in "
+                         f"{str(compute).removeprefix('torch.')} on {run.device_type}: allowed "
+                         "there are auto or the model's dtype (another cache dtype is for CPU "
+                         "runs)")
+    return DTYPES[asked]

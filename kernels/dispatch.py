@@ -78,6 +78,14 @@ def use_native(*tensors: torch.Tensor) -> bool:
     return _native_allowed(kernel_mode())
 
 
+def native_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the C attention reads these caches: on the CPU, contiguous, fp32 or bf16
+    (engine.kv_cache_dtype), C kernels on."""
+    return (k_cache.dtype is v_cache.dtype and k_cache.dtype in native_cpu.KV_DTYPES
+            and k_cache.is_cpu and v_cache.is_cpu and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and _native_allowed(kernel_mode()))
+
+
 @cache
 def _native_allowed(mode: str) -> bool:
     return mode == "auto" and native_cpu.library() is not None
@@ -139,7 +147,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Store k, v [T, Hkv, D] at flat slots [T] of the caches."""
     if use_triton(k.device):
         _module("triton_write_kv").write_kv(k, v, k_cache, v_cache, slot_mapping)
-    elif k_cache.is_contiguous() and v_cache.is_contiguous() and use_native(k, v, k_cache):
+    elif use_native(k, v) and native_kv(k_cache, v_cache):
         native_cpu.write_kv(k, v, k_cache, v_cache, slot_mapping)
     else:
         ref_attention.write_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -152,8 +160,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if use_triton(q.device) and k_cache.shape[1] >= MIN_ATTENTION_BLOCK_SIZE:
         return _module("triton_paged_decode").paged_decode(
             q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
-    if (k_cache.is_contiguous() and v_cache.is_contiguous() and q.shape[1] % k_cache.shape[2] == 0
-            and use_native(q, k_cache, v_cache)):
+    if q.shape[1] % k_cache.shape[2] == 0 and use_native(q) and native_kv(k_cache, v_cache):
         return native_cpu.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
                                        sliding_window)
     return ref_attention.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
@@ -168,8 +175,8 @@ def attend_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.
     stores K/V, returns the decodes' output [num_decode, H, D]. None where it doesn't apply
     (not fp32 on the CPU, reference mode, a layout it can't read): the caller then takes
     the step by step path."""
-    if not (use_native(qkv, cos, sin, k_cache, v_cache) and qkv.is_contiguous() and k_cache.is_contiguous()
-            and v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+    if not (use_native(qkv, cos, sin) and native_kv(k_cache, v_cache) and qkv.is_contiguous()
+            and cos.is_contiguous() and sin.is_contiguous()
             and num_heads % num_kv_heads == 0
             and all(t.dtype is torch.int64 and t.is_contiguous() for t in (
                 meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens))):
@@ -194,6 +201,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
             q, k_cache, v_cache, batch.block_tables, batch.q_starts, batch.q_lens,
             batch.start_pos, batch.max_q_len, scale, sliding_window, out=out)
         return batch
+    if k.dtype != k_cache.dtype:  # attend to K/V as stored, as every later read of them does
+        k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
     for c in chunks:
         sl = slice(c.token_start, c.token_start + c.num_tokens)
         if c.start_pos == 0:

@@ -85,7 +85,7 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.ms_paged_decode_f32.restype = ctypes.c_int
     lib.ms_paged_decode_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
-                                        _i64, _i64, _i64, _i64, _f32, _i64]
+                                        _i64, _i64, _i64, _i64, _f32, _i64, _i64]
     lib.ms_rms_norm_f32.restype = None
     lib.ms_rms_norm_f32.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _f32]
     lib.ms_add_rms_norm_f32.restype = None
@@ -93,10 +93,11 @@ def library() -> ctypes.CDLL | None:
     lib.ms_rotary_inplace_f32.restype = None
     lib.ms_rotary_inplace_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr]
     lib.ms_write_kv_f32.restype = None
-    lib.ms_write_kv_f32.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr]
+    lib.ms_write_kv_f32.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64]
     lib.ms_attend_qkv_f32.restype = ctypes.c_int
     lib.ms_attend_qkv_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
-                                      _i64, _ptr, _i64, _ptr, _i64, _ptr, _f32, _i64, _ptr]
+                                      _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _f32, _i64,
+                                      _ptr]
     lib.ms_linear_f32.restype = None
     lib.ms_linear_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]
     lib.ms_linear_t_f32.restype = None
@@ -135,10 +136,20 @@ class DecoderStruct(ctypes.Structure):
 
     _fields_ = [
         *((name, _i64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim",
-                                    "intermediate", "block_size", "window")),
+                                    "intermediate", "block_size", "window", "kv_bf16")),
         ("eps", _f32), ("scale", _f32), ("embed", _ptr), ("embed_packed", _i64),
         ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
         ("layers", ctypes.POINTER(DecoderLayerStruct))]
+
+
+KV_DTYPES = (torch.float32, torch.bfloat16)
+"""Cache dtypes the C attention reads and writes (queries and outputs are fp32)."""
+
+
+def kv_bf16(cache: torch.Tensor) -> int:
+    """The C kernels' flag for a cache's dtype: 1 for bf16, 0 for fp32."""
+    assert cache.dtype in KV_DTYPES, f"the C kernels read fp32 or bf16 caches, not {cache.dtype}"
+    return int(cache.dtype is torch.bfloat16)
 
 
 def _loaded() -> ctypes.CDLL:
@@ -164,7 +175,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     rc = lib.ms_paged_decode_f32(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         tables.stride(0), lens.data_ptr(), out.data_ptr(), b, h, k_cache.shape[2], d,
-        k_cache.shape[1], scale, sliding_window or 0)
+        k_cache.shape[1], scale, sliding_window or 0, kv_bf16(k_cache))
     if rc != 0:
         raise MemoryError(f"paged decode attention: no memory for {h} x "
                           f"{int(lens.max())} scores")
@@ -220,7 +231,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     slots = slot_mapping.to(torch.int64).contiguous()
     lib.ms_write_kv_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0],
                         k.shape[1] * k.shape[2], k_cache.data_ptr(), v_cache.data_ptr(),
-                        slots.data_ptr())
+                        slots.data_ptr(), kv_bf16(k_cache))
 
 
 def attend_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
@@ -231,14 +242,15 @@ def attend_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.
     """One C call for a layer's attention as far as the decodes go: rotate q and k of
     qkv [T, H + 2 Hkv, D] in place, store every token's K/V at its slot, and attend the
     first len(context_lens) tokens (the decodes) -> [num_decode, H, D]. Every tensor must
-    already be contiguous, fp32 (cos, sin, caches) or int64 (slots, tables, lengths): the
+    already be contiguous, fp32 (cos, sin), fp32 or bf16 (caches) or int64 (slots, tables, lengths): the
     caller checks (dispatch.attend_qkv)."""
     lib = _loaded()
     num_decode, d = context_lens.shape[0], qkv.shape[2]
     out = torch.empty(num_decode, num_heads, d)
     rc = lib.ms_attend_qkv_f32(
         qkv.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, d, cos.data_ptr(),
-        sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
+        sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_bf16(k_cache),
+        k_cache.shape[1],
         slot_mapping.data_ptr(), num_decode, block_tables.data_ptr(), block_tables.stride(0),
         context_lens.data_ptr(), scale, sliding_window or 0, out.data_ptr())
     if rc != 0:

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store k, v [T, Hkv, D] at flat slots [T] of the caches."""
+    """Store k, v [T, Hkv, D] at flat slots [T] of the caches (cast to the caches' dtype)."""
     num_blocks, block_size = k_cache.shape[:2]
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
@@ -86,8 +87,9 @@ def _paged_decode_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          sliding_window: int | None = None) -> torch.Tensor:
     """Every row padded to the table's width: q [B, H, D] -> [B, H, D]."""
     b, h, d = q.shape
-    k = gather_kv(k_cache, block_tables).transpose(1, 2)  # [B, Hkv, L, D] (a strided view)
-    v = gather_kv(v_cache, block_tables).transpose(1, 2)
+    # [B, Hkv, L, D] (a strided view), in q's dtype where the cache holds another
+    k = gather_kv(k_cache, block_tables).transpose(1, 2).to(q.dtype)
+    v = gather_kv(v_cache, block_tables).transpose(1, 2).to(q.dtype)
     pos = torch.arange(k.shape[2], device=q.device)
     mask = pos.unsqueeze(0) < context_lens.unsqueeze(1)  # [B, L]
     if sliding_window is not None:
@@ -108,8 +110,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_q, h, d = q.shape
     ctx = start_pos + num_q
     n_blocks = -(-ctx // k_cache.shape[1])
-    k = gather_kv(k_cache, block_table[:n_blocks].unsqueeze(0))[0, :ctx]  # [ctx, Hkv, D]
-    v = gather_kv(v_cache, block_table[:n_blocks].unsqueeze(0))[0, :ctx]
+    table = block_table[:n_blocks].unsqueeze(0)
+    k = gather_kv(k_cache, table)[0, :ctx].to(q.dtype)  # [ctx, Hkv, D], in q's dtype
+    v = gather_kv(v_cache, table)[0, :ctx].to(q.dtype)
     hkv = k.shape[1]
     q_pos = torch.arange(start_pos, ctx, device=q.device).unsqueeze(1)
     k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)

@@ -58,7 +58,8 @@ class FusedDecoder:
             num_layers=len(layers), hidden=arch.hidden_size, heads=attn.num_heads,
             kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             intermediate=mlp.down_proj.in_local, block_size=attn.attn.k_cache.shape[1],
-            window=attn.attn.sliding_window or 0, eps=layers[0].input_layernorm.eps,
+            window=attn.attn.sliding_window or 0,
+            kv_bf16=native_cpu.kv_bf16(attn.attn.k_cache), eps=layers[0].input_layernorm.eps,
             scale=attn.attn.scale, embed=_ptr(inner.embed_tokens.weight),
             embed_packed=packed_columns(inner.embed_tokens.weight) is not None,
             cos=_ptr(rotary.cos), sin=_ptr(rotary.sin), final_norm=_ptr(inner.norm.weight),
@@ -84,8 +85,11 @@ class FusedDecoder:
                 return None
             tensors += [mod.weight for mod in linears]
             tensors += [mod.bias for mod in linears if mod.bias is not None]
-            tensors += [a.attn.k_cache, a.attn.v_cache, layer.input_layernorm.weight,
-                        layer.post_attention_layernorm.weight]
+            tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            caches = (a.attn.k_cache, a.attn.v_cache)
+            if (not caches[0].numel() or not dispatch.native_kv(*caches)
+                    or caches[0].dtype != first.self_attn.attn.k_cache.dtype):
+                return None
             if (a.attn.sliding_window != first.self_attn.attn.sliding_window
                     or layer.input_layernorm.eps != first.input_layernorm.eps
                     or layer.post_attention_layernorm.eps != first.input_layernorm.eps):

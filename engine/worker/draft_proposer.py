@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshserve.engine.run import Run
+from meshserve.engine.run import Run, kv_cache_dtype
 from meshserve.engine.sampling_params import SamplingParams, SequenceSampling
 from meshserve.engine.scheduler_output import ScheduledSeq
 from meshserve.engine.worker.kv_cache import allocate_kv_cache, bytes_per_block
@@ -74,6 +74,7 @@ class DraftProposer:
         draft directory."""
         assert run.draft_dir is not None and run.draft_arch is not None, "method=draft"
         self.run, self.device, self.dtype = run, device, dtype
+        self.kv_dtype = kv_cache_dtype(run)
         ec = run.config.engine
         self.model = model or load_model(
             run.draft_dir, dtype=dtype, device=device, progress=False,
@@ -93,7 +94,7 @@ class DraftProposer:
         """Bytes of one KV block of the draft's layers."""
         layers = self.model.attention_layers()
         return bytes_per_block(len(layers), layers[0].num_kv_heads, layers[0].head_dim,
-                               self.block_size, self.dtype)
+                               self.block_size, self.kv_dtype)
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -103,7 +104,7 @@ class DraftProposer:
         layers = self.model.attention_layers()
         attn = layers[0]
         cache = allocate_kv_cache(len(layers), num_blocks, self.block_size, attn.num_kv_heads,
-                                  attn.head_dim, self.dtype, self.device,
+                                  attn.head_dim, self.kv_dtype, self.device,
                                   self.run.config.engine.cpu_huge_pages)
         self.runner = ModelRunner(self.model, cache, self.block_size, self.device)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from meshserve.engine.run import Run, async_scheduling, compute_dtype
+from meshserve.engine.run import Run, async_scheduling, compute_dtype, kv_cache_dtype
 from meshserve.engine.sampling_params import SequenceSampling
 from meshserve.engine.scheduler_output import PLACEHOLDER_TOKEN, ScheduledSeq
 from meshserve.engine.worker.draft_proposer import DraftProposer
@@ -110,6 +110,7 @@ class Worker:
         self.layer_range = layer_range or (0, run.arch.num_hidden_layers)
         """The global layers this rank's stage holds, [start, stop)."""
         self.dtype = compute_dtype(run)
+        self.kv_dtype = kv_cache_dtype(run)
         arch, ec = run.arch, run.config.engine
         self.head_split = lm_head_split(run.config, arch.vocab_size, device.type)
         self.model = model or load_model(
@@ -192,7 +193,7 @@ class Worker:
         layers = self.model.attention_layers()
         attn = layers[0]
         block_bytes = bytes_per_block(len(layers), attn.num_kv_heads, attn.head_dim,
-                                      self.run.config.engine.block_size, self.dtype)
+                                      self.run.config.engine.block_size, self.kv_dtype)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.drafter is not None:  # its cache has as many blocks as the target's
             block_bytes += self.drafter.block_bytes()
@@ -206,7 +207,7 @@ class Worker:
         layers = self.model.attention_layers()
         attn = layers[0]
         cache = allocate_kv_cache(len(layers), num_blocks, ec.block_size, attn.num_kv_heads,
-                                  attn.head_dim, self.dtype, self.device, ec.cpu_huge_pages)
+                                  attn.head_dim, self.kv_dtype, self.device, ec.cpu_huge_pages)
         self.runner = ModelRunner(self.model, cache, ec.block_size, self.device)
         self.num_blocks = num_blocks
         runners = [self.runner]

@@ -61,49 +61,85 @@ static float sum_squares(const float *a, int64_t n) {
 
 #define CHUNK 32
 
-/* acc[0:CHUNK] (loaded from o) += p * row[0:CHUNK] over rows, then stored: four AVX2 registers, or an array
- * the compiler may vectorize. */
+/* The KV cache holds fp32 or bf16 elements (engine.kv_cache_dtype); `bf16` below is a
+ * constant at each call of the always-inlined attention body, so each cache dtype gets its
+ * own compiled loop. A bf16 value is the top half of the fp32 with the same bits. */
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float kv_at(const void *base, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)base)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+/* fp32 -> bf16, rounded to nearest even (NaN kept a quiet NaN), as torch's .to(bfloat16). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+INLINE float dot_kv(const float *a, const void *b, int64_t n, int bf16) {
+    if (!bf16) return dot(a, (const float *)b, n);
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * kv_at(b, i, 1);
+    return s;
+}
+
+/* acc[0:CHUNK] (loaded from o) += p * row[i:i + CHUNK] over rows, then stored: four AVX2
+ * registers, or an array the compiler may vectorize. */
 #if defined(__AVX2__) && defined(__FMA__)
+INLINE __m256 load8_kv(const void *base, int64_t i, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)base + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 #define CHUNK_ACC_LOAD(o)                                                \
     __m256 a0_ = _mm256_loadu_ps((o)), a1_ = _mm256_loadu_ps((o) + 8);   \
     __m256 a2_ = _mm256_loadu_ps((o) + 16), a3_ = _mm256_loadu_ps((o) + 24);
-#define CHUNK_ACC_STEP(p, row)                                           \
+#define CHUNK_ACC_STEP(p, row, i, bf16)                                  \
     {                                                                    \
         const __m256 p_ = _mm256_set1_ps(p);                             \
-        a0_ = _mm256_fmadd_ps(p_, _mm256_loadu_ps((row)), a0_);          \
-        a1_ = _mm256_fmadd_ps(p_, _mm256_loadu_ps((row) + 8), a1_);      \
-        a2_ = _mm256_fmadd_ps(p_, _mm256_loadu_ps((row) + 16), a2_);     \
-        a3_ = _mm256_fmadd_ps(p_, _mm256_loadu_ps((row) + 24), a3_);     \
+        a0_ = _mm256_fmadd_ps(p_, load8_kv((row), (i), (bf16)), a0_);       \
+        a1_ = _mm256_fmadd_ps(p_, load8_kv((row), (i) + 8, (bf16)), a1_);   \
+        a2_ = _mm256_fmadd_ps(p_, load8_kv((row), (i) + 16, (bf16)), a2_);  \
+        a3_ = _mm256_fmadd_ps(p_, load8_kv((row), (i) + 24, (bf16)), a3_);  \
     }
 #define CHUNK_ACC_STORE(o)                                               \
     _mm256_storeu_ps((o), a0_); _mm256_storeu_ps((o) + 8, a1_);          \
     _mm256_storeu_ps((o) + 16, a2_); _mm256_storeu_ps((o) + 24, a3_);
 #else
 #define CHUNK_ACC_LOAD(o) float acc_[CHUNK]; memcpy(acc_, (o), sizeof(acc_));
-#define CHUNK_ACC_STEP(p, row) \
-    { const float p_ = (p); for (int i_ = 0; i_ < CHUNK; i_++) acc_[i_] += p_ * (row)[i_]; }
+#define CHUNK_ACC_STEP(p, row, i, bf16) \
+    { const float p_ = (p); \
+      for (int i_ = 0; i_ < CHUNK; i_++) acc_[i_] += p_ * kv_at((row), (i) + i_, (bf16)); }
 #define CHUNK_ACC_STORE(o) memcpy((o), acc_, sizeof(acc_));
 #endif
 
-/* scores[h * len + r] = scale * q_h . row_r for `rows` consecutive key rows. */
-static void key_scores(float *scores, int64_t len, const float *q, const float *row,
+/* scores[h * len + r] = scale * q_h . row_r for `rows` consecutive key rows; `row` and the
+ * strides count cache elements. */
+INLINE void key_scores(float *scores, int64_t len, const float *q, const void *row,
                        int64_t rows, int64_t tok_stride, int64_t heads, int64_t group,
-                       int64_t head_dim, float scale) {
+                       int64_t head_dim, float scale, int bf16) {
     int64_t r = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     /* Eight rows at a time: eight accumulators reduced together into one register. */
     if (head_dim % 8 == 0) {
         const __m256 sc = _mm256_set1_ps(scale);
         for (; r + 8 <= rows; r += 8) {
-            const float *rr = row + r * tok_stride;
             for (int64_t h = 0; h < heads; h++) {
-                const float *qh = q + h * head_dim, *kh = rr + (h / group) * head_dim;
+                const float *qh = q + h * head_dim;
+                const int64_t kh = r * tok_stride + (h / group) * head_dim;
                 __m256 a[8];
                 for (int x = 0; x < 8; x++) a[x] = _mm256_setzero_ps();
                 for (int64_t c = 0; c < head_dim; c += 8) {
                     const __m256 qv = _mm256_loadu_ps(qh + c);
                     for (int x = 0; x < 8; x++)
-                        a[x] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kh + x * tok_stride + c), a[x]);
+                        a[x] = _mm256_fmadd_ps(qv, load8_kv(row, kh + x * tok_stride + c, bf16),
+                                               a[x]);
                 }
                 const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]),
                                                     _mm256_hadd_ps(a[2], a[3]));
@@ -116,11 +152,13 @@ static void key_scores(float *scores, int64_t len, const float *q, const float *
         }
     }
 #endif
+    const int64_t elem = bf16 ? 2 : 4;
     for (; r < rows; r++) {
-        const float *rr = row + r * tok_stride;
+        const char *rr = (const char *)row + r * tok_stride * elem;
         for (int64_t h = 0; h < heads; h++)
-            scores[h * len + r] = scale * dot(q + h * head_dim, rr + (h / group) * head_dim,
-                                              head_dim);
+            scores[h * len + r] = scale * dot_kv(q + h * head_dim,
+                                                 rr + (h / group) * head_dim * elem, head_dim,
+                                                 bf16);
     }
 }
 
@@ -144,8 +182,9 @@ static void prefetch_some(Pending *pf, int64_t bytes) {
 /* o[0:head_dim] = o * corr + sum_r p[r] * rows[r * tok_stride + 0:head_dim] for r < count, in
  * order of r, CHUNK floats at a time in registers; asks for `per_row` more bytes of the
  * pending block `pf` at each row. */
-static void value_rows(float *o, float corr, const float *p, const float *rows, int64_t count,
-                       int64_t tok_stride, int64_t head_dim, Pending *pf, int64_t per_row) {
+INLINE void value_rows(float *o, float corr, const float *p, const void *rows, int64_t count,
+                       int64_t tok_stride, int64_t head_dim, Pending *pf, int64_t per_row,
+                       int bf16) {
     if (corr != 1.0f) /* 1: the running maximum held, most blocks after the first */
         for (int64_t i = 0; i < head_dim; i++) o[i] *= corr;
     for (int64_t c = 0; c < head_dim; c += CHUNK) {
@@ -154,13 +193,13 @@ static void value_rows(float *o, float corr, const float *p, const float *rows, 
             CHUNK_ACC_LOAD(o + c)
             for (int64_t r = 0; r < count; r++) {
                 prefetch_some(pf, per_row);
-                CHUNK_ACC_STEP(p[r], rows + r * tok_stride + c)
+                CHUNK_ACC_STEP(p[r], rows, r * tok_stride + c, bf16)
             }
             CHUNK_ACC_STORE(o + c)
         } else {
             for (int64_t r = 0; r < count; r++)
                 for (int64_t i = 0; i < width; i++)
-                    o[c + i] += p[r] * rows[r * tok_stride + c + i];
+                    o[c + i] += p[r] * kv_at(rows, r * tok_stride + c + i, bf16);
         }
     }
 }
@@ -237,8 +276,8 @@ static int64_t seq_start(const BlockCursor *c, int64_t b) {
 
 /* Moves the cursor to the next block holding wanted rows and makes its K and V pending;
  * 0 when the batch has no more. */
-static int prefetch_next(BlockCursor *c, const float *k, const float *v, int64_t blk_stride,
-                         int64_t tok_stride, Pending *pf) {
+static int prefetch_next(BlockCursor *c, const char *k, const char *v, int64_t blk_stride,
+                         int64_t tok_stride, int64_t elem, Pending *pf) {
     c->blk++;
     while (c->b < c->batch && c->blk * c->block_size >= c->lens[c->b]) {
         c->b++;
@@ -250,9 +289,9 @@ static int prefetch_next(BlockCursor *c, const float *k, const float *v, int64_t
     const int64_t lo = first < start ? start - first : 0;
     const int64_t hi = n - first < c->block_size ? n - first : c->block_size;
     const int64_t off = c->tables[c->b * c->table_stride + c->blk] * blk_stride + lo * tok_stride;
-    pf->k = (const char *)(k + off);
-    pf->v = (const char *)(v + off);
-    pf->bytes = (hi - lo) * tok_stride * (int64_t)sizeof(float);
+    pf->k = k + off * elem;
+    pf->v = v + off * elem;
+    pf->bytes = (hi - lo) * tok_stride * elem;
     pf->done = 0;
     return 1;
 }
@@ -263,16 +302,18 @@ static int prefetch_next(BlockCursor *c, const float *k, const float *v, int64_t
  * grows), so a block's K and V are read together, once.
  *
  * q       [B, H, D] with row stride q_stride (heads contiguous, D floats each)
- * k, v    caches [num_blocks, block_size, Hkv, D], contiguous
+ * k, v    caches [num_blocks, block_size, Hkv, D], contiguous: fp32, or bf16 where kv_bf16
  * tables  [B, table_stride] block ids (int64); lens [B] tokens cached, the query's included
  * out     [B, H, D] contiguous (zeros for a sequence with no tokens)
  * window  > 0: attend to the last `window` positions only
  * Returns 0, or -1 when scratch memory could not be allocated.
  */
-int ms_paged_decode_f32(const float *q, int64_t q_stride, const float *k, const float *v,
+INLINE int paged_decode(const float *q, int64_t q_stride, const void *k, const void *v,
                         const int64_t *tables, int64_t table_stride, const int64_t *lens,
                         float *out, int64_t batch, int64_t heads, int64_t kv_heads,
-                        int64_t head_dim, int64_t block_size, float scale, int64_t window) {
+                        int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                        int bf16) {
+    const int64_t elem = bf16 ? 2 : 4;
     const int64_t group = heads / kv_heads;
     const int64_t tok_stride = kv_heads * head_dim;
     const int64_t blk_stride = block_size * tok_stride;
@@ -285,7 +326,7 @@ int ms_paged_decode_f32(const float *q, int64_t q_stride, const float *k, const 
     Pending pf = {0, 0, 0, 0};
     if (more) ahead.blk = seq_start(&ahead, 0) / block_size - 1;
     for (int i = 0; i < PREFETCH_BLOCKS && more; i++) {
-        more = prefetch_next(&ahead, k, v, blk_stride, tok_stride, &pf);
+        more = prefetch_next(&ahead, k, v, blk_stride, tok_stride, elem, &pf);
         if (more) prefetch_some(&pf, pf.bytes);
     }
     for (int64_t b = 0; b < batch; b++) {
@@ -299,7 +340,7 @@ int ms_paged_decode_f32(const float *q, int64_t q_stride, const float *k, const 
             run_sum[h] = 0.0f;
         }
         for (int64_t blk = start / block_size; blk * block_size < n; blk++) {
-            if (more) more = prefetch_next(&ahead, k, v, blk_stride, tok_stride, &pf);
+            if (more) more = prefetch_next(&ahead, k, v, blk_stride, tok_stride, elem, &pf);
             const int64_t first = blk * block_size;
             const int64_t lo = first < start ? start - first : 0;
             const int64_t hi = n - first < block_size ? n - first : block_size;
@@ -308,8 +349,9 @@ int ms_paged_decode_f32(const float *q, int64_t q_stride, const float *k, const 
              * the last block is asked for: its `done` is its `bytes`). */
             const int64_t steps = heads * rows * ((head_dim + CHUNK - 1) / CHUNK);
             const int64_t per_row = (pf.bytes / steps + 63) / 64 * 64;
-            key_scores(scores, block_size, qb, k + off, rows, tok_stride, heads, group,
-                       head_dim, scale);
+            const char *kb = (const char *)k + off * elem, *vb = (const char *)v + off * elem;
+            key_scores(scores, block_size, qb, kb, rows, tok_stride, heads, group, head_dim,
+                       scale, bf16);
             for (int64_t h = 0; h < heads; h++) {
                 float *s = scores + h * block_size;
                 const float m = max_of(s, rows);
@@ -318,8 +360,8 @@ int ms_paged_decode_f32(const float *q, int64_t q_stride, const float *k, const 
                                    : new_max == run_max[h] ? 1.0f : expf(run_max[h] - new_max);
                 run_sum[h] = run_sum[h] * corr + exp_shifted(s, rows, new_max);
                 run_max[h] = new_max;
-                value_rows(ob + h * head_dim, corr, s, v + off + (h / group) * head_dim, rows,
-                           tok_stride, head_dim, &pf, per_row);
+                value_rows(ob + h * head_dim, corr, s, vb + (h / group) * head_dim * elem,
+                           rows, tok_stride, head_dim, &pf, per_row, bf16);
             }
             prefetch_some(&pf, pf.bytes); /* what a head_dim % CHUNK tail left */
         }
@@ -330,6 +372,18 @@ int ms_paged_decode_f32(const float *q, int64_t q_stride, const float *k, const 
     }
     free(scores);
     return 0;
+}
+
+int ms_paged_decode_f32(const float *q, int64_t q_stride, const void *k, const void *v,
+                        const int64_t *tables, int64_t table_stride, const int64_t *lens,
+                        float *out, int64_t batch, int64_t heads, int64_t kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                        int64_t kv_bf16) {
+    if (kv_bf16)
+        return paged_decode(q, q_stride, k, v, tables, table_stride, lens, out, batch, heads,
+                            kv_heads, head_dim, block_size, scale, window, 1);
+    return paged_decode(q, q_stride, k, v, tables, table_stride, lens, out, batch, heads,
+                        kv_heads, head_dim, block_size, scale, window, 0);
 }
 
 /* out = weight * x / sqrt(mean(x^2) + eps), row by row; x, out [rows, width] contiguous. */
@@ -389,34 +443,46 @@ void ms_rotary_inplace_f32(float *x, int64_t t_stride, int64_t tokens, int64_t h
 }
 
 /* Store each token's K and V rows (row floats each, token strides k_stride / v_stride) at
- * flat cache slots [tokens] of caches laid out [slots, row]. */
+ * flat cache slots [tokens] of caches laid out [slots, row]: fp32, or bf16 (rounded to
+ * nearest even) where kv_bf16. */
 void ms_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                     int64_t tokens, int64_t row, float *k_cache, float *v_cache,
-                     const int64_t *slots) {
+                     int64_t tokens, int64_t row, void *k_cache, void *v_cache,
+                     const int64_t *slots, int64_t kv_bf16) {
     for (int64_t t = 0; t < tokens; t++) {
-        memcpy(k_cache + slots[t] * row, k + t * k_stride, sizeof(float) * (size_t)row);
-        memcpy(v_cache + slots[t] * row, v + t * v_stride, sizeof(float) * (size_t)row);
+        if (!kv_bf16) {
+            memcpy((float *)k_cache + slots[t] * row, k + t * k_stride, sizeof(float) * (size_t)row);
+            memcpy((float *)v_cache + slots[t] * row, v + t * v_stride, sizeof(float) * (size_t)row);
+            continue;
+        }
+        uint16_t *kd = (uint16_t *)k_cache + slots[t] * row;
+        uint16_t *vd = (uint16_t *)v_cache + slots[t] * row;
+        for (int64_t i = 0; i < row; i++) {
+            kd[i] = to_bf16(k[t * k_stride + i]);
+            vd[i] = to_bf16(v[t * v_stride + i]);
+        }
     }
 }
 
 /* A layer's attention up to the prefill part, in one call: qkv [T, H + 2 Hkv, D] (contiguous)
  * has its q and k heads rotated in place by cos, sin [T, D/2]; every token's K and V is
- * stored at slots [T]; the first num_decode tokens (one per sequence) attend through their
+ * stored at slots [T] (fp32, or bf16 where kv_bf16); the first num_decode tokens (one per sequence) attend through their
  * block tables into out [num_decode, H, D]. The prefill tokens after them are left to the
  * caller, their q and k rotated and their K/V stored. Returns ms_paged_decode_f32's code. */
 int ms_attend_qkv_f32(float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads,
-                      int64_t head_dim, const float *cos, const float *sin, float *k_cache,
-                      float *v_cache, int64_t block_size, const int64_t *slots,
-                      int64_t num_decode, const int64_t *tables, int64_t table_stride,
-                      const int64_t *lens, float scale, int64_t window, float *out) {
+                      int64_t head_dim, const float *cos, const float *sin, void *k_cache,
+                      void *v_cache, int64_t kv_bf16, int64_t block_size,
+                      const int64_t *slots, int64_t num_decode, const int64_t *tables,
+                      int64_t table_stride, const int64_t *lens, float scale, int64_t window,
+                      float *out) {
     const int64_t t_stride = (heads + 2 * kv_heads) * head_dim;
     const int64_t kv_row = kv_heads * head_dim;
     ms_rotary_inplace_f32(qkv, t_stride, tokens, heads + kv_heads, head_dim, cos, sin);
     ms_write_kv_f32(qkv + heads * head_dim, t_stride, qkv + (heads + kv_heads) * head_dim,
-                    t_stride, tokens, kv_row, k_cache, v_cache, slots);
+                    t_stride, tokens, kv_row, k_cache, v_cache, slots, kv_bf16);
     if (num_decode == 0) return 0;
     return ms_paged_decode_f32(qkv, t_stride, k_cache, v_cache, tables, table_stride, lens, out,
-                               num_decode, heads, kv_heads, head_dim, block_size, scale, window);
+                               num_decode, heads, kv_heads, head_dim, block_size, scale, window,
+                               kv_bf16);
 }
 
 /* ---- Linear layers at small batch: out[M, N] = x[M, K] @ w[N, K]^T ----

@@ -10,10 +10,11 @@ void ms_add_rms_norm_f32(const float *x, const float *residual, const float *wei
                          float *out, float *residual_out, int64_t rows, int64_t width,
                          float eps);
 int ms_attend_qkv_f32(float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads,
-                      int64_t head_dim, const float *cos, const float *sin, float *k_cache,
-                      float *v_cache, int64_t block_size, const int64_t *slots,
-                      int64_t num_decode, const int64_t *tables, int64_t table_stride,
-                      const int64_t *lens, float scale, int64_t window, float *out);
+                      int64_t head_dim, const float *cos, const float *sin, void *k_cache,
+                      void *v_cache, int64_t kv_bf16, int64_t block_size,
+                      const int64_t *slots, int64_t num_decode, const int64_t *tables,
+                      int64_t table_stride, const int64_t *lens, float scale, int64_t window,
+                      float *out);
 void ms_linear_packed_f32(const float *x, int64_t xs, const float *p, float *out, int64_t os,
                           int64_t M, int64_t K, int64_t N);
 void ms_unpack_rows_f32(const float *p, int64_t K, const int64_t *ids, int64_t T, float *out);

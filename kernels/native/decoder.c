@@ -27,11 +27,12 @@ typedef struct {
     const float *o, *o_bias;                   /* packed [hidden, H D] */
     const float *gate_up, *gate_up_bias;       /* packed [2 I, hidden] */
     const float *down, *down_bias;             /* packed [hidden, I] */
-    float *k_cache, *v_cache;                  /* [blocks, block_size, Hkv, D] */
+    void *k_cache, *v_cache;                   /* [blocks, block_size, Hkv, D]: fp32 or bf16 */
 } MsDecoderLayer;
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, window;
+    int64_t kv_bf16;                           /* the caches hold bf16 */
     float eps, scale;
     const float *embed;                        /* [vocab, hidden]: row-major, or packed */
     int64_t embed_packed;                      /* the embedding is a tied head's panels */
@@ -79,7 +80,7 @@ int ms_decoder_forward_f32(const MsDecoder *m, int64_t T, const int64_t *tokens,
         ms_linear_packed_f32(normed, hs, ly->qkv, wide, qkv_n, T, hs, qkv_n);
         add_bias(wide, ly->qkv_bias, T, qkv_n);
         rc = ms_attend_qkv_f32(wide, T, h, hkv, d, cos, sin, ly->k_cache, ly->v_cache,
-                               m->block_size, slots, T, tables, table_stride, lens, m->scale,
+                               m->kv_bf16, m->block_size, slots, T, tables, table_stride, lens, m->scale,
                                m->window, attn);
         ms_linear_packed_f32(attn, h * d, ly->o, x, hs, T, h * d, hs);
         add_bias(x, ly->o_bias, T, hs);

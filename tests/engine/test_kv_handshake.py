@@ -22,7 +22,7 @@ def test_every_mismatch_is_named_with_both_sides() -> None:
         check_handshake(SPEC, other)
     msg = str(e.value)
     assert "engine.block_size: prefill 16, decode 32" in msg
-    assert "model.dtype: prefill 'float32', decode 'bfloat16'" in msg
+    assert "engine.kv_cache_dtype: prefill 'float32', decode 'bfloat16'" in msg
     assert "only tp and pp may differ" in msg
     with pytest.raises(KVHandshakeError, match="model: prefill 'meshcoder', decode 'x'"):
         check_handshake(SPEC, dataclasses.replace(SPEC, model="x"))

@@ -39,23 +39,30 @@ STEPS = [
 ]
 
 
-def _logits(path, mode: str, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+def _logits(path, mode: str, monkeypatch: pytest.MonkeyPatch,
+            kv_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     monkeypatch.setenv(dispatch.ENV_VAR, mode)
     dispatch.kernel_mode.cache_clear()
     model = load_model(path, dtype=torch.float32, progress=False)
     attn = model.attention_layers()[0]
     shape = (8, 16, attn.num_kv_heads, attn.head_dim)
-    cache = [(torch.zeros(shape), torch.zeros(shape)) for _ in model.attention_layers()]
+    cache = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
+             for _ in model.attention_layers()]
     runner = ModelRunner(model, cache, 16, torch.device("cpu"))
     return [runner.execute(step)[0] for step in STEPS]
 
 
-@pytest.mark.parametrize("mode", ["triton", "auto"])  # auto on a CPU: the C kernels
+@pytest.mark.parametrize("mode,kv_dtype", [
+    ("triton", torch.float32), ("auto", torch.float32),  # auto on a CPU: the C kernels
+    ("auto", torch.bfloat16)])  # an fp32 model over a bf16 cache (engine.kv_cache_dtype)
 def test_model_steps_match_reference(make_checkpoint, monkeypatch: pytest.MonkeyPatch,
-                                     mode: str) -> None:
+                                     mode: str, kv_dtype: torch.dtype) -> None:
     """Prefill, chunked prefill over a cached block, and decodes: same logits both ways."""
     path = make_checkpoint("llama", seed=3)
-    ref = _logits(path, "reference", monkeypatch)
-    ours = _logits(path, mode, monkeypatch)
+    ref = _logits(path, "reference", monkeypatch, kv_dtype)
+    ours = _logits(path, mode, monkeypatch, kv_dtype)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    if kv_dtype is not torch.float32:  # and the cache's rounding shows in the logits
+        full = _logits(path, mode, monkeypatch)
+        assert any(not torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(ours, full))

@@ -31,6 +31,7 @@ def decode_cases(draw: st.DrawFn) -> dict:
     # Peaked scores (q x 30) make the softmax's running maximum jump from block to block.
     return dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                 lens=lens, window=window, q_scale=draw(st.sampled_from([1.0, 30.0])),
+                kv_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
                 seed=draw(st.integers(0, 2**16)))
 
 
@@ -42,7 +43,7 @@ def test_paged_decode_matches_the_reference(case: dict) -> None:
     width = max(-(-n // bs) for n in lens) + 1  # one padding column, as the engine pads
     num_blocks = width * len(lens) + 3
     shape = (num_blocks, bs, case["kv_heads"], case["head_dim"])
-    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(case["kv_dtype"]) for _ in "kv")
     tables = torch.randperm(num_blocks, generator=gen)[:width * len(lens)].view(len(lens), width)
     # q as the model passes it: a view into a wider fused projection, not contiguous.
     qkv = torch.randn(len(lens), case["heads"] + 3, case["head_dim"], generator=gen)
@@ -118,6 +119,26 @@ def test_write_kv_stores_strided_rows_at_their_slots() -> None:
     ref_attention.write_kv(k, v, caches[0], caches[1], slots)
     native_cpu.write_kv(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+
+def test_a_bf16_cache_stores_each_value_rounded_as_torch_rounds_it() -> None:
+    """fp32 K/V into a bf16 cache: torch's round-to-nearest-even, bit for bit (ties, values
+    that round up to infinity, infinities and subnormals included; NaN stays NaN)."""
+    gen = torch.Generator().manual_seed(3)
+    special = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -1.0 - 2**-8, 3.3895314e38,
+                            float("inf"), -float("inf"), 1e-40, -0.0])
+    k = torch.cat([special, torch.randn(56, generator=gen) * 100]).view(8, 1, 8)
+    v = torch.randn(8, 1, 8, generator=gen)
+    slots = torch.tensor([5, 0, 7, 2, 1, 6, 3, 4])
+    caches = [torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16) for _ in range(2)]
+    native_cpu.write_kv(k, v, *caches, slots)
+    flat_k, flat_v = caches[0].view(8, 1, 8), caches[1].view(8, 1, 8)
+    assert torch.equal(flat_k[slots].view(torch.int16), k.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(flat_v[slots].view(torch.int16), v.to(torch.bfloat16).view(torch.int16))
+    nan = torch.zeros(1, 1, 8)
+    nan[0, 0, 3] = float("nan")
+    native_cpu.write_kv(nan, nan, *caches, torch.tensor([0]))
+    assert torch.isnan(caches[0][0, 0, 0, 3]) and torch.isnan(caches[1][0, 0, 0, 3])
 
 
 @settings(max_examples=80, deadline=None)
