@@ -12,8 +12,7 @@ from meshserve.models.arch import ModelArch
 from meshserve.parallel.comm.discovery import LaunchEnv
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.disagg_search import choose_kind
-from meshserve.parallel.planner.model_shape import ModelShape
-from meshserve.parallel.planner.search import options_for, plan_for, resolve_dtype
+from meshserve.parallel.planner.search import options_for, plan_for, shape_for
 from meshserve.parallel.planner.topology import detect_cluster
 
 
@@ -103,10 +102,9 @@ def disagg_auto(config: RuntimeConfig, arch: ModelArch, env: LaunchEnv | None, d
     cluster = run_cluster(config, device)
     if env is not None:
         cluster = launched_cluster(cluster, env)
-    dtype = resolve_dtype(config.model.dtype, arch.dtype, cluster.device_type)
     options = dataclasses.replace(options_for(config), fill_cluster=env is not None,
                                   max_dp=max_dp, simulate=config.disagg.simulate)
-    choice = choose_kind(ModelShape.from_arch(arch, dtype), cluster, config.scenario, options)
+    choice = choose_kind(shape_for(config, arch, cluster.device_type), cluster, config.scenario, options)
     if announce and (env is None or env.rank == 0):
         print(f"meshserve: disagg=auto chose {choice.kind} serving for {cluster.num_nodes} "
               f"node(s) x {cluster.devices_per_node} {cluster.device_type} rank(s): "

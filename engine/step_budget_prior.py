@@ -8,9 +8,8 @@ from meshserve.engine.run import Run
 from meshserve.engine.step_budget import Prior
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.planner.cost_model import CostModel, StepWork
-from meshserve.parallel.planner.model_shape import ModelShape
 from meshserve.parallel.planner.placement import layout_for
-from meshserve.parallel.planner.search import resolve_dtype
+from meshserve.parallel.planner.search import shape_for
 
 CHUNK_TOKENS = 512
 """The prompt length the prior prices a step's prompt tokens in (attention grows with it)."""
@@ -22,8 +21,7 @@ def run_cost_model(run: Run, arch: ModelArch, tp: int) -> CostModel | None:
     c = run.config
     if c.cluster.device_type != run.device_type:
         return None
-    shape = ModelShape.from_arch(arch, resolve_dtype(c.model.dtype, run.arch.dtype,
-                                                     run.device_type))
+    shape = shape_for(c, arch, run.device_type)
     return CostModel(shape, c.cluster, layout_for(tp, [(0, shape.num_layers)], 1, c.cluster))
 
 

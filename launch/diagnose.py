@@ -19,9 +19,8 @@ from meshserve.launch.config import load_config, presets
 from meshserve.launch.plan import resolve_arch, shorthand
 from meshserve.parallel.planner.cost_model import CostModel
 from meshserve.parallel.planner.diagnosis import StepRecord, diagnose
-from meshserve.parallel.planner.model_shape import ModelShape
 from meshserve.parallel.planner.placement import layout_for
-from meshserve.parallel.planner.search import plan_for, resolve_dtype
+from meshserve.parallel.planner.search import plan_for, shape_for
 from meshserve.parallel.planner.stages import head_first_fraction
 
 RUN_OVERRIDES = {"model_path": "model.path", "model_name": "model.name", "dtype": "model.dtype",
@@ -119,8 +118,7 @@ def run(overrides: list[str]) -> int:
     cfg = load_config(layout + given)
     arch = resolve_arch(cfg.model)
     plan = plan_for(cfg, arch)
-    shape = ModelShape.from_arch(arch, resolve_dtype(cfg.model.dtype, arch.dtype,
-                                                     cfg.cluster.device_type))
+    shape = shape_for(cfg, arch, cfg.cluster.device_type)
     split = head_first_fraction(cfg.parallel.split_lm_head, plan.tp, plan.pp,
                                 cfg.cluster.device_type)
     cost = CostModel(shape, cfg.cluster, layout_for(plan.tp, list(plan.stage_layers),

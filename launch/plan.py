@@ -36,7 +36,7 @@ from meshserve.parallel.planner.search import (
     Predicted,
     options_for,
     plan,
-    resolve_dtype,
+    shape_for,
 )
 from meshserve.parallel.planner.topology import detect_cluster
 
@@ -56,8 +56,7 @@ def resolve_arch(model: ModelConfig) -> ModelArch:
 def model_shape(cfg: CliConfig, cluster: ClusterConfig) -> ModelShape:
     """The cost model's view of the configured model in the dtype it will run in."""
     arch = resolve_arch(cfg.model)
-    return ModelShape.from_arch(arch, resolve_dtype(cfg.model.dtype, arch.dtype,
-                                                     cluster.device_type))
+    return shape_for(cfg, arch, cluster.device_type)
 
 
 def planning_cluster(cfg: CliConfig) -> ClusterConfig:

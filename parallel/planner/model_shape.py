@@ -50,27 +50,37 @@ class ModelShape:
     tie_word_embeddings: bool = False
     """LM head shares the embedding matrix."""
     dtype: str = "bfloat16"
-    """Weights, activations and KV cache dtype."""
+    """Weights and activations dtype (and the KV cache's unless `kv_dtype` says)."""
+    kv_dtype: str | None = None
+    """KV cache dtype (engine.kv_cache_dtype); None: `dtype`."""
 
     def __post_init__(self) -> None:
         for n in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
                   "head_dim", "vocab_size"):
             require(getattr(self, n) >= 1, f"model.{n}", getattr(self, n), "an int >= 1")
         require(self.dtype in DTYPE_BYTES, "model.dtype", self.dtype, f"one of {tuple(DTYPE_BYTES)}")
+        require(self.kv_dtype is None or self.kv_dtype in DTYPE_BYTES, "engine.kv_cache_dtype",
+                self.kv_dtype, f"one of {tuple(DTYPE_BYTES)}")
 
     @classmethod
-    def from_arch(cls, arch: ArchLike, dtype: str) -> ModelShape:
-        """From a ModelArch-like object and the dtype the model will run in."""
+    def from_arch(cls, arch: ArchLike, dtype: str, kv_dtype: str | None = None) -> ModelShape:
+        """From a ModelArch-like object, the dtype the model will run in and its KV cache's
+        (None: the same)."""
         return cls(num_layers=arch.num_hidden_layers, hidden_size=arch.hidden_size,
                    intermediate_size=arch.intermediate_size,
                    num_heads=arch.num_attention_heads, num_kv_heads=arch.num_key_value_heads,
                    head_dim=arch.head_dim, vocab_size=arch.vocab_size,
-                   tie_word_embeddings=arch.tie_word_embeddings, dtype=dtype)
+                   tie_word_embeddings=arch.tie_word_embeddings, dtype=dtype, kv_dtype=kv_dtype)
 
     @property
     def dtype_bytes(self) -> int:
-        """Bytes per element of weights, activations and KV."""
+        """Bytes per element of weights and activations."""
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_dtype_bytes(self) -> int:
+        """Bytes per element of the KV cache."""
+        return DTYPE_BYTES[self.kv_dtype or self.dtype]
 
     def kv_heads_per_rank(self, tp: int) -> int:
         """K/V heads each TP rank holds (replicated to one when tp exceeds them)."""
@@ -118,7 +128,7 @@ class ModelShape:
 
     def kv_bytes_per_token(self, tp: int = 1) -> int:
         """K and V bytes of one token in one layer on one TP rank."""
-        return 2 * self.kv_heads_per_rank(tp) * self.head_dim * self.dtype_bytes
+        return 2 * self.kv_heads_per_rank(tp) * self.head_dim * self.kv_dtype_bytes
 
     def layer_matmul_flops(self, tp: int = 1) -> int:
         """Matmul FLOPs of one token through one decoder layer on one TP rank."""

@@ -335,6 +335,14 @@ def resolve_dtype(model_dtype: str, checkpoint_dtype: str, device_type: str) -> 
     return "float32" if device_type == "cpu" else checkpoint_dtype
 
 
+def shape_for(config: RunLike, arch: ArchLike, device_type: str) -> ModelShape:
+    """The cost model's view of a run's model: its compute dtype (resolve_dtype) and its KV
+    cache's (engine.kv_cache_dtype; auto: the compute dtype)."""
+    dtype = resolve_dtype(config.model.dtype, getattr(arch, "dtype", "bfloat16"), device_type)
+    kv = config.engine.kv_cache_dtype
+    return ModelShape.from_arch(arch, dtype, None if kv == "auto" else kv)
+
+
 def options_for(config: RunLike) -> PlannerOptions:
     """Planner options from a run's engine and parallel settings."""
     return PlannerOptions(memory_utilization=config.engine.gpu_memory_utilization,
@@ -354,9 +362,7 @@ def plan_for(config: RunLike, arch: ArchLike, *, max_dp: int | None = None,
     `max_dp` replicas; on every device of the cluster or, without `fill_cluster`, on as
     many as pay), else the configured degrees checked and placed. `arch` is the model's
     ModelArch."""
-    dtype = resolve_dtype(config.model.dtype, getattr(arch, "dtype", "bfloat16"),
-                          config.cluster.device_type)
-    shape = ModelShape.from_arch(arch, dtype)
+    shape = shape_for(config, arch, config.cluster.device_type)
     par = config.parallel
     degrees = None if is_auto(config) else (par.tp, par.pp, par.dp)
     options = replace(options_for(config), max_dp=max_dp, fill_cluster=fill_cluster)
@@ -376,10 +382,8 @@ def runtime_stage_ranges(config: RunLike, arch: ArchLike, tp: int, pp: int,
     """The layer ranges a running tp x pp layout uses: the ones the planner predicts it with
     (stage_ranges) for the run's cluster and scenario. A cluster preset with fewer devices
     than the tp ranks is taken as having enough nodes of its kind. `arch`: a ModelArch."""
-    dtype = resolve_dtype(config.model.dtype, getattr(arch, "dtype", "bfloat16"),
-                          config.cluster.device_type)
     cluster = config.cluster
     if cluster.num_devices < tp:
         cluster = replace(cluster, num_nodes=-(-tp // cluster.devices_per_node))
-    return stage_ranges(ModelShape.from_arch(arch, dtype), cluster, config.scenario, tp, pp,
+    return stage_ranges(shape_for(config, arch, cluster.device_type), cluster, config.scenario, tp, pp,
                         config.parallel.split_lm_head, device_type)

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 
 from meshserve import LLM, SamplingParams
 from meshserve.engine.disagg import DisaggEngine
@@ -111,6 +112,43 @@ def test_disagg_auto_runs_the_planned_split(make_checkpoint, prompts, expected) 
         assert [s.role for s in engine.replica_states()] == ["prefill", "decode"]
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
         assert engine.transfers.num_transfers > 0
+        assert_no_blocks_held(engine)
+    finally:
+        llm.shutdown()
+
+
+BF16_SIDES = [pytest.param("torch", (), id="torch"),
+              pytest.param("nixl", (), id="nixl", marks=pytest.mark.skipif(
+                  not nixl_available(), reason="needs nixl (pip install nixl)")),
+              pytest.param("torch", ("disagg.decode.tp=2",), id="torch-decode-tp2")]
+
+
+@pytest.mark.parametrize(("connector", "side"), BF16_SIDES)
+def test_a_bf16_cache_hops_as_bf16(make_checkpoint, prompts, connector: str,
+                                   side: tuple[str, ...]) -> None:
+    """engine.kv_cache_dtype=bfloat16 on both sides: half the bytes on the wire, and the
+    decode replica's log-probabilities those of a colocated run over the same cache."""
+    path = str(make_checkpoint("llama"))
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    bf16 = "engine.kv_cache_dtype=bfloat16"
+    colocated = LLM(path, overrides=["parallel=single", "threads=1", "engine.block_size=8", bf16],
+                    progress=False)
+    want = colocated.generate(prompts, sampling)
+    llm = disagg_llm(path, f"disagg.connector={connector}", bf16, *side)
+    try:
+        engine = llm.engine
+        assert isinstance(engine, DisaggEngine)
+        outs = llm.generate(prompts, sampling)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+        for got, ref in zip(outs, want):
+            assert got.logprobs is not None and ref.logprobs is not None
+            torch.testing.assert_close([lp for lp, _ in got.logprobs],
+                                       [lp for lp, _ in ref.logprobs], atol=1e-5, rtol=0)
+        hopped = [p for p in prompts if len(p) >= 16]
+        t = engine.transfers
+        assert t.num_transfers == len(hopped) and t.num_failed == 0
+        block_bytes = 2 * 2 * 8 * 2 * 16 * 2  # layers x K/V x block x kv heads x head dim x bf16
+        assert t.bytes == sum(-(-len(p) // 8) for p in hopped) * block_bytes
         assert_no_blocks_held(engine)
     finally:
         llm.shutdown()

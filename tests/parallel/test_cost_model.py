@@ -21,6 +21,7 @@ from meshserve.parallel.planner.cost_model import (
     ring_allreduce_s,
 )
 from meshserve.parallel.planner.model_shape import ModelShape
+from meshserve.parallel.planner.search import shape_for
 
 
 def shape(model: str, dtype: str = "bfloat16") -> ModelShape:
@@ -292,3 +293,29 @@ def test_work_and_stage_time_arithmetic_covers_every_field() -> None:
         StepWork(num_kv_read=-1)
     with pytest.raises(ValueError, match="work.num_attended"):
         StepWork(num_attended=math.nan)
+
+
+def test_a_bf16_cache_under_an_fp32_model_halves_only_the_kv_bytes() -> None:
+    """engine.kv_cache_dtype reaches the cost model through search.shape_for: the KV read
+    of a decode step and the cache's bytes per token halve, the weights' do not."""
+    full = shape_from(["cluster=local-cpu", "model.dtype=float32"])
+    half = shape_from(["cluster=local-cpu", "model.dtype=float32",
+                       "engine.kv_cache_dtype=bfloat16"])
+    assert full.kv_bytes_per_token() == 2 * half.kv_bytes_per_token() == 2 * 8 * 128 * 4
+    assert half.weight_bytes == full.weight_bytes
+    layout = Layout(tp=1, stage_layers=(32,))
+    work = StepWork.decode(1, 4096)
+    base = cluster("local-cpu")
+    t_full = CostModel(full, base, layout).layer_time(work).memory_s
+    t_half = CostModel(half, base, layout).layer_time(work).memory_s
+    kv_s = (4096 + 1) * half.kv_bytes_per_token(1) / (base.memory_bandwidth()
+                                                      * base.kv_read_fraction)
+    assert t_full - t_half == pytest.approx(kv_s, rel=1e-9)
+    with pytest.raises(ValueError, match=r"engine.kv_cache_dtype"):
+        ModelShape.from_arch(ModelArch.from_hf_dict(load_config(["model=llama-3-8b"]).model.arch),
+                             "float32", "fp8")
+
+
+def shape_from(overrides: list[str]) -> ModelShape:
+    cfg = load_config(["model=llama-3-8b", *overrides])
+    return shape_for(cfg, ModelArch.from_hf_dict(cfg.model.arch), "cpu")
