@@ -126,8 +126,37 @@ INLINE void key_scores(float *scores, int64_t len, const float *q, const void *r
                        int64_t head_dim, float scale, int bf16) {
     int64_t r = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    /* Eight rows at a time: eight accumulators reduced together into one register. */
-    if (head_dim % 8 == 0) {
+    if (head_dim % 8 == 0 && group % 2 == 0) {
+        /* Two heads of a GQA group score the same K rows: four rows at a time for both, each
+         * K vector loaded (and converted) once; every score is the same sum, in the same
+         * order, as the eight-row loop below gives it. */
+        const __m128 sc = _mm_set1_ps(scale);
+        for (; r + 4 <= rows; r += 4) {
+            for (int64_t h = 0; h < heads; h += 2) {
+                const float *q0 = q + h * head_dim, *q1 = q0 + head_dim;
+                const int64_t kh = r * tok_stride + (h / group) * head_dim;
+                __m256 a[4], b[4];
+                for (int x = 0; x < 4; x++) a[x] = b[x] = _mm256_setzero_ps();
+                for (int64_t c = 0; c < head_dim; c += 8) {
+                    const __m256 qa = _mm256_loadu_ps(q0 + c), qb = _mm256_loadu_ps(q1 + c);
+                    for (int x = 0; x < 4; x++) {
+                        const __m256 kv = load8_kv(row, kh + x * tok_stride + c, bf16);
+                        a[x] = _mm256_fmadd_ps(qa, kv, a[x]);
+                        b[x] = _mm256_fmadd_ps(qb, kv, b[x]);
+                    }
+                }
+                const __m256 sa = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]),
+                                                 _mm256_hadd_ps(a[2], a[3]));
+                const __m256 sb = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]),
+                                                 _mm256_hadd_ps(b[2], b[3]));
+                _mm_storeu_ps(scores + h * len + r, _mm_mul_ps(sc, _mm_add_ps(
+                    _mm256_castps256_ps128(sa), _mm256_extractf128_ps(sa, 1))));
+                _mm_storeu_ps(scores + (h + 1) * len + r, _mm_mul_ps(sc, _mm_add_ps(
+                    _mm256_castps256_ps128(sb), _mm256_extractf128_ps(sb, 1))));
+            }
+        }
+    } else if (head_dim % 8 == 0) {
+        /* Eight rows at a time: eight accumulators reduced together into one register. */
         const __m256 sc = _mm256_set1_ps(scale);
         for (; r + 8 <= rows; r += 8) {
             for (int64_t h = 0; h < heads; h++) {
@@ -204,6 +233,48 @@ INLINE void value_rows(float *o, float corr, const float *p, const void *rows, i
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* value_rows for two heads of a GQA group, which weigh the same V rows: each V vector is
+ * loaded (and converted) once for both. Every output is the same FMA chain over r as
+ * value_rows gives it. head_dim a multiple of CHUNK. */
+INLINE void value_rows2(float *o0, float *o1, float corr0, float corr1, const float *p0,
+                        const float *p1, const void *rows, int64_t count, int64_t tok_stride,
+                        int64_t head_dim, Pending *pf, int64_t per_row, int bf16) {
+    if (corr0 != 1.0f)
+        for (int64_t i = 0; i < head_dim; i++) o0[i] *= corr0;
+    if (corr1 != 1.0f)
+        for (int64_t i = 0; i < head_dim; i++) o1[i] *= corr1;
+    for (int64_t c = 0; c < head_dim; c += CHUNK) {
+        __m256 a0 = _mm256_loadu_ps(o0 + c), a1 = _mm256_loadu_ps(o0 + c + 8);
+        __m256 a2 = _mm256_loadu_ps(o0 + c + 16), a3 = _mm256_loadu_ps(o0 + c + 24);
+        __m256 b0 = _mm256_loadu_ps(o1 + c), b1 = _mm256_loadu_ps(o1 + c + 8);
+        __m256 b2 = _mm256_loadu_ps(o1 + c + 16), b3 = _mm256_loadu_ps(o1 + c + 24);
+        for (int64_t r = 0; r < count; r++) {
+            prefetch_some(pf, per_row);
+            const int64_t i = r * tok_stride + c;
+            const __m256 v0 = load8_kv(rows, i, bf16), v1 = load8_kv(rows, i + 8, bf16);
+            const __m256 v2 = load8_kv(rows, i + 16, bf16), v3 = load8_kv(rows, i + 24, bf16);
+            const __m256 x = _mm256_set1_ps(p0[r]), y = _mm256_set1_ps(p1[r]);
+            a0 = _mm256_fmadd_ps(x, v0, a0);
+            a1 = _mm256_fmadd_ps(x, v1, a1);
+            a2 = _mm256_fmadd_ps(x, v2, a2);
+            a3 = _mm256_fmadd_ps(x, v3, a3);
+            b0 = _mm256_fmadd_ps(y, v0, b0);
+            b1 = _mm256_fmadd_ps(y, v1, b1);
+            b2 = _mm256_fmadd_ps(y, v2, b2);
+            b3 = _mm256_fmadd_ps(y, v3, b3);
+        }
+        _mm256_storeu_ps(o0 + c, a0); _mm256_storeu_ps(o0 + c + 8, a1);
+        _mm256_storeu_ps(o0 + c + 16, a2); _mm256_storeu_ps(o0 + c + 24, a3);
+        _mm256_storeu_ps(o1 + c, b0); _mm256_storeu_ps(o1 + c + 8, b1);
+        _mm256_storeu_ps(o1 + c + 16, b2); _mm256_storeu_ps(o1 + c + 24, b3);
+    }
+}
+#define PAIRS 1
+#else
+#define PAIRS 0
+#endif
+
 /* s[0:n] = exp(s[0:n] - m) in place; returns their sum. Eight lanes at a time where AVX2 is
  * there: 2^k times a degree-6 polynomial on [-ln2/2, ln2/2] (within 2 ulp of expf). */
 #if defined(__AVX2__) && defined(__FMA__)
@@ -247,8 +318,18 @@ static float exp_shifted(float *s, int64_t n, float m) {
 }
 
 static float max_of(const float *s, int64_t n) {
+    int64_t i = 1;
     float m = s[0];
-    for (int64_t i = 1; i < n; i++) m = s[i] > m ? s[i] : m;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (n >= 8) { /* eight lanes, not one compare chain: a block's 16 scores in 2 steps */
+        __m256 mv = _mm256_loadu_ps(s);
+        for (i = 8; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + i));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    }
+#endif
+    for (; i < n; i++) m = s[i] > m ? s[i] : m;
     return m;
 }
 
@@ -317,6 +398,8 @@ INLINE int paged_decode(const float *q, int64_t q_stride, const void *k, const v
     const int64_t group = heads / kv_heads;
     const int64_t tok_stride = kv_heads * head_dim;
     const int64_t blk_stride = block_size * tok_stride;
+    /* Heads 2i and 2i + 1 share their V rows (value_rows2) where the group is even. */
+    const int pairs = PAIRS && group % 2 == 0 && head_dim % CHUNK == 0;
     float *scores = malloc(sizeof(float) * (size_t)(heads * (block_size + 2)));
     if (scores == NULL) return -1;
     float *run_max = scores + heads * block_size, *run_sum = run_max + heads;
@@ -347,21 +430,33 @@ INLINE int paged_decode(const float *q, int64_t q_stride, const void *k, const v
             const int64_t rows = hi - lo, off = table[blk] * blk_stride + lo * tok_stride;
             /* The pending block's bytes a value row: a line or two of K and of V (none once
              * the last block is asked for: its `done` is its `bytes`). */
-            const int64_t steps = heads * rows * ((head_dim + CHUNK - 1) / CHUNK);
-            const int64_t per_row = (pf.bytes / steps + 63) / 64 * 64;
+            const int64_t chunks = (head_dim + CHUNK - 1) / CHUNK;
+            const int64_t passes = (pairs ? heads / 2 : heads) * chunks;
+            const int64_t per_row = (pf.bytes / (passes * rows) + 63) / 64 * 64;
             const char *kb = (const char *)k + off * elem, *vb = (const char *)v + off * elem;
             key_scores(scores, block_size, qb, kb, rows, tok_stride, heads, group, head_dim,
                        scale, bf16);
+            float corr[2];
             for (int64_t h = 0; h < heads; h++) {
                 float *s = scores + h * block_size;
                 const float m = max_of(s, rows);
                 const float new_max = m > run_max[h] ? m : run_max[h];
-                const float corr = run_max[h] == -INFINITY ? 0.0f
-                                   : new_max == run_max[h] ? 1.0f : expf(run_max[h] - new_max);
-                run_sum[h] = run_sum[h] * corr + exp_shifted(s, rows, new_max);
+                corr[h & 1] = run_max[h] == -INFINITY ? 0.0f
+                              : new_max == run_max[h] ? 1.0f : expf(run_max[h] - new_max);
+                run_sum[h] = run_sum[h] * corr[h & 1] + exp_shifted(s, rows, new_max);
                 run_max[h] = new_max;
-                value_rows(ob + h * head_dim, corr, s, vb + (h / group) * head_dim * elem,
-                           rows, tok_stride, head_dim, &pf, per_row, bf16);
+                const char *vh = vb + (h / group) * head_dim * elem;
+#if PAIRS
+                if (pairs) {
+                    if (h & 1)
+                        value_rows2(ob + (h - 1) * head_dim, ob + h * head_dim, corr[0], corr[1],
+                                    s - block_size, s, vh, rows, tok_stride, head_dim, &pf,
+                                    per_row, bf16);
+                    continue;
+                }
+#endif
+                value_rows(ob + h * head_dim, corr[h & 1], s, vh, rows, tok_stride, head_dim,
+                           &pf, per_row, bf16);
             }
             prefetch_some(&pf, pf.bytes); /* what a head_dim % CHUNK tail left */
         }
