@@ -83,14 +83,16 @@ PLANNED = {"1P+1D": None, "dp=2": (1, 1, 2), "tp=2": (2, 1, 1)}
 replica on two threads) is no layout of its devices."""
 
 
-def bench_shape(arch: ModelArch, kv_dtype: str) -> ModelShape:
-    """The cost model's view of the bench's fp32 CPU model over its KV cache's dtype."""
-    return ModelShape.from_arch(arch, "float32", None if kv_dtype == "auto" else kv_dtype)
+def bench_shape(arch: ModelArch, kv_dtype: str, weight_dtype: str = "auto") -> ModelShape:
+    """The cost model's view of the bench's fp32 CPU model over its KV cache's and its
+    weights' dtypes (auto: fp32)."""
+    return ModelShape.from_arch(arch, "float32", None if kv_dtype == "auto" else kv_dtype,
+                                None if weight_dtype == "auto" else weight_dtype)
 
 
 def predicted_goodput(arch: ModelArch, reqs: list, ttft_ms: float, tpot_ms: float,
                       cluster: ClusterConfig, prefill_step_tokens: int,
-                      kv_dtype: str = "auto") -> dict[str, float]:
+                      kv_dtype: str = "auto", weight_dtype: str = "auto") -> dict[str, float]:
     """The planner's goodput (req/s) of each planned layout on `cluster`, for the workload's
     mean prompt and output and the bench's SLOs; no prefix is shared. Steps carry what the
     layouts' engines do: the split's `prefill_step_tokens`, the colocated engine's default."""
@@ -100,7 +102,7 @@ def predicted_goodput(arch: ModelArch, reqs: list, ttft_ms: float, tpot_ms: floa
     scenario = replace(config.scenario, name="rag-bench", objective="throughput",
                        prompt_len=prompt, output_len=output, shared_prefix_fraction=0.0,
                        ttft_slo_ms=ttft_ms, tpot_slo_ms=tpot_ms, max_batch=len(reqs))
-    shape = bench_shape(arch, kv_dtype)
+    shape = bench_shape(arch, kv_dtype, weight_dtype)
     split = replace(options_for(config), max_num_batched_tokens=prefill_step_tokens)
     colocated = replace(split, max_num_batched_tokens=config.engine.step_token_cap)
     out = {}
@@ -122,9 +124,10 @@ class Simulated:
     workload."""
 
     def __init__(self, arch: ModelArch, reqs: list, ttft_ms: float, tpot_ms: float,
-                 cluster: ClusterConfig, prefill_step_tokens: int, kv_dtype: str = "auto") -> None:
+                 cluster: ClusterConfig, prefill_step_tokens: int, kv_dtype: str = "auto",
+                 weight_dtype: str = "auto") -> None:
         config = load_runtime_config()
-        self.shape = bench_shape(arch, kv_dtype)
+        self.shape = bench_shape(arch, kv_dtype, weight_dtype)
         self.cluster = cluster
         self.scenario = replace(
             config.scenario, name="rag-bench", shared_prefix_fraction=0.0,
@@ -178,7 +181,8 @@ def search_capacity(name: str, base: list[str], args: argparse.Namespace, arch: 
              if name == "1P+1D" else [])
     runner = MeshserveRunner(load_runtime_config([*base, *LAYOUTS[name], *extra]), name=name)
     sims = Simulated(arch, at(1.0), args.ttft_ms, args.tpot_ms, cluster,
-                     args.prefill_step_tokens, args.kv_cache_dtype)
+                     args.prefill_step_tokens, args.kv_cache_dtype,
+                     args.cpu_weight_dtype)
     trials: list[dict[str, Any]] = []
     guess = predicted or 0.5
     try:
@@ -248,6 +252,8 @@ def main() -> None:
                          "the colocated layouts run)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="every layout's engine.kv_cache_dtype (auto: the model's, float32)")
+    ap.add_argument("--cpu-weight-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="every layout's model.cpu_weight_dtype (auto: float32)")
     ap.add_argument("--cluster", default="local-cpu",
                     help="the cluster preset the planner predicts with: a name in conf/cluster "
                          "or a YAML file `meshserve calibrate calibrate.out=F` wrote")
@@ -267,10 +273,12 @@ def main() -> None:
     arch = ModelArch.from_dir(path)
     base = [f"model.path='{path}'", f"model.name={args.model}", f"engine.block_size={BLOCK_SIZE}",
             f"scenario.tpot_slo_ms={args.tpot_ms}", f"scenario.ttft_slo_ms={args.ttft_ms}",
-            f"engine.kv_cache_dtype={args.kv_cache_dtype}"]
+            f"engine.kv_cache_dtype={args.kv_cache_dtype}",
+            f"model.cpu_weight_dtype={args.cpu_weight_dtype}"]
     print(json.dumps({"slo": {"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms},
                       "workload": "rag", "num_requests": args.num_requests,
-                      "kv_cache_dtype": args.kv_cache_dtype}), flush=True)
+                      "kv_cache_dtype": args.kv_cache_dtype,
+                      "cpu_weight_dtype": args.cpu_weight_dtype}), flush=True)
     reqs = workloads.resolve("rag", arch.vocab_size, rate=args.rates[0],
                              num_requests=args.num_requests)
     cluster = load_cluster(args.cluster)
@@ -278,7 +286,8 @@ def main() -> None:
                                  num_requests=args.profile_requests)
                if args.profile_requests > 0 else None)
     planned = predicted_goodput(arch, reqs, args.ttft_ms, args.tpot_ms, cluster,
-                                args.prefill_step_tokens, args.kv_cache_dtype)
+                                args.prefill_step_tokens, args.kv_cache_dtype,
+                                args.cpu_weight_dtype)
     print(json.dumps({"predicted_goodput_req_s": {n: round(g, 4) for n, g in planned.items()},
                       "cluster": cluster.name, "cluster_source": cluster.source}), flush=True)
     if args.capacity:
@@ -290,7 +299,8 @@ def main() -> None:
         reqs = workloads.resolve("rag", arch.vocab_size, rate=rate,
                                  num_requests=args.num_requests)
         sims = Simulated(arch, reqs, args.ttft_ms, args.tpot_ms, cluster,
-                         args.prefill_step_tokens, args.kv_cache_dtype)
+                         args.prefill_step_tokens, args.kv_cache_dtype,
+                         args.cpu_weight_dtype)
         names = args.layouts if i % 2 == 0 else list(reversed(args.layouts))
         rows = {}
         for name in names:

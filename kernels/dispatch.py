@@ -78,6 +78,12 @@ def use_native(*tensors: torch.Tensor) -> bool:
     return _native_allowed(kernel_mode())
 
 
+def native_packed(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether the C packed linear takes x (fp32 on the CPU) against these panels (fp32, or
+    bf16: model.cpu_weight_dtype), C kernels on."""
+    return (packed.dtype in native_cpu.WEIGHT_DTYPES and packed.is_cpu and use_native(x))
+
+
 def native_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the C attention reads these caches: on the CPU, contiguous, fp32 or bf16
     (engine.kv_cache_dtype), C kernels on."""
@@ -253,13 +259,13 @@ def packing_applies(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and use_native(weight)
 
 
-def pack_weight(param: torch.nn.Parameter) -> None:
-    """Repack a linear weight [N, K] in place (its data becomes native_cpu.pack's panels),
-    for the C packed linear (ms_linear_packed_f32; against MKL: docs/benchmarks/2026-11-30-cpu-2core.md); it
-    splits its panels over torch's threads.
-    `linear` takes it like any weight."""
+def pack_weight(param: torch.nn.Parameter, dtype: torch.dtype = torch.float32) -> None:
+    """Repack a linear weight [N, K] in place (its data becomes native_cpu.pack's panels, in
+    `dtype`: float32, or bfloat16 for half the bytes), for the C packed linear
+    (ms_linear_packed_f32; against MKL: docs/benchmarks/2026-11-30-cpu-2core.md); it splits
+    its panels over torch's threads. `linear` takes it like any weight."""
     n = param.shape[0]
-    param.data = native_cpu.pack(param.data)
+    param.data = native_cpu.pack(param.data, dtype)
     setattr(param, PACKED_COLUMNS, n)
 
 
@@ -269,10 +275,11 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     C kernels are off)."""
     if packed_columns(weight) is None:
         return torch.nn.functional.embedding(ids, weight)
-    if use_native(weight):
+    if (weight.is_cpu and weight.dtype in native_cpu.WEIGHT_DTYPES
+            and _native_allowed(kernel_mode())):
         return native_cpu.unpack_rows(weight, ids)
     panel = weight.shape[2]
-    return weight[ids // panel, :, ids % panel]
+    return weight[ids // panel, :, ids % panel].float()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
@@ -299,7 +306,7 @@ def _linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """linear() for a packed weight: the C kernel, or (reference kernels, another dtype)
     torch on the weight unpacked, slow but the same product."""
-    if not use_native(x, packed):
+    if not native_packed(x, packed):
         return torch.nn.functional.linear(x, native_cpu.unpack(packed, n).to(x.dtype), bias)
     flat = x.dim() == 2
     rows = x if flat else x.reshape(-1, x.shape[-1])

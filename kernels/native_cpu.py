@@ -110,6 +110,10 @@ def library() -> ctypes.CDLL | None:
     lib.ms_argmax_rows_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
     lib.ms_unpack_rows_f32.restype = None
     lib.ms_unpack_rows_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr]
+    lib.ms_linear_packed_bf16.restype = ctypes.c_int
+    lib.ms_linear_packed_bf16.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64]
+    lib.ms_unpack_rows_bf16.restype = None
+    lib.ms_unpack_rows_bf16.argtypes = [_ptr, _i64, _ptr, _i64, _ptr]
     lib.ms_silu_mul_f32.restype = None
     lib.ms_silu_mul_f32.argtypes = [_ptr, _ptr, _i64, _i64]
     lib.ms_decoder_forward_f32.restype = ctypes.c_int
@@ -136,7 +140,8 @@ class DecoderStruct(ctypes.Structure):
 
     _fields_ = [
         *((name, _i64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim",
-                                    "intermediate", "block_size", "window", "kv_bf16")),
+                                    "intermediate", "block_size", "window", "kv_bf16",
+                                    "weights_bf16")),
         ("eps", _f32), ("scale", _f32), ("embed", _ptr), ("embed_packed", _i64),
         ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
         ("layers", ctypes.POINTER(DecoderLayerStruct))]
@@ -280,18 +285,25 @@ PANEL = 24
 """Output columns per panel of a packed weight (cpu_kernels.c: PANEL)."""
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+"""What packed panels may hold: the C packed linear widens bf16 to fp32 as it goes."""
+
+
+def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A float32 weight [N, K] (any strides) as panels [ceil(N / PANEL), K, PANEL]: panel p
-    holds output columns p * PANEL onwards, one row of PANEL per k, zeros past N."""
+    holds output columns p * PANEL onwards, one row of PANEL per k, zeros past N; in
+    `dtype` (float32, or bfloat16: each value rounded to nearest even)."""
+    assert dtype in WEIGHT_DTYPES, f"panels hold fp32 or bf16, not {dtype}"
     n, k = weight.shape
     out = torch.empty((n + PANEL - 1) // PANEL, k, PANEL, dtype=torch.float32)
     _loaded().ms_pack_f32(weight.data_ptr(), weight.stride(0), weight.stride(1),
                           out.data_ptr(), n, k)
-    return out
+    return out if dtype is torch.float32 else out.to(dtype)
 
 
 def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """The weight [n, K] that `pack` made `packed` from (a new row-major tensor)."""
+    """The weight [n, K] that `pack` made `packed` from (a new row-major tensor, in the
+    panels' dtype)."""
     panels, k, panel = packed.shape
     return packed.permute(0, 2, 1).reshape(panels * panel, k)[:n].contiguous()
 
@@ -302,9 +314,10 @@ def unpack_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     k = packed.shape[1]
     out = torch.empty(flat.shape[0], k, dtype=torch.float32)
+    gather = (_loaded().ms_unpack_rows_bf16 if packed.dtype is torch.bfloat16
+              else _loaded().ms_unpack_rows_f32)
     if flat.shape[0]:
-        _loaded().ms_unpack_rows_f32(packed.data_ptr(), k, flat.data_ptr(), flat.shape[0],
-                                     out.data_ptr())
+        gather(packed.data_ptr(), k, flat.data_ptr(), flat.shape[0], out.data_ptr())
     return out.view(*ids.shape, k)
 
 
@@ -321,7 +334,8 @@ def linear_threads(flops: int, threads: int) -> int:
 
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int,
                   threads: int = 1) -> torch.Tensor:
-    """x [M, K] (unit column stride) @ weight.T: [M, n], for `packed` = pack(weight). With
+    """x [M, K] (unit column stride) @ weight.T: [M, n], for `packed` = pack(weight) (fp32
+    or bf16 panels: ms_linear_packed_bf16 widens them as it goes). With
     `threads` > 1 and enough work, the panels are split into that many contiguous ranges,
     each run on its own thread (ctypes releases the GIL); every output is computed exactly
     as on one thread."""
@@ -333,19 +347,19 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int,
         return out
     lib, panels = _loaded(), packed.shape[0]
     threads = min(linear_threads(2 * m * n * k, threads), panels)
-    if threads <= 1:  # one call, no more Python: most decode matmuls
-        lib.ms_linear_packed_f32(x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(),
-                                 n, m, k, n)
-        return out
-    size = packed.element_size()
+    bf16 = packed.dtype is torch.bfloat16
+    size, out_size = packed.element_size(), out.element_size()
 
     def run(q0: int, q1: int) -> None:  # panels [q0, q1): output columns from q0 * PANEL
         cols = min(n, q1 * PANEL) - q0 * PANEL
-        lib.ms_linear_packed_f32(x.data_ptr(), x.stride(0),
-                                 packed.data_ptr() + q0 * k * PANEL * size,
-                                 out.data_ptr() + q0 * PANEL * size, n, m, k, cols)
+        args = (x.data_ptr(), x.stride(0), packed.data_ptr() + q0 * k * PANEL * size,
+                out.data_ptr() + q0 * PANEL * out_size, n, m, k, cols)
+        if not bf16:
+            lib.ms_linear_packed_f32(*args)
+        elif lib.ms_linear_packed_bf16(*args) != 0:
+            raise MemoryError(f"packed bf16 linear: no memory to widen panels of K={k}")
 
-    if threads <= 1:
+    if threads <= 1:  # one call, no more Python: most decode matmuls
         run(0, panels)
         return out
     bounds = [panels * i // threads for i in range(threads + 1)]

@@ -34,6 +34,8 @@ class FusedDecoder:
         assert inner.embed_tokens is not None and inner.norm is not None
         attn = layers[0].self_attn
         mlp = layers[0].mlp
+        self.weight_dtype = attn.qkv_proj.weight.dtype
+        """What the packed panels hold (fp32, or bf16: model.cpu_weight_dtype)."""
         structs = []
         row_flops = 0
         for layer in layers:
@@ -59,7 +61,8 @@ class FusedDecoder:
             kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             intermediate=mlp.down_proj.in_local, block_size=attn.attn.k_cache.shape[1],
             window=attn.attn.sliding_window or 0,
-            kv_bf16=native_cpu.kv_bf16(attn.attn.k_cache), eps=layers[0].input_layernorm.eps,
+            kv_bf16=native_cpu.kv_bf16(attn.attn.k_cache),
+            weights_bf16=self.weight_dtype is torch.bfloat16, eps=layers[0].input_layernorm.eps,
             scale=attn.attn.scale, embed=_ptr(inner.embed_tokens.weight),
             embed_packed=packed_columns(inner.embed_tokens.weight) is not None,
             cos=_ptr(rotary.cos), sin=_ptr(rotary.sin), final_norm=_ptr(inner.norm.weight),
@@ -75,7 +78,10 @@ class FusedDecoder:
         if (not layers or not (model.is_first and model.is_last)
                 or inner.embed_tokens is None or inner.norm is None):
             return None
-        tensors = [inner.embed_tokens.weight, inner.norm.weight, inner.rotary.cos]
+        embed = inner.embed_tokens.weight
+        tensors = [inner.norm.weight, inner.rotary.cos]
+        packed = [embed] if packed_columns(embed) is not None else []
+        tensors += [] if packed else [embed]
         first = layers[0]
         for layer in layers:
             a, f = layer.self_attn, layer.mlp
@@ -83,7 +89,7 @@ class FusedDecoder:
             if any(mod.tp.size != 1 or packed_columns(mod.weight) is None
                    for mod in linears):
                 return None
-            tensors += [mod.weight for mod in linears]
+            packed += [mod.weight for mod in linears]
             tensors += [mod.bias for mod in linears if mod.bias is not None]
             tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             caches = (a.attn.k_cache, a.attn.v_cache)
@@ -95,8 +101,10 @@ class FusedDecoder:
                     or layer.post_attention_layernorm.eps != first.input_layernorm.eps):
                 return None
         if (inner.norm.eps != layers[0].input_layernorm.eps
-                or not all(t.is_contiguous() and t.numel() for t in tensors)
-                or not dispatch.use_native(*tensors)):
+                or not all(t.is_contiguous() and t.numel() for t in tensors + packed)
+                or not dispatch.use_native(*tensors)
+                or len({w.dtype for w in packed}) != 1
+                or not dispatch.native_packed(tensors[0], packed[0])):
             return None
         return cls(model, layers)
 
@@ -112,10 +120,11 @@ class FusedDecoder:
             meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens))
 
     def drafts_greedy(self, head: torch.Tensor, vocab: int, rows: int) -> bool:
-        """Whether `draft_greedy` can run `rows` rows with this LM head: packed, fp32, all
-        `vocab` logits on this rank, and rows few enough for one thread (`applies`)."""
-        return (packed_columns(head) == vocab and dispatch.use_native(head)
-                and self._one_thread(rows))
+        """Whether `draft_greedy` can run `rows` rows with this LM head: packed in the
+        layers' weight dtype, all `vocab` logits on this rank, and rows few enough for one
+        thread (`applies`)."""
+        return (packed_columns(head) == vocab and head.is_cpu
+                and head.dtype is self.weight_dtype and self._one_thread(rows))
 
     def _one_thread(self, rows: int) -> bool:
         """Whether every linear of `rows` rows would run on one thread anyway."""

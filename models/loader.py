@@ -147,11 +147,13 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
                tp: TensorParallelGroup = SINGLE, layer_range: tuple[int, int] | None = None,
                device: torch.device | str = "cpu", progress: bool = True,
                cpu_weight_layout: str = "auto", head_split: int | None = None,
-               huge_pages: bool = True, arch: ModelArch | None = None) -> LlamaForCausalLM:
+               huge_pages: bool = True, arch: ModelArch | None = None,
+               cpu_weight_dtype: str = "auto") -> LlamaForCausalLM:
     """Build the model for this rank (its TP shard, its PP layers) and load its weights
     (on CPU with cpu_weight_layout auto, linear weights are then packed for the C kernel
     where it runs, else wide ones go column-major; see ModelConfig.cpu_weight_layout; on
-    CPU the weights then move to huge pages with `huge_pages`, host_memory.to_huge_pages).
+    CPU the weights then move to huge pages with `huge_pages`, host_memory.to_huge_pages;
+    `cpu_weight_dtype` bfloat16 packs them as bf16, ModelConfig.cpu_weight_dtype).
     `arch`: the directory's config.json already parsed (else it is read here)."""
     path = Path(model_dir)
     if not path.is_dir():
@@ -164,7 +166,9 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
     load_weights(model, files, progress=progress)
     if torch.device(device).type == "cpu":
         if cpu_weight_layout in ("auto", "packed"):
-            pack_linear_weights(model, required=cpu_weight_layout == "packed")
+            bf16 = cpu_weight_dtype == "bfloat16"
+            pack_linear_weights(model, required=cpu_weight_layout == "packed" or bf16,
+                                dtype=torch.bfloat16 if bf16 else torch.float32)
         if cpu_weight_layout in ("auto", "column"):
             column_major_wide_weights(model)
         if huge_pages:
@@ -191,21 +195,24 @@ def _linear_weights(model: torch.nn.Module, tied: bool = False) -> list[torch.nn
     return out
 
 
-def pack_linear_weights(model: torch.nn.Module, *, required: bool = False) -> int:
+def pack_linear_weights(model: torch.nn.Module, *, required: bool = False,
+                        dtype: torch.dtype = torch.float32) -> int:
     """Repack every linear weight for the C packed kernel (dispatch.pack_weight) where it
     applies (fp32 on the CPU, the C kernels built), a head tied to the embedding too (the
-    embedding gathers its rows from the panels: dispatch.embedding); returns how many.
-    `required`: raise ValueError naming model.cpu_weight_layout where it does not apply."""
+    embedding gathers its rows from the panels: dispatch.embedding), as `dtype` panels;
+    returns how many. `required`: raise ValueError naming model.cpu_weight_layout (and
+    model.cpu_weight_dtype) where it does not apply."""
     weights = _linear_weights(model, tied=True)
     if not weights or not all(dispatch.packing_applies(w) for w in weights):
         if required and weights:
             raise ValueError(
-                "model.cpu_weight_layout='packed' needs fp32 weights on the CPU and the C "
-                "kernels (MESHSERVE_KERNELS=auto, a C compiler): allowed otherwise are "
-                "auto, column and row")
+                "model.cpu_weight_layout='packed' (and model.cpu_weight_dtype=bfloat16) need "
+                "fp32 weights on the CPU and the C kernels (MESHSERVE_KERNELS=auto, a C "
+                "compiler): allowed otherwise are cpu_weight_layout auto, column and row, "
+                "cpu_weight_dtype auto and float32")
         return 0
     for w in weights:
-        dispatch.pack_weight(w)
+        dispatch.pack_weight(w, dtype)
     return len(weights)
 
 

@@ -79,6 +79,7 @@ class DraftProposer:
         self.model = model or load_model(
             run.draft_dir, dtype=dtype, device=device, progress=False,
             cpu_weight_layout=run.config.model.cpu_weight_layout, huge_pages=ec.cpu_huge_pages,
+            cpu_weight_dtype=run.config.model.cpu_weight_dtype,
             arch=run.draft_arch)
         self.block_size = ec.block_size
         self.engine_seed = ec.seed

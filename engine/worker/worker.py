@@ -117,6 +117,7 @@ class Worker:
             run.model_dir, dtype=self.dtype, tp=groups.tp if groups else SINGLE,
             layer_range=layer_range, device=device, progress=progress,
             cpu_weight_layout=run.config.model.cpu_weight_layout, head_split=self.head_split,
+            cpu_weight_dtype=run.config.model.cpu_weight_dtype,
             huge_pages=ec.cpu_huge_pages, arch=arch)
         self.hidden_size, self.vocab_size = arch.hidden_size, arch.vocab_size
         self.is_first_stage = groups is None or groups.is_first_stage

@@ -940,6 +940,51 @@ void ms_linear_packed_f32(const float *x, int64_t xs, const float *p, float *out
 #endif
 }
 
+/* ---- bf16 panels: ms_pack_f32's layout with each value rounded to bf16 ----
+ *
+ * Half the bytes a decode step streams from memory. A group of panels at a time is widened
+ * to fp32 into a scratch buffer (each value exactly: a bf16 is the top half of an fp32),
+ * which stays in cache, and the fp32 micro-kernels above run on it, so every output is the
+ * same FMA chain over the widened weight as ms_linear_packed_f32 would give.
+ */
+#define WIDEN_PANELS 4 /* pk_one_row streams four panels at once */
+
+static void widen_bf16(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, load8_kv(src, i, 1));
+#endif
+    for (; i < n; i++) dst[i] = kv_at(src, i, 1);
+}
+
+/* out[M, N] = x[M, K] @ w[N, K]^T for bf16 panels p. Returns 0, or -1 when the scratch
+ * buffer could not be allocated. */
+int ms_linear_packed_bf16(const float *x, int64_t xs, const uint16_t *p, float *out,
+                          int64_t os, int64_t M, int64_t K, int64_t N) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    const int64_t group = panels < WIDEN_PANELS ? panels : WIDEN_PANELS;
+    float *buf = malloc(sizeof(float) * (size_t)(group * K * PANEL));
+    if (buf == NULL) return -1;
+    for (int64_t q = 0; q < panels; q += group) {
+        const int64_t g = panels - q < group ? panels - q : group;
+        const int64_t cols = N - q * PANEL < g * PANEL ? N - q * PANEL : g * PANEL;
+        widen_bf16(p + q * K * PANEL, buf, g * K * PANEL);
+        ms_linear_packed_f32(x, xs, buf, out + q * PANEL, os, M, K, cols);
+    }
+    free(buf);
+    return 0;
+}
+
+/* Rows `ids` [T] of the weight whose bf16 panels are p, into out [T, K] (fp32). */
+void ms_unpack_rows_bf16(const uint16_t *p, int64_t K, const int64_t *ids, int64_t T,
+                         float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *src = p + (ids[t] / PANEL) * K * PANEL + ids[t] % PANEL;
+        for (int64_t k = 0; k < K; k++) out[t * K + k] = kv_at(src, k * PANEL, 1);
+    }
+}
+
 /* Rows `ids` [T] of the weight [N, K] that ms_pack_f32 packed into p, into out [T, K]
  * (an embedding lookup from a head's panels: the weight is stored once). */
 void ms_unpack_rows_f32(const float *p, int64_t K, const int64_t *ids, int64_t T, float *out) {

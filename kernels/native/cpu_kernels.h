@@ -18,6 +18,10 @@ int ms_attend_qkv_f32(float *qkv, int64_t tokens, int64_t heads, int64_t kv_head
 void ms_linear_packed_f32(const float *x, int64_t xs, const float *p, float *out, int64_t os,
                           int64_t M, int64_t K, int64_t N);
 void ms_unpack_rows_f32(const float *p, int64_t K, const int64_t *ids, int64_t T, float *out);
+int ms_linear_packed_bf16(const float *x, int64_t xs, const uint16_t *p, float *out,
+                          int64_t os, int64_t M, int64_t K, int64_t N);
+void ms_unpack_rows_bf16(const uint16_t *p, int64_t K, const int64_t *ids, int64_t T,
+                         float *out);
 void ms_argmax_rows_f32(const float *x, int64_t xs, int64_t rows, int64_t cols, int64_t *out);
 void ms_silu_mul_f32(const float *x, float *out, int64_t rows, int64_t width);
 

@@ -11,8 +11,9 @@
  * Every row is a decode row: one token with its own position, cache slot, block-table row
  * and context length (a verify step's rows of one sequence each attend up to their own
  * position; every row's K/V is stored before any row attends). Weights are the packed
- * panels of ms_pack_f32 (the embedding too, where it is a tied head's); biases are
- * optional (NULL). Single-threaded, as the kernels are.
+ * panels of ms_pack_f32 (the embedding too, where it is a tied head's), fp32 or, with
+ * weights_bf16, rounded to bf16 (ms_linear_packed_bf16); biases are optional (NULL) and
+ * fp32. Single-threaded, as the kernels are.
  */
 
 #include <stdint.h>
@@ -23,23 +24,36 @@
 
 typedef struct {
     const float *input_norm, *post_norm;       /* [hidden] */
-    const float *qkv, *qkv_bias;               /* packed [(H + 2 Hkv) D, hidden] */
-    const float *o, *o_bias;                   /* packed [hidden, H D] */
-    const float *gate_up, *gate_up_bias;       /* packed [2 I, hidden] */
-    const float *down, *down_bias;             /* packed [hidden, I] */
+    const void *qkv;                           /* packed [(H + 2 Hkv) D, hidden] */
+    const float *qkv_bias;
+    const void *o;                             /* packed [hidden, H D] */
+    const float *o_bias;
+    const void *gate_up;                       /* packed [2 I, hidden] */
+    const float *gate_up_bias;
+    const void *down;                          /* packed [hidden, I] */
+    const float *down_bias;
     void *k_cache, *v_cache;                   /* [blocks, block_size, Hkv, D]: fp32 or bf16 */
 } MsDecoderLayer;
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, window;
     int64_t kv_bf16;                           /* the caches hold bf16 */
+    int64_t weights_bf16;                      /* the packed weights (head too) hold bf16 */
     float eps, scale;
-    const float *embed;                        /* [vocab, hidden]: row-major, or packed */
+    const void *embed;                         /* [vocab, hidden]: fp32 row-major, or packed */
     int64_t embed_packed;                      /* the embedding is a tied head's panels */
     const float *cos, *sin;                    /* [max_positions, D / 2] */
     const float *final_norm;                   /* [hidden] */
     const MsDecoderLayer *layers;
 } MsDecoder;
+
+/* out = x @ w^T for packed panels w of the decoder's weight dtype; 0, or -1 (no memory). */
+static int linear(const MsDecoder *m, const float *x, int64_t xs, const void *w, float *out,
+                  int64_t os, int64_t M, int64_t K, int64_t N) {
+    if (m->weights_bf16) return ms_linear_packed_bf16(x, xs, w, out, os, M, K, N);
+    ms_linear_packed_f32(x, xs, w, out, os, M, K, N);
+    return 0;
+}
 
 static void add_bias(float *x, const float *bias, int64_t rows, int64_t width) {
     if (!bias) return;
@@ -61,10 +75,12 @@ int ms_decoder_forward_f32(const MsDecoder *m, int64_t T, const int64_t *tokens,
     float *x = buf, *residual = x + T * hs, *normed = residual + T * hs;
     float *wide = normed + T * hs, *attn = wide + T * widest, *act = attn + T * h * d;
     float *cos = act + T * inter, *sin = cos + T * half;
-    if (m->embed_packed) ms_unpack_rows_f32(m->embed, hs, tokens, T, x);
+    if (m->embed_packed && m->weights_bf16) ms_unpack_rows_bf16(m->embed, hs, tokens, T, x);
+    else if (m->embed_packed) ms_unpack_rows_f32(m->embed, hs, tokens, T, x);
     for (int64_t t = 0; t < T; t++) {
         if (!m->embed_packed)
-            memcpy(x + t * hs, m->embed + tokens[t] * hs, sizeof(float) * (size_t)hs);
+            memcpy(x + t * hs, (const float *)m->embed + tokens[t] * hs,
+                   sizeof(float) * (size_t)hs);
         memcpy(cos + t * half, m->cos + positions[t] * half, sizeof(float) * (size_t)half);
         memcpy(sin + t * half, m->sin + positions[t] * half, sizeof(float) * (size_t)half);
     }
@@ -77,18 +93,19 @@ int ms_decoder_forward_f32(const MsDecoder *m, int64_t T, const int64_t *tokens,
         } else {
             ms_add_rms_norm_f32(x, residual, ly->input_norm, normed, residual, T, hs, m->eps);
         }
-        ms_linear_packed_f32(normed, hs, ly->qkv, wide, qkv_n, T, hs, qkv_n);
+        if ((rc = linear(m, normed, hs, ly->qkv, wide, qkv_n, T, hs, qkv_n)) != 0) break;
         add_bias(wide, ly->qkv_bias, T, qkv_n);
         rc = ms_attend_qkv_f32(wide, T, h, hkv, d, cos, sin, ly->k_cache, ly->v_cache,
-                               m->kv_bf16, m->block_size, slots, T, tables, table_stride, lens, m->scale,
-                               m->window, attn);
-        ms_linear_packed_f32(attn, h * d, ly->o, x, hs, T, h * d, hs);
+                               m->kv_bf16, m->block_size, slots, T, tables, table_stride, lens,
+                               m->scale, m->window, attn);
+        if (rc != 0 || (rc = linear(m, attn, h * d, ly->o, x, hs, T, h * d, hs)) != 0) break;
         add_bias(x, ly->o_bias, T, hs);
         ms_add_rms_norm_f32(x, residual, ly->post_norm, normed, residual, T, hs, m->eps);
-        ms_linear_packed_f32(normed, hs, ly->gate_up, wide, 2 * inter, T, hs, 2 * inter);
+        if ((rc = linear(m, normed, hs, ly->gate_up, wide, 2 * inter, T, hs, 2 * inter)) != 0)
+            break;
         add_bias(wide, ly->gate_up_bias, T, 2 * inter);
         ms_silu_mul_f32(wide, act, T, inter);
-        ms_linear_packed_f32(act, inter, ly->down, x, hs, T, inter, hs);
+        if ((rc = linear(m, act, inter, ly->down, x, hs, T, inter, hs)) != 0) break;
         add_bias(x, ly->down_bias, T, hs);
     }
     if (rc == 0)
@@ -116,9 +133,9 @@ static void decode_row(int64_t a, const int64_t *table, int64_t table_stride, in
  * Without, draft 0 is already in drafted[r * k] and start[r] is its last known token's
  * position. Then steps j = 1 .. k - 1 feed draft j - 1 at the last known position + j for
  * the rows that want draft j and take the head's argmax as draft j. head: packed panels
- * of [vocab, hidden]. The same kernels as the modules' steps and dispatch.argmax_rows, so
+ * of [vocab, hidden], of the decoder's weight dtype. The same kernels as the modules' steps and dispatch.argmax_rows, so
  * the same drafts. Returns 0, or the forward's code. */
-int ms_decoder_draft_greedy_f32(const MsDecoder *m, const float *head, int64_t vocab,
+int ms_decoder_draft_greedy_f32(const MsDecoder *m, const void *head, int64_t vocab,
                                 int64_t B, const int64_t *feed_tokens,
                                 const int64_t *feed_counts, const int64_t *start,
                                 const int64_t *tables, int64_t table_stride, const int64_t *n,
@@ -153,9 +170,9 @@ int ms_decoder_draft_greedy_f32(const MsDecoder *m, const float *head, int64_t v
         if (rc == 0) {
             for (int64_t r = 0; r < B; r++)
                 memcpy(last + r * hs, hidden + rows[r] * hs, sizeof(float) * (size_t)hs);
-            ms_linear_packed_f32(last, hs, head, logits, vocab, B, hs, vocab);
-            ms_argmax_rows_f32(logits, vocab, B, vocab, pos);
-            for (int64_t r = 0; r < B; r++) drafted[r * k] = pos[r];
+            rc = linear(m, last, hs, head, logits, vocab, B, hs, vocab);
+            if (rc == 0) ms_argmax_rows_f32(logits, vocab, B, vocab, pos);
+            for (int64_t r = 0; r < B && rc == 0; r++) drafted[r * k] = pos[r];
         }
     }
     for (int64_t j = 1; j < k && rc == 0; j++) {
@@ -171,7 +188,7 @@ int ms_decoder_draft_greedy_f32(const MsDecoder *m, const float *head, int64_t v
         if (a == 0) break;
         rc = ms_decoder_forward_f32(m, a, ids, pos, slots, tab, table_stride, lens, hidden);
         if (rc != 0) break;
-        ms_linear_packed_f32(hidden, hs, head, logits, vocab, a, hs, vocab);
+        if ((rc = linear(m, hidden, hs, head, logits, vocab, a, hs, vocab)) != 0) break;
         ms_argmax_rows_f32(logits, vocab, a, vocab, pos);  /* pos: free again */
         for (int64_t i = 0; i < a; i++) drafted[rows[i] * k + j] = pos[i];
     }

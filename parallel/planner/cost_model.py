@@ -219,7 +219,7 @@ class CostModel:
         if stage == pp - 1:  # a tied head shares stage 0's matrix only when stage 0 is this one
             tied_here = s.tie_word_embeddings and pp == 1
             params += s.hidden_size if tied_here else round((1 - f) * s.head_params(tp))
-        return params * s.dtype_bytes
+        return params * s.weight_dtype_bytes
 
     def stage_kv_bytes_per_token(self, stage: int) -> int:
         """KV bytes one token takes on one device of `stage`."""
@@ -242,7 +242,7 @@ class CostModel:
                      / (flops_rate * self.cluster.attention_efficiency))
         c = self.cluster
         kv_bytes = (work.num_kv_read + work.num_new_tokens) * s.kv_bytes_per_token(tp)
-        memory_s = (s.layer_params(tp) * s.dtype_bytes / bytes_rate
+        memory_s = (s.layer_params(tp) * s.weight_dtype_bytes / bytes_rate
                     + kv_bytes / (bytes_rate * c.kv_read_fraction))
         act = work.num_new_tokens * s.hidden_size * s.dtype_bytes
         return StageTime.roofline(compute_s, memory_s,
@@ -267,7 +267,7 @@ class CostModel:
         gathered = work.num_seqs * s.vocab_size * LOGITS_BYTES
         return StageTime.roofline(
             s.head_flops(work.num_seqs, tp) / self.cluster.matmul_flops(s.dtype, work.num_seqs),
-            s.head_params(tp) * s.dtype_bytes / bytes_rate,
+            s.head_params(tp) * s.weight_dtype_bytes / bytes_rate,
             comm_s=ring_allgather_s(tp, gathered, *self._link(self.layout.tp_link)))
 
     def stage_time(self, stage: int, work: StepWork) -> StageTime:

@@ -53,6 +53,9 @@ class ModelShape:
     """Weights and activations dtype (and the KV cache's unless `kv_dtype` says)."""
     kv_dtype: str | None = None
     """KV cache dtype (engine.kv_cache_dtype); None: `dtype`."""
+    weight_dtype: str | None = None
+    """What the weights are stored in when not `dtype` (model.cpu_weight_dtype: bf16 panels
+    an fp32 model computes with); None: `dtype`."""
 
     def __post_init__(self) -> None:
         for n in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
@@ -61,21 +64,30 @@ class ModelShape:
         require(self.dtype in DTYPE_BYTES, "model.dtype", self.dtype, f"one of {tuple(DTYPE_BYTES)}")
         require(self.kv_dtype is None or self.kv_dtype in DTYPE_BYTES, "engine.kv_cache_dtype",
                 self.kv_dtype, f"one of {tuple(DTYPE_BYTES)}")
+        require(self.weight_dtype is None or self.weight_dtype in DTYPE_BYTES,
+                "model.cpu_weight_dtype", self.weight_dtype, f"one of {tuple(DTYPE_BYTES)}")
 
     @classmethod
-    def from_arch(cls, arch: ArchLike, dtype: str, kv_dtype: str | None = None) -> ModelShape:
-        """From a ModelArch-like object, the dtype the model will run in and its KV cache's
-        (None: the same)."""
+    def from_arch(cls, arch: ArchLike, dtype: str, kv_dtype: str | None = None,
+                  weight_dtype: str | None = None) -> ModelShape:
+        """From a ModelArch-like object, the dtype the model will run in, and its KV cache's
+        and weights' (None: the same)."""
         return cls(num_layers=arch.num_hidden_layers, hidden_size=arch.hidden_size,
                    intermediate_size=arch.intermediate_size,
                    num_heads=arch.num_attention_heads, num_kv_heads=arch.num_key_value_heads,
                    head_dim=arch.head_dim, vocab_size=arch.vocab_size,
-                   tie_word_embeddings=arch.tie_word_embeddings, dtype=dtype, kv_dtype=kv_dtype)
+                   tie_word_embeddings=arch.tie_word_embeddings, dtype=dtype, kv_dtype=kv_dtype,
+                   weight_dtype=weight_dtype)
 
     @property
     def dtype_bytes(self) -> int:
         """Bytes per element of weights and activations."""
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def weight_dtype_bytes(self) -> int:
+        """Bytes per element of the stored weights."""
+        return DTYPE_BYTES[self.weight_dtype or self.dtype]
 
     @property
     def kv_dtype_bytes(self) -> int:
@@ -110,14 +122,14 @@ class ModelShape:
     @property
     def weight_bytes(self) -> int:
         """Bytes of all weights."""
-        return self.num_params * self.dtype_bytes
+        return self.num_params * self.weight_dtype_bytes
 
     @property
     def decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads: every weight but an untied input embedding
         (a decode gathers a few of its rows)."""
         embed = 0 if self.tie_word_embeddings else self.embed_params()
-        return (self.num_params - embed) * self.dtype_bytes
+        return (self.num_params - embed) * self.weight_dtype_bytes
 
     def prefill_flops(self, num_tokens: int) -> float:
         """FLOPs of a whole prefill of `num_tokens` on one rank: the layers' matmuls, causal

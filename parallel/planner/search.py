@@ -336,11 +336,15 @@ def resolve_dtype(model_dtype: str, checkpoint_dtype: str, device_type: str) -> 
 
 
 def shape_for(config: RunLike, arch: ArchLike, device_type: str) -> ModelShape:
-    """The cost model's view of a run's model: its compute dtype (resolve_dtype) and its KV
-    cache's (engine.kv_cache_dtype; auto: the compute dtype)."""
+    """The cost model's view of a run's model: its compute dtype (resolve_dtype), its KV
+    cache's (engine.kv_cache_dtype; auto: the compute dtype) and, on a CPU, its weights'
+    (model.cpu_weight_dtype)."""
     dtype = resolve_dtype(config.model.dtype, getattr(arch, "dtype", "bfloat16"), device_type)
     kv = config.engine.kv_cache_dtype
-    return ModelShape.from_arch(arch, dtype, None if kv == "auto" else kv)
+    weights = config.model.cpu_weight_dtype
+    return ModelShape.from_arch(arch, dtype, None if kv == "auto" else kv,
+                                weights if device_type == "cpu" and weights == "bfloat16"
+                                else None)
 
 
 def options_for(config: RunLike) -> PlannerOptions:

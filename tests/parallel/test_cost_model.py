@@ -319,3 +319,22 @@ def test_a_bf16_cache_under_an_fp32_model_halves_only_the_kv_bytes() -> None:
 def shape_from(overrides: list[str]) -> ModelShape:
     cfg = load_config(["model=llama-3-8b", *overrides])
     return shape_for(cfg, ModelArch.from_hf_dict(cfg.model.arch), "cpu")
+
+
+def test_bf16_weights_under_an_fp32_model_halve_only_the_weight_bytes() -> None:
+    """model.cpu_weight_dtype on a CPU: a decode step reads half the weight bytes; the KV
+    and the arithmetic's rate stay fp32's. On a GPU the knob has no effect."""
+    full = shape_from(["cluster=local-cpu", "model.dtype=float32"])
+    half = shape_from(["cluster=local-cpu", "model.dtype=float32",
+                       "model.cpu_weight_dtype=bfloat16"])
+    assert 2 * half.weight_bytes == full.weight_bytes
+    assert half.kv_bytes_per_token() == full.kv_bytes_per_token()
+    layout = Layout(tp=1, stage_layers=(32,))
+    base = cluster("local-cpu")
+    t_full = CostModel(full, base, layout).layer_time(StepWork.decode(1, 16)).memory_s
+    t_half = CostModel(half, base, layout).layer_time(StepWork.decode(1, 16)).memory_s
+    weights_s = half.layer_params() * 2 / base.memory_bandwidth()
+    assert t_full - t_half == pytest.approx(weights_s, rel=1e-9)
+    cfg = load_config(["model=llama-3-8b", "model.cpu_weight_dtype=bfloat16"])
+    gpu = shape_for(cfg, ModelArch.from_hf_dict(cfg.model.arch), "cuda")
+    assert gpu.weight_dtype is None
