@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.hf_greedy import hf_greedy
 
 from meshserve import LLM, SamplingParams
 from meshserve.kernels import native_cpu
@@ -30,19 +31,6 @@ def rounded_like_meshserve(model: torch.nn.Module) -> torch.nn.Module:
             if p.dim() == 2 and ("embed_tokens" not in name or model.config.tie_word_embeddings):
                 p.copy_(p.to(torch.bfloat16).float())
     return model
-
-
-def hf_greedy(model: torch.nn.Module, prompts: list[list[int]]
-              ) -> tuple[list[list[int]], list[list[float]]]:
-    tokens, logprobs = [], []
-    for p in prompts:
-        out = model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True)
-        ids = out.sequences[0, len(p):].tolist()
-        tokens.append(ids)
-        logprobs.append([torch.log_softmax(step[0].float(), -1)[t].item()
-                         for step, t in zip(out.logits, ids)])
-    return tokens, logprobs
 
 
 @pytest.mark.parametrize("tied", [False, True])

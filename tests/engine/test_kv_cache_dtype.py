@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.hf_greedy import hf_greedy
 
 from meshserve import LLM, SamplingParams
 from meshserve.engine.config import EngineConfig
@@ -47,20 +48,6 @@ def kv_rounded_to_bf16(model: torch.nn.Module) -> Iterator[None]:
         modeling_llama.apply_rotary_pos_emb = rotate
         for h in hooks:
             h.remove()
-
-
-def hf_greedy(model: torch.nn.Module, prompts: list[list[int]]
-              ) -> tuple[list[list[int]], list[list[float]]]:
-    """transformers' 12 greedy tokens per prompt and each one's log-probability."""
-    tokens, logprobs = [], []
-    for p in prompts:
-        out = model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True)
-        ids = out.sequences[0, len(p):].tolist()
-        tokens.append(ids)
-        logprobs.append([torch.log_softmax(step[0].float(), -1)[t].item()
-                         for step, t in zip(out.logits, ids)])
-    return tokens, logprobs
 
 
 @pytest.fixture(scope="module")
