@@ -544,9 +544,10 @@ void ms_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v
                      int64_t tokens, int64_t row, void *k_cache, void *v_cache,
                      const int64_t *slots, int64_t kv_bf16) {
     for (int64_t t = 0; t < tokens; t++) {
+        const size_t bytes = sizeof(float) * (size_t)row;
         if (!kv_bf16) {
-            memcpy((float *)k_cache + slots[t] * row, k + t * k_stride, sizeof(float) * (size_t)row);
-            memcpy((float *)v_cache + slots[t] * row, v + t * v_stride, sizeof(float) * (size_t)row);
+            memcpy((float *)k_cache + slots[t] * row, k + t * k_stride, bytes);
+            memcpy((float *)v_cache + slots[t] * row, v + t * v_stride, bytes);
             continue;
         }
         uint16_t *kd = (uint16_t *)k_cache + slots[t] * row;
@@ -560,9 +561,10 @@ void ms_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v
 
 /* A layer's attention up to the prefill part, in one call: qkv [T, H + 2 Hkv, D] (contiguous)
  * has its q and k heads rotated in place by cos, sin [T, D/2]; every token's K and V is
- * stored at slots [T] (fp32, or bf16 where kv_bf16); the first num_decode tokens (one per sequence) attend through their
- * block tables into out [num_decode, H, D]. The prefill tokens after them are left to the
- * caller, their q and k rotated and their K/V stored. Returns ms_paged_decode_f32's code. */
+ * stored at slots [T] (fp32, or bf16 where kv_bf16); the first num_decode tokens (one per
+ * sequence) attend through their block tables into out [num_decode, H, D]. The prefill
+ * tokens after them are left to the caller, their q and k rotated and their K/V stored.
+ * Returns ms_paged_decode_f32's code. */
 int ms_attend_qkv_f32(float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads,
                       int64_t head_dim, const float *cos, const float *sin, void *k_cache,
                       void *v_cache, int64_t kv_bf16, int64_t block_size,

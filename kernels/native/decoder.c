@@ -133,8 +133,9 @@ static void decode_row(int64_t a, const int64_t *table, int64_t table_stride, in
  * Without, draft 0 is already in drafted[r * k] and start[r] is its last known token's
  * position. Then steps j = 1 .. k - 1 feed draft j - 1 at the last known position + j for
  * the rows that want draft j and take the head's argmax as draft j. head: packed panels
- * of [vocab, hidden], of the decoder's weight dtype. The same kernels as the modules' steps and dispatch.argmax_rows, so
- * the same drafts. Returns 0, or the forward's code. */
+ * of [vocab, hidden], of the decoder's weight dtype. The same kernels as the modules'
+ * steps and dispatch.argmax_rows, so the same drafts. Returns 0, or the forward's code
+ * (-1 too where a bf16 head's scratch could not be allocated). */
 int ms_decoder_draft_greedy_f32(const MsDecoder *m, const void *head, int64_t vocab,
                                 int64_t B, const int64_t *feed_tokens,
                                 const int64_t *feed_counts, const int64_t *start,
