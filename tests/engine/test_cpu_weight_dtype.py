@@ -8,7 +8,7 @@ import torch
 from helpers.hf_greedy import hf_greedy
 
 from meshserve import LLM, SamplingParams
-from meshserve.kernels import native_cpu
+from meshserve.kernels import dispatch, native_cpu
 from meshserve.models.config import ModelConfig
 
 pytestmark = pytest.mark.skipif(native_cpu.library() is None, reason="no C compiler")
@@ -19,7 +19,6 @@ MODES = {
     "continuous": [],
     "chunk-7": ["engine.max_num_batched_tokens=7"],
     "two-threads": ["threads=2"],  # the packed linear split over threads
-    "reference": [],  # MESHSERVE_KERNELS=reference: torch on the widened weights
 }
 
 
@@ -36,16 +35,13 @@ def rounded_like_meshserve(model: torch.nn.Module) -> torch.nn.Module:
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("mode", MODES)
 def test_bf16_weights_match_transformers_with_the_same_rounding(
-        make_checkpoint, hf_reference, prompts, monkeypatch, mode: str, tied: bool) -> None:
-    if mode == "reference":
-        monkeypatch.setenv("MESHSERVE_KERNELS", "reference")
+        make_checkpoint, hf_reference, prompts, mode: str, tied: bool) -> None:
     path = make_checkpoint("llama", tie_word_embeddings=tied)
     want_tokens, want_logprobs = hf_greedy(rounded_like_meshserve(hf_reference(path)), prompts)
     llm = LLM(str(path), overrides=[*BF16, *MODES[mode]], progress=False)
-    if mode != "reference":  # the weights are bf16 panels, read by the C kernels, decode
-        worker = llm.engine.executor.worker  # steps by the fused decoder's one call
-        assert worker.model.model.layers["0"].self_attn.qkv_proj.weight.dtype is torch.bfloat16
-        assert worker.runner.fused is not None and worker.runner.fused.weight_dtype is torch.bfloat16
+    worker = llm.engine.executor.worker  # bf16 panels, decode steps in the fused call
+    assert worker.model.model.layers["0"].self_attn.qkv_proj.weight.dtype is torch.bfloat16
+    assert worker.runner.fused is not None and worker.runner.fused.weight_dtype is torch.bfloat16
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == want_tokens
     ours = torch.tensor([[lp for lp, _ in o.logprobs] for o in outs])
@@ -94,3 +90,24 @@ def test_a_draft_model_over_bf16_weights_is_lossless(monkeypatch) -> None:
         finally:
             llm.shutdown()
     assert outs[0] == outs[1] and calls
+
+
+def test_the_reference_kernels_widen_bf16_panels_in_torch(monkeypatch) -> None:
+    """A packed bf16 weight under the reference kernels (dispatch's fallback): the same
+    product as the C kernel's, computed by torch on the widened weight."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.nn.Parameter(torch.randn(50, 40, generator=gen), requires_grad=False)
+    x = torch.randn(3, 40, generator=gen)
+    dispatch.pack_weight(weight, torch.bfloat16)
+    native = dispatch.linear(x, weight)
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    dispatch.kernel_mode.cache_clear()
+    try:
+        reference = dispatch.linear(x, weight)
+        rows = dispatch.embedding(torch.tensor([0, 49]), weight)
+    finally:
+        monkeypatch.delenv(dispatch.ENV_VAR)
+        dispatch.kernel_mode.cache_clear()
+    torch.testing.assert_close(reference, native, atol=1e-5, rtol=1e-5)
+    assert rows.dtype is torch.float32
+    assert torch.equal(rows, native_cpu.unpack(weight.data, 50).float()[[0, 49]])

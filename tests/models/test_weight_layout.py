@@ -123,8 +123,10 @@ def test_packed_is_refused_where_the_c_kernels_do_not_run(
         model = load_model(path, progress=False)  # auto: column-major, as before packing
         assert packed_columns(model.lm_head.weight) is None
         assert model.lm_head.weight.stride()[0] == 1
-        with pytest.raises(ValueError, match=r"model.cpu_weight_layout='packed' needs fp32"):
+        with pytest.raises(ValueError, match=r"model.cpu_weight_layout='packed' .*need fp32"):
             load_model(path, progress=False, cpu_weight_layout="packed")
+        with pytest.raises(ValueError, match=r"model.cpu_weight_dtype=bfloat16\) need fp32"):
+            load_model(path, progress=False, cpu_weight_dtype="bfloat16")
     finally:
         monkeypatch.delenv(dispatch.ENV_VAR)
         dispatch.kernel_mode.cache_clear()
