@@ -287,3 +287,20 @@ def test_a_forked_child_makes_its_own_linear_threads(monkeypatch: pytest.MonkeyP
         os.waitpid(pid, 0)
         raise AssertionError("the forked child hung on its parent's linear threads")
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 20])
+def test_bf16_panels_give_the_fp32_kernels_bits_on_the_rounded_weight(m: int) -> None:
+    """Decode batches widen each weight vector as they load it, longer ones a few panels at
+    a time into scratch; both are the fp32 kernel's product of the weight rounded to bf16,
+    bit for bit, on one thread or two; the rows gathered from the panels are its rows."""
+    gen = torch.Generator().manual_seed(m)
+    n, k = 1000, 256  # a partial last panel; from 8 rows on, enough work for two threads
+    w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+    packed = native_cpu.pack(w, torch.bfloat16)
+    assert packed.dtype is torch.bfloat16
+    want = native_cpu.linear_packed(x, native_cpu.pack(w.to(torch.bfloat16).float()), n)
+    assert torch.equal(native_cpu.linear_packed(x, packed, n), want)
+    assert torch.equal(native_cpu.linear_packed(x, packed, n, threads=2), want)
+    ids = torch.tensor([0, n - 1, 24, 97])
+    assert torch.equal(native_cpu.unpack_rows(packed, ids), w.to(torch.bfloat16).float()[ids])
