@@ -78,10 +78,16 @@ def use_native(*tensors: torch.Tensor) -> bool:
     return _native_allowed(kernel_mode())
 
 
+def native_panels(packed: torch.Tensor) -> bool:
+    """Whether the C kernels read these packed panels: on the CPU, fp32 or bf16
+    (model.cpu_weight_dtype), C kernels on."""
+    return (packed.is_cpu and packed.dtype in native_cpu.WEIGHT_DTYPES
+            and _native_allowed(kernel_mode()))
+
+
 def native_packed(x: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Whether the C packed linear takes x (fp32 on the CPU) against these panels (fp32, or
-    bf16: model.cpu_weight_dtype), C kernels on."""
-    return (packed.dtype in native_cpu.WEIGHT_DTYPES and packed.is_cpu and use_native(x))
+    """Whether the C packed linear takes x (fp32 on the CPU) against these panels."""
+    return native_panels(packed) and use_native(x)
 
 
 def native_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -207,12 +213,12 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
             q, k_cache, v_cache, batch.block_tables, batch.q_starts, batch.q_lens,
             batch.start_pos, batch.max_q_len, scale, sliding_window, out=out)
         return batch
-    if k.dtype != k_cache.dtype:  # attend to K/V as stored, as every later read of them does
-        k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
     for c in chunks:
         sl = slice(c.token_start, c.token_start + c.num_tokens)
-        if c.start_pos == 0:
-            out[sl] = ref_attention.causal_prefill(q[sl], k[sl], v[sl], scale, sliding_window)
+        if c.start_pos == 0:  # its own fresh K/V, as stored (every later read sees those)
+            ks, vs = (t[sl].to(cache.dtype).to(t.dtype) for t, cache in ((k, k_cache),
+                                                                         (v, v_cache)))
+            out[sl] = ref_attention.causal_prefill(q[sl], ks, vs, scale, sliding_window)
         else:
             out[sl] = ref_attention.paged_prefill(q[sl], k_cache, v_cache, c.block_table,
                                                   c.start_pos, scale, sliding_window)
@@ -275,8 +281,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     C kernels are off)."""
     if packed_columns(weight) is None:
         return torch.nn.functional.embedding(ids, weight)
-    if (weight.is_cpu and weight.dtype in native_cpu.WEIGHT_DTYPES
-            and _native_allowed(kernel_mode())):
+    if native_panels(weight):
         return native_cpu.unpack_rows(weight, ids)
     panel = weight.shape[2]
     return weight[ids // panel, :, ids % panel].float()

@@ -104,7 +104,7 @@ class FusedDecoder:
                 or not all(t.is_contiguous() and t.numel() for t in tensors + packed)
                 or not dispatch.use_native(*tensors)
                 or len({w.dtype for w in packed}) != 1
-                or not dispatch.native_packed(tensors[0], packed[0])):
+                or not dispatch.native_panels(packed[0])):
             return None
         return cls(model, layers)
 
