@@ -323,6 +323,15 @@ class BlockManager:
         return KVImport(list(token_ids), hashes, cached, fresh,
                         self._take_block() if tail else None)
 
+    def add_import_tail(self, imp: KVImport) -> bool:
+        """Take the tail block of an import begun without one (a streamed prompt's tail is
+        known at its end); False when no block is free."""
+        assert imp.tail is None
+        if self.num_free_blocks < 1:
+            return False
+        imp.tail = self._take_block()
+        return True
+
     def finish_import(self, imp: KVImport, *, written: bool) -> int | None:
         """Unpin an import's blocks. `written`: its fresh blocks hold the prompt's KV, so
         they enter the prefix cache (the prompt's admission finds them), and its tail
@@ -356,6 +365,13 @@ class BlockManager:
         blocks = cache.lookup(self._prompt_hashes(token_ids, n_full), token_ids, n_full)
         self._pin(blocks)
         return blocks
+
+    def pin(self, blocks: Seq[int]) -> None:
+        """Pin blocks in use (a prompt's, while it is read as it is computed), so they are
+        not reused until `unpin`, whatever their sequence does meanwhile."""
+        for block in blocks:
+            assert self._ref_count[block] > 0, f"block {block} is not in use"
+            self._ref_count[block] += 1
 
     def unpin(self, blocks: Seq[int]) -> None:
         """Release blocks pinned by `pin_prefix` (they stay cached, evictable)."""

@@ -11,7 +11,15 @@ replica grants the read of its lease (or refuses: lapsed, aborted), the blocks m
 decode replica admits the request and the prefill replica unpins them. With a pulling
 connector (NIXL) the read is granted as the import is sent: the prefill replica announces
 it in the KV store, where the decode replica looks, and neither asks through the front.
-The request's outputs then come from the decode replica, after the first token. Short
+The request's outputs then come from the decode replica, after the first token.
+
+With disagg.stream_kv and a pulling connector, the decode replica is picked as the prompt
+goes to its prefill replica and told at once ("stream"): it reads the prompt's blocks as
+the prefill replica computes them (engine/kv_transfer.py), so the import after the first
+token moves only the rest. The read counts as begun from then on: whatever ends it (the
+import, an abort, a refusal, a lost replica), the prefill replica is told "read_done".
+
+Short
 prompts, prompts a decode replica mostly caches, and requests whose later tokens depend
 on the first one's state (structured outputs, presence and frequency penalties) prefill
 on a decode replica and never hop.
@@ -72,6 +80,10 @@ class _Hop:
     announced: bool = False
     """Whether the read began as the import was sent, with its grant announced in the KV
     store by the prefill replica (a pulling connector)."""
+    streamed: bool = False
+    """Whether `decode` reads the prompt's blocks as they are computed (under
+    `transfer_id`)."""
+    transfer_id: int = 0
 
 
 @dataclass
@@ -106,6 +118,8 @@ class TransferStats:
     """Reads begun as the import was sent (a pulling connector), so the decode replica
     never asked: the prefill replica announced the grant in the KV store."""
     bytes: int = 0
+    bytes_streamed: int = 0
+    """Of `bytes`, those read while the prompt was still being computed."""
     wire_seconds_sum: float = 0.0
     """Time the bytes themselves took (the decode replica's pulls)."""
     seconds_sum: float = 0.0
@@ -144,6 +158,9 @@ class DisaggEngine(DataParallelEngine):
         self.num_prefill = d.prefill.replicas
         self.connector_name = resolve_connector(d.connector)
         self._pushes = connector_pushes(self.connector_name)
+        self._stream_kv = d.stream_kv and not self._pushes and d.prefill.pp == 1
+        """Whether prompts' blocks are read as they are computed (a pipeline's steps end
+        out of order, and a pushing connector sends only what is asked)."""
         self._store: dist.Store | None = None
         """The KV store (this process serves it, unless launched): the front deletes the
         grants announced there once nobody looks for them."""
@@ -207,6 +224,7 @@ class DisaggEngine(DataParallelEngine):
         that does not hop, straight to a decode replica."""
         ids, params, request_id, arrival, work = self._admission(prompt, params, request_id,
                                                                  arrival_time)
+        stream_id: int | None = None
         while True:  # a replica found lost on the way gets no request
             cached = self._cached_decode(ids)
             hops = (len(ids) >= self.disagg.min_prefill_tokens and _may_hop(params)
@@ -214,7 +232,9 @@ class DisaggEngine(DataParallelEngine):
             if hops:
                 target = self.prefill_router.pick(ids, work)  # counts the work there
                 first = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-                msg: tuple[Any, ...] = ("prefill", ids, first, request_id, arrival)
+                if self._stream_kv and stream_id is None:
+                    stream_id = next(self._transfer_ids)
+                msg: tuple[Any, ...] = ("prefill", ids, first, request_id, arrival, stream_id)
             else:
                 target = cached if cached is not None else self._pick_decode()
                 self.router.load[target] += work
@@ -234,7 +254,19 @@ class DisaggEngine(DataParallelEngine):
         self._prompt_of[request_id] = ids
         self._work_of[request_id] = work
         self.requests_per_replica[target] += 1
+        if hops and stream_id is not None:
+            self._stream(request_id, self._hops[request_id], stream_id)
         return request_id
+
+    def _stream(self, rid: str, hop: _Hop, transfer_id: int) -> None:
+        """Have a decode replica read the prompt's blocks as its prefill replica computes
+        them: the read counts as begun now (nothing to grant: the blocks are listed in the
+        KV store as they are pinned)."""
+        decode = self._pick_decode()
+        hop.decode, hop.streamed, hop.transfer_id = decode, True, transfer_id
+        self._transfers[rid] = (hop.prefill, time.monotonic())
+        self._grant_keys[rid] = _Announced(transfer_id, hop.prefill, decode, seen=True)
+        self._tell_or_lose(decode, "stream", rid, hop.ids, hop.prefill, transfer_id)
 
     def _cached_decode(self, ids: list[int]) -> int | None:
         """A live decode replica that already holds most of this prompt, if one does."""
@@ -276,7 +308,8 @@ class DisaggEngine(DataParallelEngine):
             return False
         hop = self._hops.pop(request_id, None)
         self._done(request_id)
-        targets = {owner} | ({hop.prefill} if hop is not None else set())
+        targets = {owner} | ({hop.prefill} if hop is not None else set()) \
+            | ({hop.decode} if hop is not None and hop.decode is not None else set())
         for index in targets:
             if index in self.down:
                 continue
@@ -327,8 +360,14 @@ class DisaggEngine(DataParallelEngine):
             if hop is not None and hop.decode is not None:
                 self._tell_or_lose(hop.decode, "denied", rid, why)
                 return self._transfer_failed(rid, hop, str(why))
+        elif kind == "stream_refused":  # the import comes as for any prompt
+            if hop is not None and hop.stage == PREFILL:
+                self._end_transfer(rid)
+                hop.streamed, hop.decode = False, None
+            elif hop is None:  # (aborted: its abort's reply ends the read)
+                self._end_transfer(rid)
         elif kind == "imported":
-            nbytes, wire_s, admit_s = args
+            nbytes, wire_s, admit_s, *early = args
             if rid not in self._transfers and hop is not None:  # nothing was read:
                 self._tell_or_lose(hop.prefill, "abort", rid)  # the lease just goes
             start = self._end_transfer(rid)
@@ -337,6 +376,7 @@ class DisaggEngine(DataParallelEngine):
                 # loop, busy with a prefill step, got around to reading the reply
                 self.transfers.observe(int(nbytes), hop.import_sent_at - start
                                        + float(admit_s), float(wire_s))
+                self.transfers.bytes_streamed += int(early[0]) if early else 0
             if hop is not None:
                 hop.stage = "decode"
         elif kind == "import_failed":
@@ -358,13 +398,17 @@ class DisaggEngine(DataParallelEngine):
         prefill replica is told to export and announces its grant in the KV store, where
         the decode replica looks (a refusal still comes through here)."""
         assert hop.first is not None and hop.held_blocks is not None
-        target = self._pick_decode()
+        streamed = hop.streamed and rid in self._grant_keys  # (its decode replica is live)
+        target = hop.decode if streamed and hop.decode is not None else self._pick_decode()
         self._move(rid, hop.prefill, target)
         hop.decode, hop.stage = target, "held"
-        transfer_id = next(self._transfer_ids)
+        transfer_id = hop.transfer_id if streamed else next(self._transfer_ids)
         if not self._pushes:  # (counted as granted at import when the grant comes here)
             hop.announced = True
-            self._grant_keys[rid] = _Announced(transfer_id, hop.prefill, target)
+            if streamed:  # the grant of the rest is still to come
+                self._grant_keys[rid].seen = False
+            else:
+                self._grant_keys[rid] = _Announced(transfer_id, hop.prefill, target)
             self._transfers[rid] = (hop.prefill, hop.held_at)
             self._tell_or_lose(hop.prefill, "export", rid, transfer_id, 0, target, True)
             if hop.prefill in self.down:  # lost on the way: the hop failed over
@@ -460,6 +504,8 @@ class DisaggEngine(DataParallelEngine):
                 if hop.held_blocks is not None:
                     self._import(rid, hop)
                 return replace(out, finished=False, finish_reason=None)
+            if hop.streamed and hop.decode is not None:  # its blocks are read no more
+                self._tell_or_lose(hop.decode, "abort", rid)
             return out  # stopped at its first token (or failed): the end of it
         if hop.first is None or out.replica != hop.decode:
             return None
@@ -492,6 +538,14 @@ class DisaggEngine(DataParallelEngine):
             if read.prefill == index:  # it announces nothing more; what it did, goes
                 self._grant_keys.pop(rid, None)
                 self._forget_grant(read.transfer_id)
+        for rid, hop in self._hops.items():  # prompts read as they are computed
+            if not hop.streamed or hop.stage != PREFILL:
+                continue
+            if hop.decode == index:  # another decode replica imports it when it is done
+                hop.streamed, hop.decode = False, None
+            elif hop.prefill == index and hop.decode is not None:
+                self._tell_or_lose(hop.decode, "denied", rid, f"prefill replica {index} "
+                                   "was lost")
         super()._lose(index, reason)
         for rid in [rid for rid in self._hops if rid not in self._owner]:
             del self._hops[rid]

@@ -48,6 +48,13 @@ class DisaggConfig:
     to read them; unread after that, they are freed (counted) and a later read fails."""
     transfer_timeout_s: float = 30.0
     """Longest one KV transfer may take before it fails."""
+    stream_kv: bool = True
+    """With a pulling connector (nixl): the decode replica is chosen as the prompt is sent
+    to its prefill replica, takes its blocks at once and reads each of the prompt's blocks
+    as soon as a prefill step has computed it, so only the last chunk's blocks are left to
+    move after the first token. false, or a pushing connector (torch), or a prefill replica
+    whose steps do not end in order (pp > 1, async scheduling): every block moves once the
+    prompt is done."""
     on_failure: str = "fail"
     """A request whose KV cannot be moved (lease expired, transfer failed): fail it with an
     error, or recompute (prefill it again on the decode replica)."""

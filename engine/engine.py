@@ -235,6 +235,16 @@ class Engine:
         block = self._kept_tails.pop(request_id, None)
         return [] if block is None else [block]
 
+    def prompt_blocks_computed(self, request_id: str) -> list[int]:
+        """The request's full prompt blocks whose KV every launched step has written (a step
+        still in flight counts), in order; [] for a request not here."""
+        seq_id = self._by_request_id.get(request_id)
+        if seq_id is None:
+            return []
+        seq = self._requests[seq_id].seq
+        n = min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.config.engine.block_size
+        return list(seq.block_table[:n])
+
     def give_prompt_tail(self, request_id: str, block: int) -> None:
         """Hand a request not yet admitted a block the caller holds with the KV of its
         prompt's tokens after the last full block, all but the last token: its admission

@@ -97,13 +97,39 @@ class KVPeers:
             return grant_announced(self.store, transfer_id)
 
 
+    # A streamed prompt's blocks: the prefill replica lists the ones computed so far
+    # (pinned until the read ends), the decode replica reads what is new.
+
+    def publish_ready(self, transfer_id: int, blocks: Sequence[int]) -> None:
+        with self._lock:
+            self.store.set(_ready_key(transfer_id), json.dumps(list(blocks)))
+
+    def ready(self, transfer_id: int) -> list[int]:
+        """The blocks of a streamed prompt its prefill replica has computed so far."""
+        with self._lock:
+            if not blocks_listed(self.store, transfer_id):
+                return []
+            return json.loads(self.store.get(_ready_key(transfer_id)))
+
+
 def _grant_key(transfer_id: int) -> str:
     return f"meshserve-kv/granted/{transfer_id}"
 
 
+def _ready_key(transfer_id: int) -> str:
+    return f"meshserve-kv/ready/{transfer_id}"
+
+
 def forget_grant(store: dist.Store, transfer_id: int) -> None:
-    """The front: nobody will look for this read's announced grant again."""
+    """The front: nobody will look for this read's announced grant (or, for a streamed
+    prompt, its list of computed blocks) again."""
     store.delete_key(_grant_key(transfer_id))
+    store.delete_key(_ready_key(transfer_id))
+
+
+def blocks_listed(store: dist.Store, transfer_id: int) -> bool:
+    """Whether a streamed prompt's computed blocks are (still) listed in the KV store."""
+    return store.check([_ready_key(transfer_id)])
 
 
 def grant_announced(store: dist.Store, transfer_id: int) -> bool:

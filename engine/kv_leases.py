@@ -64,6 +64,11 @@ class KVLeases:
         _expect(request_id not in self._leases, f"request {request_id!r} already holds a KV lease")
         self._leases[request_id] = _Lease(tuple(blocks), now + self.lease_s)
 
+    def reading(self, request_id: str) -> bool:
+        """Whether a read of the request's blocks is in flight."""
+        lease = self._leases.get(request_id)
+        return lease is not None and lease.reading
+
     def begin_read(self, request_id: str, now: float) -> tuple[int, ...]:
         """The blocks to read; they stay held until `end_read`, whatever the clock says."""
         lease = self._leases.get(request_id)

@@ -18,6 +18,16 @@ when the thread is done the blocks enter its prefix cache and the request (its p
 plus the first token) is admitted, a prefix hit for all but its last block. An abort at
 any point frees what the request holds on this side, once no thread still uses it.
 
+A streamed prompt (disagg.stream_kv, a pulling connector) is read as it is computed: its
+decode replica is told ("stream") as it is sent to its prefill replica. After each step
+the prefill replica pins the prompt's newly computed blocks and lists them in the KV
+store, where the decode replica looks: at the first listed, it takes blocks for the
+prompt's full blocks (or refuses: nothing missing, or too little room left for its
+running sequences), then reads what is new, one part at a time. The import that follows
+the first token then moves only what is left (the last chunk's blocks and the tail). The
+prefill replica keeps those pins until the front says the read is done ("read_done"),
+whatever happens to the request meanwhile.
+
 Everything but the transfers themselves runs on the replica's main thread; the threads
 touch only pinned blocks and report through a queue.
 """
@@ -29,7 +39,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
@@ -61,7 +71,8 @@ Message = tuple[object, ...]
 FAULT_ENV = "MESHSERVE_KV_FAULT_DELAY"
 """Fault injection (tests): `want=S` holds a decode replica's ask for S seconds (a lease
 may lapse meanwhile), `pull=S` starts each transfer S seconds late (an abort may come
-while it is in flight); comma-separated."""
+while it is in flight), `list=S` has a prefill replica wait S seconds after it lists a
+streamed prompt's new blocks (a slow prefill, which the reads overlap); comma-separated."""
 
 
 def fault_delays() -> dict[str, float]:
@@ -70,9 +81,9 @@ def fault_delays() -> dict[str, float]:
     out: dict[str, float] = {}
     for item in filter(None, spec.split(",")):
         kind, _, seconds = item.partition("=")
-        if kind not in ("want", "pull"):
+        if kind not in ("want", "pull", "list"):
             raise ValueError(f"{FAULT_ENV}={spec!r}: unknown kind {kind!r}; allowed: "
-                             "want=S, pull=S")
+                             "want=S, pull=S, list=S")
         out[kind] = float(seconds)
     return out
 
@@ -83,11 +94,16 @@ def decode_params(params: SamplingParams) -> SamplingParams:
                    min_tokens=max(0, params.min_tokens - 1))
 
 
+STREAM_POLL_S = 0.005
+"""How often a decode replica looks for a streamed prompt's newly computed blocks."""
+
+
 @dataclass
 class _Import:
     imp: KVImport
     ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | None
+    """None until a streamed prompt's import comes, with its first token."""
     arrival: float
     src: int
     src_blocks: list[int]
@@ -98,6 +114,49 @@ class _Import:
     """Whether the grant comes through the KV store rather than from the front."""
     running: bool = False
     aborted: bool = False
+    streamed: bool = False
+    """Begun as its prompt's prefill started: parts are read while `final` is False."""
+    final: bool = True
+    """Whether the import itself has come (the first token, and the blocks left)."""
+    pulled: int = 0
+    """Fresh blocks (`imp.blocks`) written so far by the streamed parts."""
+    pulling: int = 0
+    """`pulled` once the part in flight has landed."""
+    error: str | None = None
+    """A streamed part failed: the import fails when it comes."""
+    nbytes: int = 0
+    wire_s: float = 0.0
+    early_bytes: int = 0
+    """Bytes read before the import came (while the prompt was still computed)."""
+    next_look: float = 0.0
+
+
+@dataclass
+class _Planned:
+    """A prompt this decode replica reads as it is computed, once its first block is."""
+
+    ids: list[int]
+    src: int
+    transfer_id: int
+    next_look: float = 0.0
+
+
+STREAM_RESERVE = 0.05
+"""Share of a decode replica's blocks a streamed prompt must leave free (its running
+sequences grow into them)."""
+
+
+@dataclass
+class _Stream:
+    """A prompt prefilled here whose blocks its decode replica reads as they are computed."""
+
+    transfer_id: int
+    pinned: list[int] = field(default_factory=list)
+    """The blocks listed so far, pinned until the read is done."""
+    counts: list[int] = field(default_factory=list)
+    """Computed-block counts seen after the latest steps (the newest last)."""
+    open: bool = True
+    """Whether its prompt is still being computed here."""
 
 
 def kv_role(engine: Engine, run: Run, index: int, store: dist.Store,
@@ -162,22 +221,39 @@ class KVRole:
         self._delays = fault_delays()
         self._held_back: list[tuple[float, Message]] = []
         """Replies FAULT_ENV holds back, with when they go."""
+        self._streams: dict[str, _Stream] = {}
+        self._planned: dict[str, _Planned] = {}
+        self._reserve = max(1, int(self.bm.num_blocks * STREAM_RESERVE))
+        self._lag = 2 if engine.async_scheduling else 0
+        """Steps a count of computed blocks waits before it is listed: with a step launched
+        before the last one is resolved, a block counted may still be being written."""
 
     # --- the front's commands ------------------------------------------------------------
 
     def command(self, kind: str, args: tuple[object, ...]) -> list[Message]:
         """Handle one of the front's disaggregation messages; the replies."""
         if kind == "prefill":
-            ids, params, rid, arrival = args
+            ids, params, rid, arrival, *stream = args
             self.engine.add_request(ids, params, rid, arrival)  # type: ignore[arg-type]
             self.engine.keep_prompt_tail(rid)  # type: ignore[arg-type]
             self._prefills[rid] = list(ids)  # type: ignore[index, arg-type]
+            if stream and stream[0] is not None and self.bm.sliding_window is None:
+                self._streams[rid] = _Stream(int(stream[0]))  # type: ignore[index, call-overload]
+            return []
+        if kind == "stream":
+            rid, ids, src, transfer_id = args
+            plan = _Planned(list(ids), int(src), int(transfer_id))  # type: ignore[call-overload, arg-type]
+            self._planned[str(rid)] = plan
             return []
         if kind == "export":
             return self._export(*args)  # type: ignore[arg-type]
         if kind == "read_done":
             (rid,) = args
-            if rid in self.leases and rid not in self._sending:
+            stream = self._streams.pop(rid, None)  # type: ignore[call-overload]
+            if stream is not None:
+                self.bm.unpin(stream.pinned)
+            # (a stream may end before its lease's read begins: the lease stays)
+            if self.leases.reading(rid) and rid not in self._sending:  # type: ignore[arg-type]
                 self._end_read(rid)  # type: ignore[arg-type]
             return []
         if kind == "import":
@@ -188,6 +264,7 @@ class KVRole:
             return []
         if kind == "denied":
             rid, _why = args
+            self._planned.pop(rid, None)  # type: ignore[call-overload]
             self._drop_import(rid)  # type: ignore[arg-type]
             return []
         raise ValueError(f"unknown disaggregation message {kind!r}")
@@ -198,6 +275,10 @@ class KVRole:
         (its grant may have reached the front before the abort)."""
         self._prefills.pop(rid, None)
         self.bm.unpin(self.leases.abort(rid))
+        if rid in self._streams:  # its pins go when the read is done
+            self._streams[rid].open = False
+        if self._planned.pop(rid, None) is not None:
+            return [("import_failed", rid, "aborted")]
         dropped = self._drop_import(rid)
         return [("import_failed", rid, "aborted")] if dropped and dropped.announced else []
 
@@ -219,10 +300,13 @@ class KVRole:
         """Hold the KV of prompts prefilled here that finished for their length: every
         full block, then the block of the tokens after them (kept at the finish), so the
         decode replica computes only the first token's."""
+        self._list_computed()
         replies: list[Message] = []
         for out in outs:
             if not out.finished or out.request_id not in self._prefills:
                 continue
+            if out.request_id in self._streams:
+                self._streams[out.request_id].open = False
             ids = self._prefills.pop(out.request_id)
             tail = self.engine.take_prompt_tail(out.request_id)
             if out.finish_reason != "length":  # stopped at its first token: nothing to ship
@@ -253,10 +337,23 @@ class KVRole:
                 if rid in self.leases:
                     self._end_read(rid)
                 continue
+            if kind == "part":
+                replies += self._part_landed(rid, nbytes, seconds, error)
+                continue
             replies += self._finish_pull(rid, nbytes, seconds, error)
+        now = self.clock()
+        for rid, plan in list(self._planned.items()):
+            if now >= plan.next_look:
+                plan.next_look = now + STREAM_POLL_S
+                replies += self._begin_stream(rid, plan)
         for rid, job in list(self._imports.items()):
-            if job.announced and not job.running \
-                    and self.connector.peers.grant_announced(job.transfer_id):
+            if job.running:
+                continue
+            if not job.final:
+                if job.error is None and now >= job.next_look:
+                    job.next_look = now + STREAM_POLL_S
+                    self._pull_part(rid, job)
+            elif job.announced and self.connector.peers.grant_announced(job.transfer_id):
                 self._start_pull(rid)
         for rid, blocks in self.leases.expire(self.clock()):
             self.bm.unpin(blocks)
@@ -269,7 +366,8 @@ class KVRole:
     @property
     def busy(self) -> bool:
         """Whether a lease, an import or a transfer is outstanding here."""
-        return bool(len(self.leases) or self._imports or self._sending or self._held_back)
+        return bool(len(self.leases) or self._imports or self._sending or self._held_back
+                    or self._planned)
 
     @property
     def num_expired(self) -> int:
@@ -309,7 +407,78 @@ class KVRole:
     def _end_read(self, rid: str) -> None:
         self.bm.unpin(self.leases.end_read(rid))
 
+    def _list_computed(self) -> None:
+        """Pin and list in the KV store the streamed prompts' blocks computed since."""
+        for rid, stream in self._streams.items():
+            if not stream.open:
+                continue
+            blocks = self.engine.prompt_blocks_computed(rid)
+            stream.counts = (stream.counts + [len(blocks)])[-(self._lag + 1):]
+            n = min(stream.counts) if len(stream.counts) > self._lag else 0
+            if n <= len(stream.pinned):
+                continue
+            new = blocks[len(stream.pinned):n]  # (a preempted prompt's pinned blocks stay)
+            self.bm.pin(new)
+            stream.pinned += new
+            self.connector.peers.publish_ready(stream.transfer_id, stream.pinned)
+            time.sleep(self._delays.get("list", 0.0))
+
     # --- decode side ---------------------------------------------------------------------
+
+    def _begin_stream(self, rid: str, plan: _Planned) -> list[Message]:
+        """Once the prompt's first block is listed, take blocks for the full blocks this
+        side lacks and start reading (refused: nothing missing, or too little room left;
+        the import then comes as for any prompt)."""
+        ready = self.connector.peers.ready(plan.transfer_id)
+        if not ready:
+            return []
+        del self._planned[rid]
+        imp = self.bm.begin_import(plan.ids + [0])  # (a stand-in first token)
+        if imp is not None and (not imp.blocks or self.bm.num_free_blocks < self._reserve):
+            self.bm.finish_import(imp, written=False)
+            imp = None
+        if imp is None:
+            return [("stream_refused", rid)]
+        job = _Import(imp, plan.ids, None, 0.0, plan.src, [], plan.transfer_id,
+                      announced=True, streamed=True, final=False)
+        self._imports[rid] = job
+        self._pull_part(rid, job, ready)
+        return []
+
+    def _pull_part(self, rid: str, job: _Import, ready: list[int] | None = None) -> None:
+        """Read what is newly listed of a streamed prompt's blocks, in a thread."""
+        if ready is None:
+            ready = self.connector.peers.ready(job.transfer_id)
+        first = job.imp.first_block
+        end = min(len(ready), first + len(job.imp.blocks))
+        if end <= first + job.pulled:
+            return
+        src = ready[first + job.pulled:end]
+        dst = job.imp.blocks[job.pulled:end - first]
+        job.running, job.pulling = True, end - first
+        threading.Thread(target=self._read, args=("part", rid, job, src, dst),
+                         name=f"meshserve-kv-part-{rid}", daemon=True).start()
+
+    def _part_landed(self, rid: str, nbytes: int, seconds: float,
+                     error: str | None) -> list[Message]:
+        job = self._imports[rid]
+        job.running = False
+        if job.aborted:  # dropped meanwhile: its blocks go now
+            del self._imports[rid]
+            self.bm.finish_import(job.imp, written=False)
+            return [("import_failed", rid, "aborted")]
+        if error is not None:
+            job.error = error
+        else:
+            job.pulled = job.pulling
+            job.nbytes += nbytes
+            job.wire_s += seconds
+            if not job.final:
+                job.early_bytes += nbytes
+        if job.final:  # the import came while the part moved
+            return self._after_import(rid, job)
+        return []
+
 
     def _import(self, rid: str, ids: list[int], params: SamplingParams, arrival: float,
                 src: int, src_blocks: list[int], transfer_id: int,
@@ -320,6 +489,19 @@ class KVRole:
         says so)."""
         bs = self.bm.block_size
         num_full = min(len(src_blocks), (len(ids) - 1) // bs)
+        self._planned.pop(rid, None)  # (its prompt was done before a block was listed)
+        job = self._imports.get(rid)
+        if job is not None and job.streamed:
+            job.ids, job.params, job.arrival = ids, params, arrival
+            job.src_blocks, job.received, job.final = list(src_blocks), self.clock(), True
+            if num_full < job.imp.first_block + len(job.imp.blocks):
+                job.error = job.error or (f"prefill replica {src} holds {num_full} of the "
+                                          "prompt's full blocks; more were streamed")
+            elif len(src_blocks) > num_full and not self.bm.add_import_tail(job.imp):
+                job.src_blocks = job.src_blocks[:num_full]  # no room: the tail is computed
+            if granted:
+                job.announced = False
+            return [] if job.running else self._after_import(rid, job)
         shipped = ids[:num_full * bs + 1]  # the full blocks the prefill side holds, + 1 token
         imp = (self.bm.begin_import(shipped, tail=len(src_blocks) > num_full) if src_blocks
                else None)
@@ -341,24 +523,41 @@ class KVRole:
             return []
         return [want]
 
+    def _after_import(self, rid: str, job: _Import) -> list[Message]:
+        """A streamed prompt's import has come and no part is moving: fail it, or read what
+        is left once the read is granted (`poll` looks for an announced grant)."""
+        if job.error is not None:
+            del self._imports[rid]
+            self.bm.finish_import(job.imp, written=False)
+            self.num_failed += 1
+            return [("import_failed", rid, job.error)]
+        if not job.announced or self.connector.peers.grant_announced(job.transfer_id):
+            self._start_pull(rid)
+        return []
+
     def _start_pull(self, rid: str) -> None:
         job = self._imports.get(rid)
         if job is None or job.running:  # aborted meanwhile, or begun already
             return
         job.running = True
-        threading.Thread(target=self._pull, args=(rid, job), name=f"meshserve-kv-pull-{rid}",
-                         daemon=True).start()
+        imp, start = job.imp, job.imp.first_block + job.pulled
+        num_full = imp.first_block + len(imp.blocks)
+        src = job.src_blocks[start:num_full] + (
+            job.src_blocks[num_full:num_full + 1] if imp.tail is not None else [])
+        dst = imp.blocks[job.pulled:] + ([imp.tail] if imp.tail is not None else [])
+        threading.Thread(target=self._read, args=("pulled", rid, job, src, dst),
+                         name=f"meshserve-kv-pull-{rid}", daemon=True).start()
 
-    def _pull(self, rid: str, job: _Import) -> None:
+    def _read(self, kind: str, rid: str, job: _Import, src: list[int],
+              dst: list[int]) -> None:
         t0 = time.perf_counter()
         time.sleep(self._delays.get("pull", 0.0))
         try:
-            n = self.connector.pull(job.src, job.transfer_id,
-                                    job.src_blocks[job.imp.first_block:], job.imp.written)
+            n = self.connector.pull(job.src, job.transfer_id, src, dst)
         except Exception as e:  # noqa: BLE001 - reported on the main thread
-            self._results.put(("pulled", rid, 0, time.perf_counter() - t0, str(e)))
+            self._results.put((kind, rid, 0, time.perf_counter() - t0, str(e)))
             return
-        self._results.put(("pulled", rid, n, time.perf_counter() - t0, None))
+        self._results.put((kind, rid, n, time.perf_counter() - t0, None))
 
     def _finish_pull(self, rid: str, nbytes: int, seconds: float,
                      error: str | None) -> list[Message]:
@@ -370,8 +569,11 @@ class KVRole:
         if error is not None:
             self.num_failed += 1
             return [("import_failed", rid, error)]
+        nbytes, seconds = nbytes + job.nbytes, seconds + job.wire_s
         self.bytes_received += nbytes
+        assert job.params is not None
         self.engine.add_request(job.ids, job.params, rid, job.arrival)
         if tail is not None:
             self.engine.give_prompt_tail(rid, tail)
-        return [("imported", rid, nbytes, seconds, self.clock() - job.received)]
+        return [("imported", rid, nbytes, seconds, self.clock() - job.received,
+                 job.early_bytes)]

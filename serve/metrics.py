@@ -94,6 +94,8 @@ class _TransferCollector(Collector):
                 ("kv_transfers", "KV transfers from a prefill to a decode replica.",
                  t.num_transfers),
                 ("kv_transfer_bytes", "Bytes of KV moved between replicas.", t.bytes),
+                ("kv_transfer_bytes_streamed", "Of those, bytes read while their prompt "
+                 "was still being prefilled (disagg.stream_kv).", t.bytes_streamed),
                 ("kv_transfers_failed", "KV transfers that failed or were refused (the "
                  "request failed or was recomputed).", t.num_failed),
                 ("kv_leases_expired", "Prefill-side KV leases that lapsed unread "

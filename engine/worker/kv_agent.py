@@ -5,7 +5,8 @@ transfer in or out of a tp x pp replica is one transfer per rank. The driver's K
 decides (engine/kv_transfer.py); `FannedOut` runs the driver's own part in the calling
 thread and tells every other rank through the replica's store, then waits for all of
 them. A TCP store connection is not safe to share between threads that wait on it, so
-each transfer has a connection of its own. On every other rank a thread, `serve_kv`, waits for where the KV world is, makes
+each transfer takes a connection of its own from a pool (opening one per transfer costs
+a connect, at times seconds of it). On every other rank a thread, `serve_kv`, waits for where the KV world is, makes
 that rank's connector and runs each transfer it is told in a thread of its own, so
 transfers overlap there as on the driver. Steps never wait for it: a transfer touches
 only blocks the driver's block manager holds pinned for it.
@@ -17,7 +18,8 @@ import itertools
 import json
 import pickle
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -42,13 +44,33 @@ def _done_key(rank: int, seq: int) -> str:
     return f"meshserve-kv-rank/done/{rank}/{seq}"
 
 
+class StorePool:
+    """Client connections to one store, each used by one thread at a time."""
+
+    def __init__(self, open_store: Callable[[], dist.Store]) -> None:
+        self.open_store = open_store
+        self._idle: list[dist.Store] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def connection(self) -> Iterator[dist.Store]:
+        with self._lock:
+            store = self._idle.pop() if self._idle else None
+        if store is None:
+            store = self.open_store()
+        yield store
+        with self._lock:
+            self._idle.append(store)
+
+
 class FannedOut(KVConnector):
     """The driver's connector, with every transfer also run by the replica's other ranks."""
 
     def __init__(self, own: KVConnector, open_store: Callable[[], dist.Store],
                  num_ranks: int) -> None:
-        self.own, self.open_store, self.num_ranks = own, open_store, num_ranks
+        self.own, self.num_ranks = own, num_ranks
         self.store = open_store()  # (for the commands, under the lock)
+        self._waits = StorePool(open_store)
         self.name, self.pushes = own.name, own.pushes
         self.me, self.replica, self.cache, self.peers = own.me, own.replica, own.cache, own.peers
         self.timeout_s = own.timeout_s
@@ -66,20 +88,21 @@ class FannedOut(KVConnector):
             for r in range(1, self.num_ranks):
                 self.store.set(_cmd_key(r, seq), pickle.dumps((kind, args)))
         total = mine()
-        store = self.open_store()
-        for r in range(1, self.num_ranks):
-            key = _done_key(r, seq)
-            try:
-                store.wait([key], timedelta(seconds=self.timeout_s))
-            except RuntimeError:
-                raise RuntimeError(f"rank {r} of replica {self.replica} did not finish its "
-                                   f"part of a KV transfer within disagg.transfer_timeout_s="
-                                   f"{self.timeout_s} s") from None
-            nbytes, error = json.loads(store.get(key))
-            store.delete_key(key)
-            if error is not None:
-                raise RuntimeError(f"rank {r} of replica {self.replica}: {error}")
-            total += nbytes
+        with self._waits.connection() as store:
+            for r in range(1, self.num_ranks):
+                key = _done_key(r, seq)
+                try:
+                    store.wait([key], timedelta(seconds=self.timeout_s))
+                except RuntimeError:
+                    raise RuntimeError(f"rank {r} of replica {self.replica} did not finish "
+                                       "its part of a KV transfer within "
+                                       f"disagg.transfer_timeout_s={self.timeout_s} s"
+                                       ) from None
+                nbytes, error = json.loads(store.get(key))
+                store.delete_key(key)
+                if error is not None:
+                    raise RuntimeError(f"rank {r} of replica {self.replica}: {error}")
+                total += nbytes
         return total
 
     def send(self, dst: int, transfer_id: int, blocks: Sequence[int]) -> int:
@@ -123,6 +146,7 @@ def serve_kv(open_store: Callable[[], dist.Store], rank: int, first_layer: int,
                    tp_rank, tp, num_kv_heads)
     connector = make_connector(info["connector"], me, replica, cache, peers,
                                float(info["timeout_s"]))
+    results = StorePool(open_store)
     for seq in itertools.count():
         key = _cmd_key(rank, seq)
         while True:
@@ -137,18 +161,19 @@ def serve_kv(open_store: Callable[[], dist.Store], rank: int, first_layer: int,
         if kind == "stop":
             connector.close()
             return
-        threading.Thread(target=_run, args=(open_store, rank, seq, connector, kind, args),
+        threading.Thread(target=_run, args=(results, rank, seq, connector, kind, args),
                          name=f"meshserve-kv-{kind}-{seq}", daemon=True).start()
 
 
-def _run(open_store: Callable[[], dist.Store], rank: int, seq: int, connector: KVConnector,
-         kind: str, args: tuple[object, ...]) -> None:
+def _run(results: StorePool, rank: int, seq: int, connector: KVConnector, kind: str,
+         args: tuple[object, ...]) -> None:
     try:
         n = connector.send(*args) if kind == "send" else connector.pull(*args)  # type: ignore[arg-type]
         result = (n, None)
     except Exception as e:  # noqa: BLE001 - reported to the driver
         result = (0, f"{type(e).__name__}: {e}")
-    open_store().set(_done_key(rank, seq), json.dumps(result))
+    with results.connection() as store:
+        store.set(_done_key(rank, seq), json.dumps(result))
 
 
 def start_kv_thread(replica_store: StoreAddress, rank: int, first_layer: int, num_layers: int,

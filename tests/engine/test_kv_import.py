@@ -145,3 +145,38 @@ def test_imports_pin_then_return_every_block(prompts: list[list[int]], written: 
     bm.unpin(kept)
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == num_blocks
     bm.check_invariants()
+
+
+def test_a_streamed_import_takes_its_tail_at_the_end_or_goes_without() -> None:
+    bm = BlockManager(5, BS)
+    imp = bm.begin_import(list(range(12)) + [0])  # 3 full blocks; the tail not yet known
+    assert imp is not None and imp.tail is None and bm.num_used_blocks == 3
+    assert bm.add_import_tail(imp) and imp.tail is not None and bm.num_used_blocks == 4
+    other = bm.begin_import(list(range(100, 104)) + [0])  # the last free block
+    assert other is not None and bm.num_free_blocks == 0
+    assert not bm.add_import_tail(other)  # none left: its tail tokens are computed
+    bm.finish_import(other, written=False)
+    bm.finish_import(imp, written=False)
+    assert bm.num_used_blocks == 0
+    bm.check_invariants()
+
+
+def test_pinned_blocks_of_a_finished_prompt_outlive_it_until_unpinned() -> None:
+    """A prompt's blocks read while it is computed stay put when it is freed (finished,
+    preempted, aborted) until the read ends."""
+    bm = BlockManager(8, BS)
+    seq = _seq(list(range(10)))
+    _run(bm, seq)
+    read = seq.block_table[:2]
+    bm.pin(read)
+    bm.free(seq)
+    assert bm.num_used_blocks == 2 and bm.num_free_blocks == 6
+    other = _seq(list(range(50, 74)), seq_id=1)  # wants every free block
+    assert bm.admit(other, [], 24)
+    assert not set(other.block_table) & set(read)
+    bm.free(other)
+    bm.unpin(read)
+    assert bm.num_used_blocks == 0
+    with pytest.raises(AssertionError, match="not in use"):
+        bm.pin([read[0]])
+    bm.check_invariants()

@@ -13,8 +13,9 @@ from meshserve.engine.kv_leases import KVLeases, LeaseExpired
 def test_a_read_frees_the_blocks_at_its_end() -> None:
     leases = KVLeases(lease_s=5.0)
     leases.hold("a", [3, 4], now=0.0)
+    assert not leases.reading("a") and not leases.reading("b")
     assert leases.begin_read("a", now=1.0) == (3, 4)
-    assert leases.in_flight() == {3, 4}
+    assert leases.reading("a") and leases.in_flight() == {3, 4}
     assert leases.expire(now=100.0) == []  # a read in flight never lapses
     assert leases.end_read("a") == (3, 4)
     assert len(leases) == 0 and leases.in_flight() == set()
