@@ -6,13 +6,12 @@ block held on either side; a lapsed lease fails the request (or is recomputed)."
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
+from helpers.disagg import kill_replica, run_until
 
 from meshserve import LLM, SamplingParams
 from meshserve.engine.disagg import DisaggEngine
@@ -241,23 +240,11 @@ def test_an_abort_of_an_announced_read_frees_both_sides(make_checkpoint, prompts
         llm.shutdown()
 
 
-def run_until(engine: DisaggEngine, done: Callable[[list[RequestOutput]], bool],
-              timeout_s: float = 60.0) -> list[RequestOutput]:
-    outs: list[RequestOutput] = []
-    deadline = time.monotonic() + timeout_s
-    while not done(outs):
-        assert time.monotonic() < deadline, "timed out"
-        outs += engine.step()
-    return outs
-
-
 def kill_and_finish(engine: DisaggEngine, index: int, outs: list[RequestOutput]
                     ) -> dict[str, RequestOutput]:
     """SIGKILL replica `index`, run every request to its end (within 30 s of the kill);
     the finished outputs so far and since, by request id."""
-    victim = engine._remotes[index]
-    assert victim.index == index and victim.proc is not None
-    os.kill(victim.proc.pid, signal.SIGKILL)
+    kill_replica(engine, index)
     t0 = time.monotonic()
     outs = outs + run_until(engine, lambda o: not engine.has_unfinished(), 60.0)
     assert time.monotonic() - t0 < 30

@@ -8,18 +8,15 @@ the KV store."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
-from collections.abc import Callable
 
 import pytest
+from helpers.disagg import kill_replica, run_until
 
 from meshserve import LLM, SamplingParams
 from meshserve.engine.disagg import DisaggEngine
 from meshserve.engine.kv_connector import KVPeers, blocks_listed, grant_announced
 from meshserve.engine.kv_transfer import FAULT_ENV
-from meshserve.engine.outputs import RequestOutput
 from meshserve.parallel.comm.nixl_kv import nixl_available
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not nixl_available(),
@@ -28,6 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not nixl_available(),
 STREAMED = ["parallel=single", "threads=1", "engine.block_size=8", "disagg=manual",
             "disagg.min_prefill_tokens=16", "disagg.connector=nixl",
             "engine.max_num_batched_tokens=8"]
+KILLABLE = ["parallel.timeout_s=5", "disagg.transfer_timeout_s=5"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 BLOCK_BYTES = 2 * 2 * 8 * 2 * 16 * 4  # layers x K/V x block x kv heads x head dim x fp32
 
@@ -40,16 +38,6 @@ def slow_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
 def streamed_llm(path: str, *extra: str, min_replicas: int | None = None) -> LLM:
     return LLM(path, overrides=STREAMED + list(extra), progress=False,
                min_replicas=min_replicas)
-
-
-def run_until(engine: DisaggEngine, done: Callable[[list[RequestOutput]], bool],
-              timeout_s: float = 60.0) -> list[RequestOutput]:
-    outs: list[RequestOutput] = []
-    deadline = time.monotonic() + timeout_s
-    while not done(outs):
-        assert time.monotonic() < deadline, "timed out"
-        outs += engine.step()
-    return outs
 
 
 def assert_all_freed(engine: DisaggEngine, within_s: float = 15.0) -> None:
@@ -140,20 +128,13 @@ def test_an_abort_or_a_stop_while_streaming_frees_both_sides(make_checkpoint, pr
         llm.shutdown()
 
 
-def kill(engine: DisaggEngine, index: int) -> None:
-    victim = engine._remotes[index]
-    assert victim.index == index and victim.proc is not None
-    os.kill(victim.proc.pid, signal.SIGKILL)
-
-
 @pytest.mark.usefixtures("slow_prefill")
 def test_a_decode_replica_killed_while_it_streams_leaves_the_prompt_to_the_other(
         make_checkpoint, prompts, expected) -> None:
     """1P+2D: the decode replica reading a prompt as it is computed is killed; the prompt
     goes to the other decode replica once its first token is out, with transformers'
     tokens, and the prefill replica's pins go."""
-    llm = streamed_llm(str(make_checkpoint("llama")), "disagg.decode.replicas=2",
-                       "parallel.timeout_s=5", "disagg.transfer_timeout_s=5",
+    llm = streamed_llm(str(make_checkpoint("llama")), "disagg.decode.replicas=2", *KILLABLE,
                        min_replicas=2)
     try:
         engine = llm.engine
@@ -164,7 +145,7 @@ def test_a_decode_replica_killed_while_it_streams_leaves_the_prompt_to_the_other
         assert hop.streamed and hop.decode in (1, 2)
         victim = hop.decode
         time.sleep(0.2)
-        kill(engine, victim)
+        kill_replica(engine, victim)
         outs = run_until(engine, lambda _: not engine.has_unfinished())
         (out,) = [o for o in outs if o.finished]
         assert out.finish_reason == "length" and out.token_ids == expected[i64]
@@ -180,8 +161,7 @@ def test_a_prefill_replica_killed_while_it_streams_fails_its_prompt_and_frees_th
     """2P+1D: prefill replica 1 is killed while its prompt is read as it is computed; the
     request ends in an error naming it, the decode replica frees what it took, and a
     prompt on replica 0 keeps transformers' tokens."""
-    llm = streamed_llm(str(make_checkpoint("llama")), "disagg.prefill.replicas=2",
-                       "parallel.timeout_s=5", "disagg.transfer_timeout_s=5",
+    llm = streamed_llm(str(make_checkpoint("llama")), "disagg.prefill.replicas=2", *KILLABLE,
                        min_replicas=2)
     try:
         engine = llm.engine
@@ -192,7 +172,7 @@ def test_a_prefill_replica_killed_while_it_streams_fails_its_prompt_and_frees_th
         on_1 = {r for r in ids if engine._hops[r].prefill == 1}
         assert on_1 and len(on_1) < len(ids)
         time.sleep(0.2)
-        kill(engine, 1)
+        kill_replica(engine, 1)
         outs = run_until(engine, lambda _: not engine.has_unfinished())
         finished = {o.request_id: o for o in outs if o.finished}
         assert set(finished) == set(ids)
