@@ -12,9 +12,10 @@ process at each rate, on the bench's `tiny` model, every layout on the same two 
 The SLOs are arguments, fixed before the run. Prints per rate and layout: goodput (requests
 per second meeting both SLOs), TTFT, TPOT and inter-token latency p50/p99 (as the caller
 receives the tokens), throughput; for 1P+1D the KV moved
-(bytes, bytes/s, transfer time p50) and how the transfer compares with TTFT (the first
-token comes from the prefill replica, so the transfer delays the second token, not the
-first); and the ratios of 1P+1D to the best colocated layout at that rate (the most
+(bytes, the share read while the prompt was still computed, bytes/s, transfer time p50,
+the gap between the first and the second token) and how the transfer compares with TTFT
+(the first token comes from the prefill replica, so the transfer delays the second
+token, not the first); and the ratios of 1P+1D to the best colocated layout at that rate (the most
 requests within both SLOs, then the lowest TPOT p99). Before the run,
 the planner's predicted goodput of 1P+1D, dp=2 and tp=2 on the `--cluster` preset for the
 workload's mean prompt and output; each row then has the prediction at its rate (goodput
@@ -176,7 +177,7 @@ def search_capacity(name: str, base: list[str], args: argparse.Namespace, arch: 
                     0, arch.vocab_size, (len(r.prompt_token_ids),), generator=gen).tolist())
                 for r in reqs] if trial else reqs
 
-    extra = ([f"disagg.connector={args.connector}",
+    extra = ([f"disagg.connector={args.connector}", f"disagg.stream_kv={args.stream_kv}",
               f"engine.max_num_batched_tokens={args.prefill_step_tokens}"]
              if name == "1P+1D" else [])
     runner = MeshserveRunner(load_runtime_config([*base, *LAYOUTS[name], *extra]), name=name)
@@ -225,6 +226,17 @@ def best_colocated(rows: dict[str, dict[str, Any]]) -> str:
     return max(rows, key=lambda n: (rows[n]["num_within_slo"], -rows[n]["tpot_p99_ms"]))
 
 
+def handoff_gaps(records: list[Any]) -> dict[str, float]:
+    """p50 and p99 of the wait between each request's first token (the prefill replica's)
+    and its second (the decode replica's, once the KV has moved), in ms."""
+    gaps = sorted(r.itl[0] for r in records if r.itl)
+    if not gaps:
+        return {}
+    return {"handoff_gap_p50_ms": round(statistics.median(gaps) * 1e3, 1),
+            "handoff_gap_p99_ms": round(gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+                                        * 1e3, 1)}
+
+
 def since(now: TransferStats, before: TransferStats) -> TransferStats:
     """The KV transfers counted after `before` was taken (the measured run's alone)."""
     def minus(a: object, b: object) -> object:
@@ -247,6 +259,9 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--connector", default="auto", choices=["auto", "nixl", "torch"])
+    ap.add_argument("--stream-kv", default="true", choices=["true", "false"],
+                    help="1P+1D's disagg.stream_kv: read each prompt's blocks as they are "
+                         "computed (a pulling connector), or all after its first token")
     ap.add_argument("--prefill-step-tokens", type=int, default=None,
                     help="1P+1D's engine.max_num_batched_tokens (default: the engine's, as "
                          "the colocated layouts run)")
@@ -304,7 +319,7 @@ def main() -> None:
         names = args.layouts if i % 2 == 0 else list(reversed(args.layouts))
         rows = {}
         for name in names:
-            extra = ([f"disagg.connector={args.connector}",
+            extra = ([f"disagg.connector={args.connector}", f"disagg.stream_kv={args.stream_kv}",
                       f"engine.max_num_batched_tokens={args.prefill_step_tokens}"]
                      if name == "1P+1D" else [])
             runner = MeshserveRunner(load_runtime_config([*base, *LAYOUTS[name], *extra]),
@@ -336,11 +351,14 @@ def main() -> None:
                 secs = list(transfers.recent)
                 row["kv"] = {"transfers": transfers.num_transfers,
                              "failed": transfers.num_failed, "bytes": transfers.bytes,
+                             "streamed_share": round(transfers.bytes_streamed
+                                                     / max(transfers.bytes, 1), 3),
                              "wire_bytes_per_s": round(transfers.bytes
                                                        / max(transfers.wire_seconds_sum, 1e-9)),
                              "handoff_bytes_per_s": round(transfers.bytes
                                                           / transfers.seconds_sum),
                              "transfer_p50_ms": round(statistics.median(secs) * 1e3, 1),
+                             **handoff_gaps(res.records),
                              "transfer_over_ttft_p50": round(
                                  statistics.median(secs) / s["ttft_s"]["p50"], 3)}
             if name in planned:  # goodput cannot exceed the offered rate
