@@ -53,6 +53,7 @@ from meshserve.bench.harness import MeshserveRunner
 from meshserve.bench.layout_check import load_cluster
 from meshserve.bench.metrics import summarize
 from meshserve.engine.disagg import DisaggEngine, TransferStats
+from meshserve.engine.kv_connector import resolve_connector
 from meshserve.engine.runtime_config import load_runtime_config
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.planner.cluster import ClusterConfig
@@ -93,10 +94,12 @@ def bench_shape(arch: ModelArch, kv_dtype: str, weight_dtype: str = "auto") -> M
 
 def predicted_goodput(arch: ModelArch, reqs: list, ttft_ms: float, tpot_ms: float,
                       cluster: ClusterConfig, prefill_step_tokens: int,
-                      kv_dtype: str = "auto", weight_dtype: str = "auto") -> dict[str, float]:
+                      kv_dtype: str = "auto", weight_dtype: str = "auto",
+                      streamed: bool = False) -> dict[str, float]:
     """The planner's goodput (req/s) of each planned layout on `cluster`, for the workload's
     mean prompt and output and the bench's SLOs; no prefix is shared. Steps carry what the
-    layouts' engines do: the split's `prefill_step_tokens`, the colocated engine's default."""
+    layouts' engines do: the split's `prefill_step_tokens`, the colocated engine's default;
+    `streamed`: the split reads each prompt's KV as it is computed."""
     config = load_runtime_config()
     prompt = round(statistics.mean(len(r.prompt_token_ids) for r in reqs))
     output = round(statistics.mean(r.max_new_tokens for r in reqs))
@@ -104,7 +107,8 @@ def predicted_goodput(arch: ModelArch, reqs: list, ttft_ms: float, tpot_ms: floa
                        prompt_len=prompt, output_len=output, shared_prefix_fraction=0.0,
                        ttft_slo_ms=ttft_ms, tpot_slo_ms=tpot_ms, max_batch=len(reqs))
     shape = bench_shape(arch, kv_dtype, weight_dtype)
-    split = replace(options_for(config), max_num_batched_tokens=prefill_step_tokens)
+    split = replace(options_for(config), max_num_batched_tokens=prefill_step_tokens,
+                    streamed_hop=streamed)
     colocated = replace(split, max_num_batched_tokens=config.engine.step_token_cap)
     out = {}
     for name, degrees in PLANNED.items():
@@ -126,7 +130,7 @@ class Simulated:
 
     def __init__(self, arch: ModelArch, reqs: list, ttft_ms: float, tpot_ms: float,
                  cluster: ClusterConfig, prefill_step_tokens: int, kv_dtype: str = "auto",
-                 weight_dtype: str = "auto") -> None:
+                 weight_dtype: str = "auto", streamed: bool = False) -> None:
         config = load_runtime_config()
         self.shape = bench_shape(arch, kv_dtype, weight_dtype)
         self.cluster = cluster
@@ -135,7 +139,8 @@ class Simulated:
             prompt_len=max(len(r.prompt_token_ids) for r in reqs),
             output_len=max(r.max_new_tokens for r in reqs), max_batch=len(reqs),
             ttft_slo_ms=ttft_ms, tpot_slo_ms=tpot_ms)
-        self.options = replace(options_for(config), max_num_batched_tokens=prefill_step_tokens)
+        self.options = replace(options_for(config), max_num_batched_tokens=prefill_step_tokens,
+                               streamed_hop=streamed)
         self.budget = config.engine.step_token_cap
         self.prefill_step_tokens = prefill_step_tokens
 
@@ -183,7 +188,7 @@ def search_capacity(name: str, base: list[str], args: argparse.Namespace, arch: 
     runner = MeshserveRunner(load_runtime_config([*base, *LAYOUTS[name], *extra]), name=name)
     sims = Simulated(arch, at(1.0), args.ttft_ms, args.tpot_ms, cluster,
                      args.prefill_step_tokens, args.kv_cache_dtype,
-                     args.cpu_weight_dtype)
+                     args.cpu_weight_dtype, streams(args))
     trials: list[dict[str, Any]] = []
     guess = predicted or 0.5
     try:
@@ -224,6 +229,11 @@ def best_colocated(rows: dict[str, dict[str, Any]]) -> str:
     then the lowest TPOT p99. (Goodputs of layouts that serve the same requests differ
     only by when their last request ended.)"""
     return max(rows, key=lambda n: (rows[n]["num_within_slo"], -rows[n]["tpot_p99_ms"]))
+
+
+def streams(args: argparse.Namespace) -> bool:
+    """Whether the split the bench starts reads prompts' KV as it is computed."""
+    return args.stream_kv == "true" and resolve_connector(args.connector) == "nixl"
 
 
 def handoff_gaps(records: list[Any]) -> dict[str, float]:
@@ -302,7 +312,7 @@ def main() -> None:
                if args.profile_requests > 0 else None)
     planned = predicted_goodput(arch, reqs, args.ttft_ms, args.tpot_ms, cluster,
                                 args.prefill_step_tokens, args.kv_cache_dtype,
-                                args.cpu_weight_dtype)
+                                args.cpu_weight_dtype, streams(args))
     print(json.dumps({"predicted_goodput_req_s": {n: round(g, 4) for n, g in planned.items()},
                       "cluster": cluster.name, "cluster_source": cluster.source}), flush=True)
     if args.capacity:
@@ -315,7 +325,7 @@ def main() -> None:
                                  num_requests=args.num_requests)
         sims = Simulated(arch, reqs, args.ttft_ms, args.tpot_ms, cluster,
                          args.prefill_step_tokens, args.kv_cache_dtype,
-                         args.cpu_weight_dtype)
+                         args.cpu_weight_dtype, streams(args))
         names = args.layouts if i % 2 == 0 else list(reversed(args.layouts))
         rows = {}
         for name in names:

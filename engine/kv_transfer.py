@@ -479,7 +479,6 @@ class KVRole:
             return self._after_import(rid, job)
         return []
 
-
     def _import(self, rid: str, ids: list[int], params: SamplingParams, arrival: float,
                 src: int, src_blocks: list[int], transfer_id: int,
                 granted: bool = False, announced: bool = False) -> list[Message]:

@@ -12,7 +12,9 @@ The figures, for the scenario's typical request (prompt p, output o):
     replica.
   - KV hop: the prompt's KV bytes over the link the two replicas share (NVLink or shared
     memory inside a node, InfiniBand across nodes when the replicas span nodes), every rank
-    moving its own piece at once; it delays the second token, so it is spread over TPOT.
+    moving its own piece at once; what is left of it after the first token (all of it, or
+    with the prompt read as it is computed only its last prefill step's share) delays the
+    second token, so it is spread over TPOT.
   - decode replica: decode-only steps at batch b (no prefill between them): TPOT = the step
     + the hop / (o - 1).
 Goodput is the highest arrival rate at which ATTAINMENT of the requests meet both SLOs
@@ -35,6 +37,7 @@ from meshserve.parallel.planner.layout_sim import (
     capacity_disagg,
     hop_bytes_s,
     hop_link,
+    hop_tokens,
     scenario_requests,
     simulate_colocated,
     simulate_disagg,
@@ -90,7 +93,8 @@ class SplitCandidate:
     kv_bytes: float = 0.0
     """Prompt KV one request moves (its cached prefix is not sent)."""
     transfer_ms: float = 0.0
-    """The hop of one request's KV."""
+    """The hop of one request's KV after its first token (with the prompt read as it is
+    computed, its last prefill step's share)."""
     prefill_capacity_req_s: float = 0.0
     """Requests/s the prefill replicas carry within the TTFT SLO."""
     decode_capacity_req_s: float = 0.0
@@ -125,11 +129,17 @@ def kv_link(prefill: Phase, decode: Phase, cluster: ClusterConfig) -> str:
 
 
 def hop_s(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig, prefill: Phase,
-          decode: Phase, link: str) -> tuple[float, float]:
-    """(bytes, seconds) of one request's KV hop: every rank pair moves its piece at once, so
-    the bytes spread over as many links as the smaller side has ranks."""
-    return hop_bytes_s(shape, cluster, link, scenario.prompt_len - cached_tokens(scenario),
-                       min(prefill.tp * prefill.pp, decode.tp * decode.pp))
+          decode: Phase, link: str, step_tokens: int | None = None) -> tuple[float, float]:
+    """(bytes, seconds after the first token) of one request's KV hop: every rank pair
+    moves its piece at once, so the bytes spread over as many links as the smaller side has
+    ranks. With `step_tokens` (the prompt read as its prefill steps of that many tokens
+    compute it; a pipelined prefill side streams nothing) only the last step's KV is left
+    to move after the first token; the bytes are all of it."""
+    tokens = scenario.prompt_len - cached_tokens(scenario)
+    lanes = min(prefill.tp * prefill.pp, decode.tp * decode.pp)
+    nbytes = hop_bytes_s(shape, cluster, link, tokens, lanes)[0]
+    left = hop_tokens(tokens, step_tokens if prefill.pp == 1 else None)
+    return nbytes, hop_bytes_s(shape, cluster, link, left, lanes)[1]
 
 
 def predict_split(prefill_cost: CostModel, decode_cost: CostModel, scenario: ScenarioConfig,
@@ -215,7 +225,8 @@ def evaluate_split(shape: ModelShape, cluster: ClusterConfig, scenario: Scenario
             return replace(cand, rejected=f"{side}: {phase.sizing.warning}")
     assert pre_cost is not None and dec_cost is not None
     link = kv_link(pre, dec, cluster)
-    nbytes, transfer = hop_s(shape, cluster, scenario, pre, dec, link)
+    nbytes, transfer = hop_s(shape, cluster, scenario, pre, dec, link,
+                             options.max_num_batched_tokens if options.streamed_hop else None)
     pred, pre_cap, dec_cap = predict_split(pre_cost, dec_cost, scenario, pre, dec, transfer)
     return replace(cand, link=link, kv_bytes=nbytes, transfer_ms=transfer * 1e3,
                    prefill_capacity_req_s=pre_cap, decode_capacity_req_s=dec_cap,
@@ -282,8 +293,9 @@ def describe(c: SplitCandidate, scenario: ScenarioConfig) -> str:
     return (f"{c.degrees}: goodput {p.goodput_req_s:.3g} req/s (prefill side "
             f"{c.prefill_capacity_req_s:.3g}, decode side {c.decode_capacity_req_s:.3g}: "
             f"bound by {c.bound_by}); TTFT {p.ttft_ms:.1f} ms, TPOT {p.tpot_ms:.2f} ms at "
-            f"batch {p.batch}; KV hop {c.kv_bytes / 1e6:.3g} MB in {c.transfer_ms:.2f} ms "
-            f"over the {'in-node' if c.link == 'intra' else 'cross-node'} link")
+            f"batch {p.batch}; KV hop {c.kv_bytes / 1e6:.3g} MB over the "
+            f"{'in-node' if c.link == 'intra' else 'cross-node'} link, {c.transfer_ms:.2f} ms "
+            "of it after the first token")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -106,13 +106,25 @@ def hop_bytes_s(shape: ModelShape, cluster: ClusterConfig, link: str, tokens: fl
     return nbytes, p2p_s(nbytes / lanes, *link_figures(cluster, link))
 
 
-def kv_hop(shape: ModelShape, cluster: ClusterConfig, prefill: Replicas, decode: Replicas
-           ) -> Callable[[SimRequest], float]:
-    """Seconds a request's uncached prompt KV takes from a prefill replica to a decode one,
-    as many rank pairs as the smaller side has ranks moving a piece each."""
+def hop_tokens(tokens: int, step_tokens: int | None) -> int:
+    """Of a prompt's `tokens` uncached tokens, those whose KV moves after its first token:
+    all, or, read as its prefill steps of `step_tokens` compute it, the last step's."""
+    if step_tokens is None or tokens <= 0:
+        return tokens
+    return tokens - step_tokens * ((tokens - 1) // step_tokens)
+
+
+def kv_hop(shape: ModelShape, cluster: ClusterConfig, prefill: Replicas, decode: Replicas,
+           streamed: bool = False) -> Callable[[SimRequest], float]:
+    """Seconds a request's uncached prompt KV takes from a prefill replica to a decode one
+    after its first token, as many rank pairs as the smaller side has ranks moving a piece
+    each; `streamed`: only its last prefill step's (a pipelined prefill side streams
+    nothing)."""
     link = hop_link(prefill.ranks * prefill.count + decode.ranks * decode.count, cluster)
     lanes = min(prefill.ranks, decode.ranks)
-    return lambda r: hop_bytes_s(shape, cluster, link, r.prompt - r.cached, lanes)[1]
+    step = prefill.budget if streamed and prefill.pp == 1 else None
+    return lambda r: hop_bytes_s(shape, cluster, link, hop_tokens(r.prompt - r.cached, step),
+                                 lanes)[1]
 
 
 MAX_SEQS = 256
@@ -184,7 +196,7 @@ def simulate_disagg(shape: ModelShape, cluster: ClusterConfig, scenario: Scenari
         return None
     pre, dec = sides
     res = simulate_split(requests, step_time(pre.cost, scale), step_time(dec.cost, scale),
-                         hop_s=kv_hop(shape, cluster, prefill, decode),
+                         hop_s=kv_hop(shape, cluster, prefill, decode, options.streamed_hop),
                          prefill_replicas=prefill.count, decode_replicas=decode.count,
                          prefill_budget=prefill.budget, decode_budget=decode.budget,
                          max_seqs=dec.max_seqs, prefill_max_seqs=pre.max_seqs)

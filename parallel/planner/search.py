@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from meshserve.parallel.comm.mesh import divisors
+from meshserve.parallel.comm.nixl_kv import nixl_available
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.cost_model import CostModel, StageTime, StepWork
 from meshserve.parallel.planner.model_shape import ArchLike, ModelShape
@@ -70,6 +71,10 @@ class PlannerOptions:
     simulate: bool = False
     """disagg=auto under a goodput objective: rank the finalists by simulated goodput
     (disagg_search.simulated_goodput) instead of the closed forms (plan.simulate)."""
+    streamed_hop: bool = False
+    """A split's decode replica reads each prompt's KV as its prefill steps compute it
+    (disagg.stream_kv over NIXL, prefill pp = 1): only the last step's blocks move after
+    the first token."""
 
     def __post_init__(self) -> None:
         require(0 < self.memory_utilization <= 1, "plan.memory_utilization",
@@ -352,7 +357,17 @@ def options_for(config: RunLike) -> PlannerOptions:
     return PlannerOptions(memory_utilization=config.engine.gpu_memory_utilization,
                           max_num_batched_tokens=config.engine.step_token_cap,
                           num_micro_batches=config.parallel.num_micro_batches,
-                          split_lm_head=config.parallel.split_lm_head)
+                          split_lm_head=config.parallel.split_lm_head,
+                          streamed_hop=streams_kv(config))
+
+
+def streams_kv(config: RunLike) -> bool:
+    """Whether a split of this run reads prompts' KV as it is computed: disagg.stream_kv
+    with a pulling connector (nixl, or auto where it is installed)."""
+    d = getattr(config, "disagg", None)
+    if d is None or not d.stream_kv:
+        return False
+    return d.connector == "nixl" or (d.connector == "auto" and nixl_available())
 
 
 def is_auto(config: RunLike) -> bool:

@@ -64,8 +64,9 @@ def assert_all_freed(engine: DisaggEngine, within_s: float = 15.0) -> None:
 
 @pytest.mark.usefixtures("slow_prefill")
 @pytest.mark.parametrize("side", [(), ("disagg.prefill.tp=2",), ("disagg.decode.tp=2",),
+                                  ("engine.async_scheduling=true",),
                                   ("disagg.stream_kv=false",)],
-                         ids=["1P+1D", "prefill-tp2", "decode-tp2", "off"])
+                         ids=["1P+1D", "prefill-tp2", "decode-tp2", "async", "off"])
 def test_streamed_prompts_equal_transformers_and_move_each_block_once(
         make_checkpoint, prompts, expected, side: tuple[str, ...]) -> None:
     llm = streamed_llm(str(make_checkpoint("llama")), *side)

@@ -15,6 +15,9 @@ from meshserve.launch.plan import model_shape
 from meshserve.parallel.planner.layout_sim import (
     Replicas,
     capacity_colocated,
+    hop_bytes_s,
+    hop_link,
+    hop_tokens,
     kv_hop,
     profile_scale,
     scenario_requests,
@@ -67,6 +70,32 @@ def test_the_hop_takes_the_inter_node_link_once_the_split_leaves_the_node() -> N
     part = kv_hop(shape, cluster, Replicas(), Replicas())(r)
     pairs = kv_hop(shape, cluster, Replicas(tp=2), Replicas(tp=2))(r)
     assert part < whole and pairs < part
+
+
+@given(st.integers(0, 10_000), st.integers(1, 4096))
+def test_a_streamed_prompt_leaves_only_its_last_step_for_after_the_first_token(
+        tokens: int, step: int) -> None:
+    left = hop_tokens(tokens, step)
+    assert hop_tokens(tokens, None) == tokens
+    if tokens == 0:
+        assert left == 0
+        return
+    assert 1 <= left <= min(tokens, step)
+    assert (tokens - left) % step == 0  # whole steps went before it
+
+
+def test_a_streamed_hop_prices_the_last_steps_kv_and_a_pipelined_prefill_streams_none(
+        ) -> None:
+    shape, cluster, _, _ = setup("model=llama-3-8b")
+    r = SimRequest(0.0, 3000, 64, cached=500)  # 2,500 to move: steps of 1,024, 1,024, 452
+    link = hop_link(2, cluster)
+    streamed = kv_hop(shape, cluster, Replicas(budget=1024), Replicas(), streamed=True)(r)
+    assert streamed == hop_bytes_s(shape, cluster, link, 452, 1)[1]
+    whole = kv_hop(shape, cluster, Replicas(budget=1024), Replicas())(r)
+    assert whole == hop_bytes_s(shape, cluster, link, 2500, 1)[1] > streamed
+    piped = Replicas(pp=2, budget=1024)
+    assert kv_hop(shape, cluster, piped, Replicas(), streamed=True)(r) \
+        == kv_hop(shape, cluster, piped, Replicas())(r)
 
 
 def test_a_split_answers_first_from_the_prefill_side_and_decodes_after_the_hop() -> None:
