@@ -59,19 +59,22 @@ class KVPeers:
         self.store, self.sizes = store, list(sizes)
         self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         self._ranks: dict[int, list[RankKV]] = {}
-        self._lock = threading.Lock()  # transfer threads share the store connection
+        self.lock = threading.Lock()
+        """Held by every call on `store`: the main thread and the transfer threads share
+        its one connection, whose replies would cross otherwise."""
 
     @property
     def world(self) -> int:
         return sum(self.sizes)
 
     def publish(self, me: RankKV) -> None:
-        self.store.set(f"meshserve-kv/rank/{me.rank}", json.dumps(
-            {"layers": list(me.layers), "heads": list(me.heads)}))
+        with self.lock:
+            self.store.set(f"meshserve-kv/rank/{me.rank}", json.dumps(
+                {"layers": list(me.layers), "heads": list(me.heads)}))
 
     def ranks(self, replica: int) -> list[RankKV]:
         """Replica `replica`'s ranks (waiting for them to publish, at first)."""
-        with self._lock:
+        with self.lock:
             return self._ranks_of(replica)
 
     def _ranks_of(self, replica: int) -> list[RankKV]:
@@ -89,27 +92,31 @@ class KVPeers:
     # looks for it, so neither waits for the front to relay it.
 
     def announce_grant(self, transfer_id: int) -> None:
-        with self._lock:
+        with self.lock:
             self.store.set(_grant_key(transfer_id), b"1")
 
     def grant_announced(self, transfer_id: int) -> bool:
-        with self._lock:
+        with self.lock:
             return grant_announced(self.store, transfer_id)
-
 
     # A streamed prompt's blocks: the prefill replica lists the ones computed so far
     # (pinned until the read ends), the decode replica reads what is new.
 
     def publish_ready(self, transfer_id: int, blocks: Sequence[int]) -> None:
-        with self._lock:
+        with self.lock:
             self.store.set(_ready_key(transfer_id), json.dumps(list(blocks)))
 
     def ready(self, transfer_id: int) -> list[int]:
-        """The blocks of a streamed prompt its prefill replica has computed so far."""
-        with self._lock:
-            if not blocks_listed(self.store, transfer_id):
-                return []
-            return json.loads(self.store.get(_ready_key(transfer_id)))
+        """The blocks of a streamed prompt its prefill replica has computed so far (none
+        listed, or the listing already gone: []). One read that never waits: a get would
+        wait for a key the front deletes meanwhile."""
+        with self.lock:
+            value = self.store.compare_set(_ready_key(transfer_id), _ABSENT, _ABSENT)
+        return [] if value == _ABSENT else json.loads(value)
+
+
+_ABSENT = b"\x00"
+"""compare_set's answer for a key not in the store (it sets nothing then)."""
 
 
 def _grant_key(transfer_id: int) -> str:
@@ -246,7 +253,8 @@ class NixlKVConnector(KVConnector):
     def __init__(self, me: RankKV, replica: int, cache: KVCache, peers: KVPeers,
                  timeout_s: float) -> None:
         super().__init__(me, replica, cache, peers, timeout_s)
-        self.nixl = NixlKV(f"kv{me.rank}", cache, peers.store, timeout_s)
+        # (the store connection is the peers', so its calls take their lock)
+        self.nixl = NixlKV(f"kv{me.rank}", cache, peers.store, timeout_s, peers.lock)
         self._lock = threading.Lock()  # one NIXL call at a time from this process
 
     def pull(self, src: int, transfer_id: int, src_blocks: Sequence[int],

@@ -107,11 +107,14 @@ class NixlKV:
     collects the notifications. Every agent call holds one lock."""
 
     def __init__(self, name: str, cache: Cache, store: dist.Store,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, store_lock: threading.Lock | None = None) -> None:
+        """`store_lock`: taken around every call on `store` (a connection other threads
+        use too)."""
         _quiet_and_safe()
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name, self.store, self.timeout_s = name, store, timeout_s
+        self._store_lock = store_lock or threading.Lock()
         self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False,
                                                         backends=["UCX"]))
         self.layout = CacheLayout.of(cache)
@@ -121,8 +124,9 @@ class NixlKV:
         self._notifs: set[tuple[str, bytes]] = set()
         self._stopped = threading.Event()
         self.bytes_read = 0
-        store.set(f"nixl/{name}/meta", self.agent.get_agent_metadata())
-        store.set(f"nixl/{name}/layout", json.dumps(self.layout.__dict__))
+        with self._store_lock:
+            store.set(f"nixl/{name}/meta", self.agent.get_agent_metadata())
+            store.set(f"nixl/{name}/layout", json.dumps(self.layout.__dict__))
         self._pump_thread = threading.Thread(target=self._pump, name=f"meshserve-nixl-{name}",
                                              daemon=True)
         self._pump_thread.start()
@@ -138,10 +142,12 @@ class NixlKV:
 
     def _peer(self, name: str) -> CacheLayout:
         if name not in self._peers:
-            self.store.wait([f"nixl/{name}/meta", f"nixl/{name}/layout"])
+            with self._store_lock:
+                self.store.wait([f"nixl/{name}/meta", f"nixl/{name}/layout"])
+                meta = self.store.get(f"nixl/{name}/meta")
+                fields = json.loads(self.store.get(f"nixl/{name}/layout"))
             with self._lock:
-                self.agent.add_remote_agent(self.store.get(f"nixl/{name}/meta"))
-            fields = json.loads(self.store.get(f"nixl/{name}/layout"))
+                self.agent.add_remote_agent(meta)
             layout = CacheLayout(**{**fields, "bases": tuple(fields["bases"])})
             if (layout.head_bytes, layout.block_bytes // layout.row_bytes) != (
                     self.layout.head_bytes, self.layout.block_bytes // self.layout.row_bytes):

@@ -8,15 +8,18 @@ the KV store."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
+import torch
 from helpers.disagg import kill_replica, run_until
 
 from meshserve import LLM, SamplingParams
 from meshserve.engine.disagg import DisaggEngine
 from meshserve.engine.kv_connector import KVPeers, blocks_listed, grant_announced
 from meshserve.engine.kv_transfer import FAULT_ENV
+from meshserve.engine.outputs import RequestOutput
 from meshserve.parallel.comm.nixl_kv import nixl_available
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not nixl_available(),
@@ -215,6 +218,53 @@ def test_a_decode_replica_short_of_room_refuses_the_stream(make_checkpoint, prom
         assert finished[first].token_ids[:12] == expected[i64]
         assert len(finished[first].token_ids) == 85
         assert finished[second].token_ids == expected[i57]
+        assert_all_freed(engine)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_many_streamed_prompts_with_random_aborts_keep_their_tokens(make_checkpoint,
+                                                                    seed: int) -> None:
+    """1P+2D, 40 prompts of 10-120 tokens, steps of 8-24 tokens, 64 blocks a replica, about
+    a fifth aborted at random points: every other request has a colocated run's greedy
+    tokens, and nothing is left read, pinned or listed."""
+    path = str(make_checkpoint("llama"))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 320, (rng.randint(10, 120),), generator=gen).tolist()
+               for _ in range(40)]
+    params = [SamplingParams(max_tokens=rng.randint(2, 20), temperature=0.0, ignore_eos=True)
+              for _ in prompts]
+    ref = LLM(path, overrides=["parallel=single", "threads=1", "engine.block_size=8"],
+              progress=False)
+    try:
+        want = [o.token_ids for o in ref.generate(prompts, params)]
+    finally:
+        ref.shutdown()
+    llm = streamed_llm(path, "disagg.decode.replicas=2", "engine.num_gpu_blocks=64",
+                       f"engine.max_num_batched_tokens={rng.choice([8, 16, 24])}")
+    try:
+        engine = llm.engine
+        assert isinstance(engine, DisaggEngine)
+        ids: dict[str, int] = {}
+        aborted: set[str] = set()
+        outs: list[RequestOutput] = []
+        for i, p in enumerate(prompts):
+            ids[engine.add_request(p, params[i])] = i
+            for _ in range(rng.randint(0, 3)):
+                outs += engine.step()
+            live = [r for r in ids if r not in aborted and r in engine._owner]
+            if live and rng.random() < 0.2:
+                victim = rng.choice(live)
+                engine.abort(victim)
+                aborted.add(victim)
+        outs += run_until(engine, lambda _: not engine.has_unfinished(), 120.0)
+        finished = {o.request_id: o for o in outs if o.finished}
+        for rid, i in ids.items():
+            if rid not in aborted:
+                assert finished[rid].token_ids == want[i], rid
+        assert aborted and engine.transfers.bytes_streamed > 0
         assert_all_freed(engine)
     finally:
         llm.shutdown()
