@@ -235,15 +235,16 @@ class Engine:
         block = self._kept_tails.pop(request_id, None)
         return [] if block is None else [block]
 
-    def prompt_blocks_computed(self, request_id: str) -> list[int]:
-        """The request's full prompt blocks whose KV every launched step has written (a step
-        still in flight counts), in order; [] for a request not here."""
+    def prompt_blocks_computed(self, request_id: str) -> tuple[list[int], int]:
+        """The request's full prompt blocks that launched steps compute (a step still in
+        flight counts), in order, and how often it was preempted; ([], 0) for a request not
+        here."""
         seq_id = self._by_request_id.get(request_id)
         if seq_id is None:
-            return []
+            return [], 0
         seq = self._requests[seq_id].seq
         n = min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.config.engine.block_size
-        return list(seq.block_table[:n])
+        return list(seq.block_table[:n]), seq.num_preemptions
 
     def give_prompt_tail(self, request_id: str, block: int) -> None:
         """Hand a request not yet admitted a block the caller holds with the KV of its

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import torch
 import torch.distributed as dist
 
 from meshserve.engine.block_manager import KVImport
@@ -153,10 +154,22 @@ class _Stream:
     transfer_id: int
     pinned: list[int] = field(default_factory=list)
     """The blocks listed so far, pinned until the read is done."""
-    counts: list[int] = field(default_factory=list)
-    """Computed-block counts seen after the latest steps (the newest last)."""
+    seen: list[tuple[int, _Mark]] = field(default_factory=list)
+    """Computed-block counts seen after steps whose writes may not have ended yet, oldest
+    first, each with what says they have."""
     open: bool = True
-    """Whether its prompt is still being computed here."""
+    """Whether its prompt is still being computed here (and was never preempted: its
+    blocks may change then, so the rest moves after the first token)."""
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """When blocks counted after a step are surely written: `lag` steps later on a CPU
+    (with a step launched before the last resolved, the one counted may still run), and
+    once `event` (recorded after what is queued on the GPU) has completed."""
+
+    step: int
+    event: torch.cuda.Event | None
 
 
 def kv_role(engine: Engine, run: Run, index: int, store: dist.Store,
@@ -224,9 +237,9 @@ class KVRole:
         self._streams: dict[str, _Stream] = {}
         self._planned: dict[str, _Planned] = {}
         self._reserve = max(1, int(self.bm.num_blocks * STREAM_RESERVE))
-        self._lag = 2 if engine.async_scheduling else 0
-        """Steps a count of computed blocks waits before it is listed: with a step launched
-        before the last one is resolved, a block counted may still be being written."""
+        self._cuda = engine.device.type == "cuda"
+        self._lag = 2 if engine.async_scheduling and not self._cuda else 0
+        self._steps = 0
 
     # --- the front's commands ------------------------------------------------------------
 
@@ -408,20 +421,37 @@ class KVRole:
         self.bm.unpin(self.leases.end_read(rid))
 
     def _list_computed(self) -> None:
-        """Pin and list in the KV store the streamed prompts' blocks computed since."""
+        """Pin and list in the KV store the streamed prompts' blocks written since. A
+        prompt's block table only grows until it is preempted, so a count seen after one
+        step is a prefix of its blocks after any later one."""
+        self._steps += 1
+        mark = None
         for rid, stream in self._streams.items():
             if not stream.open:
                 continue
-            blocks = self.engine.prompt_blocks_computed(rid)
-            stream.counts = (stream.counts + [len(blocks)])[-(self._lag + 1):]
-            n = min(stream.counts) if len(stream.counts) > self._lag else 0
+            blocks, preempted = self.engine.prompt_blocks_computed(rid)
+            if preempted:  # what it listed stays pinned; the rest moves after its end
+                stream.open = False
+                continue
+            if mark is None:
+                mark = _Mark(self._steps, torch.cuda.Event() if self._cuda else None)
+                if mark.event is not None:
+                    mark.event.record()
+            stream.seen.append((len(blocks), mark))
+            n = 0
+            while stream.seen and self._written(stream.seen[0][1]):
+                n = stream.seen.pop(0)[0]
             if n <= len(stream.pinned):
                 continue
-            new = blocks[len(stream.pinned):n]  # (a preempted prompt's pinned blocks stay)
+            new = blocks[len(stream.pinned):n]
             self.bm.pin(new)
             stream.pinned += new
             self.connector.peers.publish_ready(stream.transfer_id, stream.pinned)
             time.sleep(self._delays.get("list", 0.0))
+
+    def _written(self, mark: _Mark) -> bool:
+        return self._steps - mark.step >= self._lag and (
+            mark.event is None or mark.event.query())
 
     # --- decode side ---------------------------------------------------------------------
 
