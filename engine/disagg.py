@@ -19,10 +19,9 @@ the prefill replica computes them (engine/kv_transfer.py), so the import after t
 token moves only the rest. The read counts as begun from then on: whatever ends it (the
 import, an abort, a refusal, a lost replica), the prefill replica is told "read_done".
 
-Short
-prompts, prompts a decode replica mostly caches, and requests whose later tokens depend
-on the first one's state (structured outputs, presence and frequency penalties) prefill
-on a decode replica and never hop.
+Short prompts, prompts a decode replica mostly caches, and requests whose later tokens
+depend on the first one's state (structured outputs, presence and frequency penalties)
+prefill on a decode replica and never hop.
 
 A request whose KV cannot be moved fails with an error output, or with
 disagg.on_failure=recompute is prefilled again on its decode replica. An abort reaches
@@ -538,7 +537,7 @@ class DisaggEngine(DataParallelEngine):
             if read.prefill == index:  # it announces nothing more; what it did, goes
                 self._grant_keys.pop(rid, None)
                 self._forget_grant(read.transfer_id)
-        for rid, hop in self._hops.items():  # prompts read as they are computed
+        for rid, hop in list(self._hops.items()):  # prompts read as they are computed
             if not hop.streamed or hop.stage != PREFILL:
                 continue
             if hop.decode == index:  # another decode replica imports it when it is done

@@ -6,9 +6,9 @@ decides (engine/kv_transfer.py); `FannedOut` runs the driver's own part in the c
 thread and tells every other rank through the replica's store, then waits for all of
 them. A TCP store connection is not safe to share between threads that wait on it, so
 each transfer takes a connection of its own from a pool (opening one per transfer costs
-a connect, at times seconds of it). On every other rank a thread, `serve_kv`, waits for where the KV world is, makes
-that rank's connector and runs each transfer it is told in a thread of its own, so
-transfers overlap there as on the driver. Steps never wait for it: a transfer touches
+a connect, at times seconds of it). On every other rank a thread, `serve_kv`, waits for
+where the KV world is, makes that rank's connector and runs each transfer it is told in
+a thread of its own, so transfers overlap there as on the driver. Steps never wait for it: a transfer touches
 only blocks the driver's block manager holds pinned for it.
 """
 
