@@ -224,6 +224,7 @@ class DisaggEngine(DataParallelEngine):
         ids, params, request_id, arrival, work = self._admission(prompt, params, request_id,
                                                                  arrival_time)
         stream_id: int | None = None
+        stream: tuple[int, int] | None = None
         while True:  # a replica found lost on the way gets no request
             cached = self._cached_decode(ids)
             hops = (len(ids) >= self.disagg.min_prefill_tokens and _may_hop(params)
@@ -231,9 +232,10 @@ class DisaggEngine(DataParallelEngine):
             if hops:
                 target = self.prefill_router.pick(ids, work)  # counts the work there
                 first = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-                if self._stream_kv and stream_id is None:
-                    stream_id = next(self._transfer_ids)
-                msg: tuple[Any, ...] = ("prefill", ids, first, request_id, arrival, stream_id)
+                if self._stream_kv:  # the decode replica that will read it as it is computed
+                    stream_id = stream_id or next(self._transfer_ids)
+                    stream = (stream_id, self._pick_decode())
+                msg: tuple[Any, ...] = ("prefill", ids, first, request_id, arrival, stream)
             else:
                 target = cached if cached is not None else self._pick_decode()
                 self.router.load[target] += work
@@ -253,15 +255,14 @@ class DisaggEngine(DataParallelEngine):
         self._prompt_of[request_id] = ids
         self._work_of[request_id] = work
         self.requests_per_replica[target] += 1
-        if hops and stream_id is not None:
-            self._stream(request_id, self._hops[request_id], stream_id)
+        if hops and stream is not None:
+            self._stream(request_id, self._hops[request_id], *stream)
         return request_id
 
-    def _stream(self, rid: str, hop: _Hop, transfer_id: int) -> None:
-        """Have a decode replica read the prompt's blocks as its prefill replica computes
-        them: the read counts as begun now (nothing to grant: the blocks are listed in the
-        KV store as they are pinned)."""
-        decode = self._pick_decode()
+    def _stream(self, rid: str, hop: _Hop, transfer_id: int, decode: int) -> None:
+        """Have decode replica `decode` read the prompt's blocks as its prefill replica
+        computes them: the read counts as begun now (nothing to grant: the blocks are
+        listed in the KV store as they are pinned)."""
         hop.decode, hop.streamed, hop.transfer_id = decode, True, transfer_id
         self._transfers[rid] = (hop.prefill, time.monotonic())
         self._grant_keys[rid] = _Announced(transfer_id, hop.prefill, decode, seen=True)

@@ -99,20 +99,23 @@ class KVPeers:
         with self.lock:
             return grant_announced(self.store, transfer_id)
 
-    # A streamed prompt's blocks: the prefill replica lists the ones computed so far
-    # (pinned until the read ends), the decode replica reads what is new.
+    # Streamed prompts' blocks: a prefill replica lists, for each decode replica, the
+    # blocks of every prompt it streams there computed so far (pinned until the read
+    # ends), under one key, so a decode replica reads one key per prefill replica however
+    # many prompts it waits on.
 
-    def publish_ready(self, transfer_id: int, blocks: Sequence[int]) -> None:
+    def publish_listed(self, src: int, dst: int, listed: dict[int, list[int]]) -> None:
+        """Prefill replica `src`: what it lists for decode replica `dst`, by transfer id."""
         with self.lock:
-            self.store.set(_ready_key(transfer_id), json.dumps(list(blocks)))
+            self.store.set(_listed_key(src, dst), json.dumps(listed))
 
-    def ready(self, transfer_id: int) -> list[int]:
-        """The blocks of a streamed prompt its prefill replica has computed so far (none
-        listed, or the listing already gone: []). One read that never waits: a get would
-        wait for a key the front deletes meanwhile."""
+    def listed(self, src: int, dst: int) -> dict[int, list[int]]:
+        """What prefill replica `src` lists for decode replica `dst`: the blocks computed
+        so far of each prompt it streams there, by transfer id. One read that never waits
+        (a get would wait for a key not yet set)."""
         with self.lock:
-            value = self.store.compare_set(_ready_key(transfer_id), _ABSENT, _ABSENT)
-        return [] if value == _ABSENT else json.loads(value)
+            value = self.store.compare_set(_listed_key(src, dst), _ABSENT, _ABSENT)
+        return {} if value == _ABSENT else {int(k): v for k, v in json.loads(value).items()}
 
 
 _ABSENT = b"\x00"
@@ -123,20 +126,20 @@ def _grant_key(transfer_id: int) -> str:
     return f"meshserve-kv/granted/{transfer_id}"
 
 
-def _ready_key(transfer_id: int) -> str:
-    return f"meshserve-kv/ready/{transfer_id}"
+def _listed_key(src: int, dst: int) -> str:
+    return f"meshserve-kv/listed/{src}/{dst}"
 
 
 def forget_grant(store: dist.Store, transfer_id: int) -> None:
-    """The front: nobody will look for this read's announced grant (or, for a streamed
-    prompt, its list of computed blocks) again."""
+    """The front: nobody will look for this read's announced grant again."""
     store.delete_key(_grant_key(transfer_id))
-    store.delete_key(_ready_key(transfer_id))
 
 
-def blocks_listed(store: dist.Store, transfer_id: int) -> bool:
-    """Whether a streamed prompt's computed blocks are (still) listed in the KV store."""
-    return store.check([_ready_key(transfer_id)])
+def listed_blocks(store: dist.Store, src: int, dst: int) -> dict[str, list[int]]:
+    """What prefill replica `src` lists for decode replica `dst` now ({}: nothing)."""
+    if not store.check([_listed_key(src, dst)]):
+        return {}
+    return json.loads(store.get(_listed_key(src, dst)))
 
 
 def grant_announced(store: dist.Store, transfer_id: int) -> bool:

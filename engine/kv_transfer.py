@@ -96,7 +96,7 @@ def decode_params(params: SamplingParams) -> SamplingParams:
 
 
 STREAM_POLL_S = 0.005
-"""How often a decode replica looks for a streamed prompt's newly computed blocks."""
+"""How often a decode replica looks for streamed prompts' newly computed blocks."""
 
 
 @dataclass
@@ -129,7 +129,6 @@ class _Import:
     wire_s: float = 0.0
     early_bytes: int = 0
     """Bytes read before the import came (while the prompt was still computed)."""
-    next_look: float = 0.0
 
 
 @dataclass
@@ -139,7 +138,6 @@ class _Planned:
     ids: list[int]
     src: int
     transfer_id: int
-    next_look: float = 0.0
 
 
 STREAM_RESERVE = 0.05
@@ -152,6 +150,8 @@ class _Stream:
     """A prompt prefilled here whose blocks its decode replica reads as they are computed."""
 
     transfer_id: int
+    decode: int
+    """The decode replica reading it."""
     pinned: list[int] = field(default_factory=list)
     """The blocks listed so far, pinned until the read is done."""
     seen: list[tuple[int, _Mark]] = field(default_factory=list)
@@ -240,6 +240,7 @@ class KVRole:
         self._cuda = engine.device.type == "cuda"
         self._lag = 2 if engine.async_scheduling and not self._cuda else 0
         self._steps = 0
+        self._next_look = 0.0
 
     # --- the front's commands ------------------------------------------------------------
 
@@ -251,7 +252,8 @@ class KVRole:
             self.engine.keep_prompt_tail(rid)  # type: ignore[arg-type]
             self._prefills[rid] = list(ids)  # type: ignore[index, arg-type]
             if stream and stream[0] is not None and self.bm.sliding_window is None:
-                self._streams[rid] = _Stream(int(stream[0]))  # type: ignore[index, call-overload]
+                transfer_id, decode = stream[0]  # type: ignore[misc]
+                self._streams[rid] = _Stream(int(transfer_id), int(decode))  # type: ignore[index]
             return []
         if kind == "stream":
             rid, ids, src, transfer_id = args
@@ -265,6 +267,8 @@ class KVRole:
             stream = self._streams.pop(rid, None)  # type: ignore[call-overload]
             if stream is not None:
                 self.bm.unpin(stream.pinned)
+                if stream.pinned:
+                    self._publish_listed({stream.decode})
             # (a stream may end before its lease's read begins: the lease stays)
             if self.leases.reading(rid) and rid not in self._sending:  # type: ignore[arg-type]
                 self._end_read(rid)  # type: ignore[arg-type]
@@ -355,17 +359,17 @@ class KVRole:
                 continue
             replies += self._finish_pull(rid, nbytes, seconds, error)
         now = self.clock()
+        listed = self._look_listed(now)
         for rid, plan in list(self._planned.items()):
-            if now >= plan.next_look:
-                plan.next_look = now + STREAM_POLL_S
-                replies += self._begin_stream(rid, plan)
+            if plan.src in listed:
+                replies += self._begin_stream(rid, plan,
+                                              listed[plan.src].get(plan.transfer_id, []))
         for rid, job in list(self._imports.items()):
             if job.running:
                 continue
             if not job.final:
-                if job.error is None and now >= job.next_look:
-                    job.next_look = now + STREAM_POLL_S
-                    self._pull_part(rid, job)
+                if job.error is None and job.src in listed:
+                    self._pull_part(rid, job, listed[job.src].get(job.transfer_id, []))
             elif job.announced and self.connector.peers.grant_announced(job.transfer_id):
                 self._start_pull(rid)
         for rid, blocks in self.leases.expire(self.clock()):
@@ -375,6 +379,19 @@ class KVRole:
         replies += [msg for at, msg in self._held_back if at <= now]
         self._held_back = [(at, msg) for at, msg in self._held_back if at > now]
         return replies
+
+    def _look_listed(self, now: float) -> dict[int, dict[int, list[int]]]:
+        """Every STREAM_POLL_S, what each prefill replica this side waits on lists for it
+        (one read each, however many prompts)."""
+        if now < self._next_look:
+            return {}
+        srcs = {p.src for p in self._planned.values()} | {
+            j.src for j in self._imports.values() if not j.final and not j.running}
+        if not srcs:
+            return {}
+        self._next_look = now + STREAM_POLL_S
+        me = self.connector.replica
+        return {src: self.connector.peers.listed(src, me) for src in srcs}
 
     @property
     def busy(self) -> bool:
@@ -426,6 +443,7 @@ class KVRole:
         step is a prefix of its blocks after any later one."""
         self._steps += 1
         mark = None
+        changed: set[int] = set()
         for rid, stream in self._streams.items():
             if not stream.open:
                 continue
@@ -446,8 +464,17 @@ class KVRole:
             new = blocks[len(stream.pinned):n]
             self.bm.pin(new)
             stream.pinned += new
-            self.connector.peers.publish_ready(stream.transfer_id, stream.pinned)
+            changed.add(stream.decode)
+        if changed:
+            self._publish_listed(changed)
             time.sleep(self._delays.get("list", 0.0))
+
+    def _publish_listed(self, decodes: set[int]) -> None:
+        """List, for each of `decodes`, the blocks of every prompt streamed there."""
+        for dst in decodes:
+            listed = {s.transfer_id: s.pinned for s in self._streams.values()
+                      if s.decode == dst and s.pinned}
+            self.connector.peers.publish_listed(self.connector.replica, dst, listed)
 
     def _written(self, mark: _Mark) -> bool:
         return self._steps - mark.step >= self._lag and (
@@ -455,11 +482,10 @@ class KVRole:
 
     # --- decode side ---------------------------------------------------------------------
 
-    def _begin_stream(self, rid: str, plan: _Planned) -> list[Message]:
+    def _begin_stream(self, rid: str, plan: _Planned, ready: list[int]) -> list[Message]:
         """Once the prompt's first block is listed, take blocks for the full blocks this
         side lacks and start reading (refused: nothing missing, or too little room left;
         the import then comes as for any prompt)."""
-        ready = self.connector.peers.ready(plan.transfer_id)
         if not ready:
             return []
         del self._planned[rid]
@@ -475,10 +501,8 @@ class KVRole:
         self._pull_part(rid, job, ready)
         return []
 
-    def _pull_part(self, rid: str, job: _Import, ready: list[int] | None = None) -> None:
+    def _pull_part(self, rid: str, job: _Import, ready: list[int]) -> None:
         """Read what is newly listed of a streamed prompt's blocks, in a thread."""
-        if ready is None:
-            ready = self.connector.peers.ready(job.transfer_id)
         first = job.imp.first_block
         end = min(len(ready), first + len(job.imp.blocks))
         if end <= first + job.pulled:

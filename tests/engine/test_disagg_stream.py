@@ -17,7 +17,7 @@ from helpers.disagg import kill_replica, run_until
 
 from meshserve import LLM, SamplingParams
 from meshserve.engine.disagg import DisaggEngine
-from meshserve.engine.kv_connector import KVPeers, blocks_listed, grant_announced
+from meshserve.engine.kv_connector import KVPeers, grant_announced, listed_blocks
 from meshserve.engine.kv_transfer import FAULT_ENV
 from meshserve.engine.outputs import RequestOutput
 from meshserve.parallel.comm.nixl_kv import nixl_available
@@ -52,8 +52,10 @@ def assert_all_freed(engine: DisaggEngine, within_s: float = 15.0) -> None:
         engine.step()
     assert engine._store is not None
     last = next(engine._transfer_ids)
-    assert not any(grant_announced(engine._store, i) or blocks_listed(engine._store, i)
-                   for i in range(1, last))
+    assert not any(grant_announced(engine._store, i) for i in range(1, last))
+    for src in range(engine.num_prefill):  # (a lost one's listing stays: nobody reads it)
+        for dst in range(engine.num_prefill, engine.dp):
+            assert src in engine.down or listed_blocks(engine._store, src, dst) == {}
     while True:
         engine.reset_prefix_cache()
         used = {s.index: s.stats.num_used_blocks for s in engine.replica_states() if s.up}
@@ -115,7 +117,7 @@ def test_an_abort_or_a_stop_while_streaming_frees_both_sides(make_checkpoint, pr
         peers = KVPeers(engine._store, engine.disagg.ranks_per_replica)
         tid = engine._hops[aborted].transfer_id
         deadline = time.monotonic() + 30  # (the replicas step on their own)
-        while len(peers.ready(tid)) < 2:  # 2 of its 8 blocks listed
+        while len(peers.listed(0, 1).get(tid, [])) < 2:  # 2 of its 8 blocks listed
             assert time.monotonic() < deadline
             time.sleep(0.005)
         assert engine._hops[aborted].stage == "prefill"  # still being computed
