@@ -11,7 +11,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from helpers.disagg import kill_replica, run_until
+from helpers.disagg import (
+    assert_each_block_moved_once,
+    assert_no_blocks_held,
+    kill_replica,
+    run_until,
+)
 
 from meshserve import LLM, SamplingParams
 from meshserve.engine.disagg import DisaggEngine
@@ -33,21 +38,6 @@ def disagg_llm(path: str, *extra: str) -> LLM:
     return LLM(path, overrides=ONE_RANK + list(extra), progress=False)
 
 
-def assert_no_blocks_held(engine: DisaggEngine, within_s: float = 10.0) -> None:
-    """Every side back to baseline (a sender's last transfer may end just after its
-    request did): nothing pinned, leased or importing."""
-    deadline = time.monotonic() + within_s
-    while True:
-        engine.reset_prefix_cache()  # fresh counters from every replica (each idle after it)
-        used = {s.index: s.stats.num_used_blocks for s in engine.replica_states() if s.up}
-        if not any(used.values()):
-            break
-        assert time.monotonic() < deadline, f"blocks still used, by replica: {used}"
-        time.sleep(0.05)
-    assert engine._engine0 is not None
-    engine._engine0.scheduler.block_manager.check_invariants()  # (its thread waits)
-
-
 @pytest.mark.parametrize("connector", CONNECTORS)
 def test_one_prefill_one_decode_equals_transformers(make_checkpoint, prompts, expected,
                                                     connector: str) -> None:
@@ -61,15 +51,12 @@ def test_one_prefill_one_decode_equals_transformers(make_checkpoint, prompts, ex
         for out in outs:
             assert out.finish_reason == "length" and out.metrics.num_generated_tokens == 12
             assert out.replica == 1  # the decode replica ends every request
-        hopped = [p for p in prompts if len(p) >= 16]
+        # layers x K/V x block x kv heads x head dim x fp32
+        hopped = assert_each_block_moved_once(engine, prompts, 2 * 2 * 8 * 2 * 16 * 4)
         t = engine.transfers
         assert t.num_skipped == len(prompts) - len(hopped)  # short prompts prefill on decode
-        assert t.num_transfers == len(hopped) and t.num_failed == 0
         # NIXL pulls: the front began each read itself, so no ask waited on its steps
         assert t.num_granted_at_import == (len(hopped) if connector == "nixl" else 0)
-        block_bytes = 2 * 2 * 8 * 2 * 16 * 4  # layers x K/V x block x kv heads x head dim x fp32
-        # every block of each prompt, its partial last one too
-        assert t.bytes == sum(-(-len(p) // 8) for p in hopped) * block_bytes
         assert_no_blocks_held(engine)
         # The same prompts again: the decode replica caches them, so nothing hops or moves.
         again = llm.generate(prompts, GREEDY)
@@ -143,11 +130,8 @@ def test_a_bf16_cache_hops_as_bf16(make_checkpoint, prompts, connector: str,
             assert got.logprobs is not None and ref.logprobs is not None
             torch.testing.assert_close([lp for lp, _ in got.logprobs],
                                        [lp for lp, _ in ref.logprobs], atol=1e-5, rtol=0)
-        hopped = [p for p in prompts if len(p) >= 16]
-        t = engine.transfers
-        assert t.num_transfers == len(hopped) and t.num_failed == 0
-        block_bytes = 2 * 2 * 8 * 2 * 16 * 2  # layers x K/V x block x kv heads x head dim x bf16
-        assert t.bytes == sum(-(-len(p) // 8) for p in hopped) * block_bytes
+        # layers x K/V x block x kv heads x head dim x bf16
+        assert_each_block_moved_once(engine, prompts, 2 * 2 * 8 * 2 * 16 * 2)
         assert_no_blocks_held(engine)
     finally:
         llm.shutdown()
@@ -185,9 +169,9 @@ def test_sides_of_other_tp_and_pp_equal_transformers(make_checkpoint, prompts, e
         assert isinstance(engine, DisaggEngine)
         outs = llm.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == expected
-        hopped = [p for p in prompts if len(p) >= 16]
+        # every layer and head once, whatever the split
+        hopped = assert_each_block_moved_once(engine, prompts, 2 * 2 * 8 * 2 * 16 * 4)
         t = engine.transfers
-        assert t.num_transfers == len(hopped) and t.num_failed == 0
         # NIXL pulls: each read began as the import was sent (granted in the front for
         # replica 0's KV, announced in the KV store by replica 1), so no ask or grant
         # waited on the front's steps
@@ -195,8 +179,6 @@ def test_sides_of_other_tp_and_pp_equal_transformers(make_checkpoint, prompts, e
         if engine.num_prefill == 2:
             assert engine.requests_per_replica[1] > 0  # some prompts prefilled there
             assert_no_grant_left(engine)
-        block_bytes = 2 * 2 * 8 * 2 * 16 * 4  # every layer and head once, whatever the split
-        assert t.bytes == sum(-(-len(p) // 8) for p in hopped) * block_bytes
         assert_no_blocks_held(engine)
     finally:
         llm.shutdown()

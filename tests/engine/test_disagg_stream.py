@@ -13,7 +13,12 @@ import time
 
 import pytest
 import torch
-from helpers.disagg import kill_replica, run_until
+from helpers.disagg import (
+    assert_each_block_moved_once,
+    assert_no_blocks_held,
+    kill_replica,
+    run_until,
+)
 
 from meshserve import LLM, SamplingParams
 from meshserve.engine.disagg import DisaggEngine
@@ -56,15 +61,7 @@ def assert_all_freed(engine: DisaggEngine, within_s: float = 15.0) -> None:
     for src in range(engine.num_prefill):  # (a lost one's listing stays: nobody reads it)
         for dst in range(engine.num_prefill, engine.dp):
             assert src in engine.down or listed_blocks(engine._store, src, dst) == {}
-    while True:
-        engine.reset_prefix_cache()
-        used = {s.index: s.stats.num_used_blocks for s in engine.replica_states() if s.up}
-        if not any(used.values()):
-            break
-        assert time.monotonic() < deadline, f"blocks still used, by replica: {used}"
-        time.sleep(0.05)
-    assert engine._engine0 is not None
-    engine._engine0.scheduler.block_manager.check_invariants()
+    assert_no_blocks_held(engine, within_s=max(0.0, deadline - time.monotonic()) + 1.0)
 
 
 @pytest.mark.usefixtures("slow_prefill")
@@ -80,10 +77,8 @@ def test_streamed_prompts_equal_transformers_and_move_each_block_once(
         assert isinstance(engine, DisaggEngine)
         outs = llm.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == expected
-        hopped = [p for p in prompts if len(p) >= 16]
+        hopped = assert_each_block_moved_once(engine, prompts, BLOCK_BYTES)
         t = engine.transfers
-        assert t.num_transfers == len(hopped) and t.num_failed == 0
-        assert t.bytes == sum(-(-len(p) // 8) for p in hopped) * BLOCK_BYTES  # once each
         if "disagg.stream_kv=false" in side:
             assert t.bytes_streamed == 0
         else:  # most full blocks were read before their prompt's first token
