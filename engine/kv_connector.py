@@ -12,13 +12,10 @@ thread per transfer) and are bounded by disagg.transfer_timeout_s.
 - `nixl`: the decode rank READs each source rank's registered cache straight into its
   own blocks over UCX (shared memory or TCP between processes' host memory; NVLink or
   InfiniBand between GPUs); the prefill side does nothing.
-- `torch`: each prefill rank sends its pieces a layer at a time, each decode rank
+- `torch`: torch.distributed point-to-point over a gloo group of every rank of every
+  replica: each prefill rank sends its pieces a layer at a time, each decode rank
   receives its own and writes each layer into its cache as it lands, so packing, the
-  wire and placing overlap (a GPU cache is staged through host memory). Between
-  processes on one host a piece goes through a file in shared memory
-  (parallel/comm/shm_parcel.py: packed straight into it, placed straight from it);
-  otherwise torch.distributed point-to-point over a gloo group of every rank of every
-  replica carries it.
+  wire and placing overlap (a GPU cache is staged through host memory).
 
 Ranks find each other (where each one's KV sits, NIXL metadata, the KV spec the
 handshake compares) through one TCP store the front hosts.
@@ -27,11 +24,7 @@ handshake compares) through one TCP store the front hosts.
 from __future__ import annotations
 
 import json
-import math
-import os
 import threading
-import time
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from datetime import timedelta
@@ -53,8 +46,6 @@ from meshserve.engine.worker.kv_pieces import (
     unpack_layer,
 )
 from meshserve.parallel.comm.nixl_kv import NixlKV, nixl_available
-from meshserve.parallel.comm.shm_allreduce import SHM_DIR, supported
-from meshserve.parallel.comm.shm_parcel import ShmParcel, sweep
 
 KV_STARTUP_S = 300.0
 """Longest a rank waits at start-up for the others' handshake and group (they load
@@ -131,28 +122,6 @@ _ABSENT = b"\x00"
 """compare_set's answer for a key not in the store (it sets nothing then)."""
 
 
-RUN_KEY = "meshserve-kv/run"
-"""A name for this run's KV world, unique on its host: its shared-memory files carry it."""
-
-
-def name_run(store: dist.Store) -> str:
-    """The front, before any replica makes its connector: name the run."""
-    token = uuid.uuid4().hex[:12]
-    store.set(RUN_KEY, token)
-    return token
-
-
-def shm_prefix(token: str) -> str:
-    """The start of every shared-memory file name of run `token` (under SHM_DIR)."""
-    return f"meshserve-kv-{token}-"
-
-
-def sweep_run(token: str) -> int:
-    """Remove what run `token` left in shared memory (files of transfers whose sender died
-    before its receiver came, markers of ranks that died); how many went."""
-    return sweep(shm_prefix(token))
-
-
 def _grant_key(transfer_id: int) -> str:
     return f"meshserve-kv/granted/{transfer_id}"
 
@@ -211,151 +180,63 @@ class KVConnector(ABC):
 
 
 class TorchKVConnector(KVConnector):
-    """Shared-memory parcels between processes on one host, else torch.distributed
-    point-to-point over a gloo group of every replica's ranks."""
+    """torch.distributed point-to-point over a gloo group of every replica's ranks."""
 
     name, pushes = "torch", True
 
     def __init__(self, me: RankKV, replica: int, cache: KVCache, peers: KVPeers,
-                 timeout_s: float, shm: bool = True) -> None:
+                 timeout_s: float) -> None:
         super().__init__(me, replica, cache, peers, timeout_s)
         self._timeout = timedelta(seconds=timeout_s)
-        self._prefix: str | None = None
-        """Where this run's shared-memory files are named (None: no shared memory)."""
-        self._local: dict[int, bool] = {}
-        if shm and supported():
-            # A rank leaves a marker in shared memory before the group below forms, so once
-            # it has, each rank tells the ranks whose memory it shares by their markers.
-            with peers.lock:
-                peers.store.wait([RUN_KEY], timedelta(seconds=KV_STARTUP_S))
-                token = peers.store.get(RUN_KEY).decode()
-            self._prefix = f"{SHM_DIR}/{shm_prefix(token)}"
-            with open(self._marker(me.rank), "w") as f:
-                f.write(str(os.getpid()))
         # Its rendezvous waits for every rank to load; each send and recv below is
         # bounded by disagg.transfer_timeout_s instead.
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("meshserve-kv", peers.store),
                                            me.rank, peers.world,
                                            timedelta(seconds=KV_STARTUP_S))
 
-    def _marker(self, rank: int) -> str:
-        return f"{self._prefix}rank{rank}"
-
-    def _shares_memory(self, rank: int) -> bool:
-        """Whether global rank `rank` runs where this rank's shared memory is its too."""
-        if self._prefix is None:
-            return False
-        if rank not in self._local:
-            self._local[rank] = os.path.exists(self._marker(rank))
-        return self._local[rank]
-
-    def _parcel(self, transfer_id: int, piece: Piece) -> str:
-        return f"{self._prefix}{transfer_id}-{piece.src.rank}-{piece.dst.rank}"
-
-    def _sizes(self, piece: Piece, num_blocks: int) -> list[int]:
-        """The bytes of each of a piece's layers over `num_blocks` blocks."""
-        k = self.cache[0][0]
-        shape = layer_shape(self.cache, piece, num_blocks)
-        return [math.prod(shape) * k.element_size()] * piece.num_layers
-
     def send(self, dst: int, transfer_id: int, blocks: Sequence[int]) -> int:
-        """Each piece a layer at a time: a layer goes on the wire (or into the parcel) as
-        soon as it is packed (staged to host memory from a GPU), while the next one is
-        packed."""
+        """Each piece a layer at a time: a layer goes on the wire as soon as it is packed
+        (staged to host memory from a GPU), while the next one is packed."""
         out = pieces_from(self.me, self.peers.ranks(self.replica), self.peers.ranks(dst))
         idx = block_index(self.cache, blocks)
-        deadline = time.monotonic() + self.timeout_s
         sent: list[tuple[dist.Work, torch.Tensor]] = []
-        parcels: dict[Piece, ShmParcel] = {}
-        n = 0
         try:
-            for p in out:
-                if self._shares_memory(p.dst.rank):
-                    parcels[p] = ShmParcel.create(self._parcel(transfer_id, p),
-                                                  self._sizes(p, len(blocks)))
             for p, layer in by_layer(out):
-                if p in parcels:
-                    part = parcels[p].part(layer)
-                    pack_layer(self.cache, self.me, p, idx, layer,
-                               out=_as_layer(part, self.cache, p, len(blocks)))
-                    parcels[p].written(layer + 1)
-                    n += part.numel()
-                    continue
                 buf = pack_layer(self.cache, self.me, p, idx, layer).cpu()
                 sent.append((self.group.send([buf], p.dst.rank, _tag(transfer_id, layer)),
                              buf))
             for work, _ in sent:
                 work.wait(self._timeout)
-            for p, parcel in parcels.items():
-                if not parcel.wait_attached(deadline):
-                    raise RuntimeError(f"rank {p.dst.rank} did not come for its parcel "
-                                       f"within disagg.transfer_timeout_s={self.timeout_s} s")
-        except (RuntimeError, OSError) as e:  # (OSError: shared memory full, say)
-            for parcel in parcels.values():
-                parcel.abandon()
+        except RuntimeError as e:
             raise RuntimeError(f"sending {len(blocks)} KV blocks to replica {dst} failed "
                                f"(torch connector): {e}") from None
-        finally:
-            for parcel in parcels.values():
-                parcel.unlink()
-                parcel.close()
-        n += sum(b.numel() * b.element_size() for _, b in sent)
+        n = sum(b.numel() * b.element_size() for _, b in sent)
         self.bytes_moved += n
         return n
 
     def pull(self, src: int, transfer_id: int, src_blocks: Sequence[int],
              dst_blocks: Sequence[int]) -> int:
         """Every layer's receive posted at once; each layer is written into the cache as it
-        lands, while the later ones are still on the wire (or being packed)."""
+        lands, while the later ones are still on the wire."""
         pieces = self._incoming(src)
         dtype = self.cache[0][0].dtype
         idx = block_index(self.cache, dst_blocks)
-        deadline = time.monotonic() + self.timeout_s
-        local = {p for p in pieces if self._shares_memory(p.src.rank)}
-        landing = {(p, layer): torch.empty(layer_shape(self.cache, p, len(dst_blocks)),
-                                           dtype=dtype)
-                   for p, layer in by_layer(pieces) if p not in local}
-        parcels: dict[Piece, ShmParcel] = {}
-        n = 0
+        landing: list[tuple[Piece, int, torch.Tensor]] = [
+            (p, layer, torch.empty(layer_shape(self.cache, p, len(dst_blocks)), dtype=dtype))
+            for p, layer in by_layer(pieces)]
         try:
-            works = {key: self.group.recv([b], key[0].src.rank, _tag(transfer_id, key[1]))
-                     for key, b in landing.items()}
-            for p, layer in by_layer(pieces):
-                if p in local:
-                    what = f"KV parcel {transfer_id} from rank {p.src.rank}"
-                    if p not in parcels:
-                        parcels[p] = ShmParcel.attach(self._parcel(transfer_id, p),
-                                                      self._sizes(p, len(dst_blocks)),
-                                                      deadline, what)
-                    part = parcels[p].wait_part(layer, deadline, what)
-                    unpack_layer(self.cache, self.me, p, idx, layer,
-                                 _as_layer(part, self.cache, p, len(dst_blocks)))
-                    n += part.numel()
-                    continue
-                works[(p, layer)].wait(self._timeout)
-                unpack_layer(self.cache, self.me, p, idx, layer, landing[(p, layer)])
-        except (RuntimeError, OSError) as e:
+            works = [self.group.recv([b], p.src.rank, _tag(transfer_id, layer))
+                     for p, layer, b in landing]
+            for w, (p, layer, b) in zip(works, landing, strict=True):
+                w.wait(self._timeout)
+                unpack_layer(self.cache, self.me, p, idx, layer, b)
+        except RuntimeError as e:
             raise RuntimeError(f"receiving {len(dst_blocks)} KV blocks from replica {src} "
                                f"failed or took over disagg.transfer_timeout_s="
                                f"{self.timeout_s} s (torch connector): {e}") from None
-        finally:
-            for parcel in parcels.values():
-                parcel.close()
-        n += sum(b.numel() * b.element_size() for b in landing.values())
+        n = sum(b.numel() * b.element_size() for _, _, b in landing)
         self.bytes_moved += n
         return n
-
-    def close(self) -> None:
-        if self._prefix is not None:
-            try:
-                os.unlink(self._marker(self.me.rank))
-            except FileNotFoundError:
-                pass
-
-
-def _as_layer(part: torch.Tensor, cache: KVCache, piece: Piece, num_blocks: int) -> torch.Tensor:
-    """A parcel's part (bytes) as one packed layer of `piece`."""
-    return part.view(cache[0][0].dtype).view(layer_shape(cache, piece, num_blocks))
 
 
 MAX_LAYERS = 1 << 10
@@ -416,13 +297,11 @@ def handshake(store: dist.Store, index: int, spec: KVSpec) -> None:
 
 
 def make_connector(name: str, me: RankKV, replica: int, cache: KVCache, peers: KVPeers,
-                   timeout_s: float, shm: bool = True) -> KVConnector:
+                   timeout_s: float) -> KVConnector:
     """This rank's connector (every rank of every replica makes its own at start-up,
-    together); `shm`: the torch connector's shared memory between processes on one host."""
+    together)."""
     peers.publish(me)
-    if _connector_class(name) is TorchKVConnector:
-        return TorchKVConnector(me, replica, cache, peers, timeout_s, shm)
-    return NixlKVConnector(me, replica, cache, peers, timeout_s)
+    return _connector_class(name)(me, replica, cache, peers, timeout_s)
 
 
 def _connector_class(name: str) -> type[TorchKVConnector] | type[NixlKVConnector]:
