@@ -182,9 +182,7 @@ def search_capacity(name: str, base: list[str], args: argparse.Namespace, arch: 
                     0, arch.vocab_size, (len(r.prompt_token_ids),), generator=gen).tolist())
                 for r in reqs] if trial else reqs
 
-    extra = ([f"disagg.connector={args.connector}", f"disagg.stream_kv={args.stream_kv}",
-              f"engine.max_num_batched_tokens={args.prefill_step_tokens}"]
-             if name == "1P+1D" else [])
+    extra = split_overrides(args) if name == "1P+1D" else []
     runner = MeshserveRunner(load_runtime_config([*base, *LAYOUTS[name], *extra]), name=name)
     sims = Simulated(arch, at(1.0), args.ttft_ms, args.tpot_ms, cluster,
                      args.prefill_step_tokens, args.kv_cache_dtype,
@@ -231,6 +229,13 @@ def best_colocated(rows: dict[str, dict[str, Any]]) -> str:
     return max(rows, key=lambda n: (rows[n]["num_within_slo"], -rows[n]["tpot_p99_ms"]))
 
 
+def split_overrides(args: argparse.Namespace) -> list[str]:
+    """1P+1D's own settings: how KV moves, and its prefill steps."""
+    return [f"disagg.connector={args.connector}", f"disagg.stream_kv={args.stream_kv}",
+            f"disagg.torch_shm={args.torch_shm}",
+            f"engine.max_num_batched_tokens={args.prefill_step_tokens}"]
+
+
 def streams(args: argparse.Namespace) -> bool:
     """Whether the split the bench starts reads prompts' KV as it is computed."""
     return args.stream_kv == "true" and resolve_connector(args.connector) == "nixl"
@@ -272,6 +277,9 @@ def main() -> None:
     ap.add_argument("--stream-kv", default="true", choices=["true", "false"],
                     help="1P+1D's disagg.stream_kv: read each prompt's blocks as they are "
                          "computed (a pulling connector), or all after its first token")
+    ap.add_argument("--torch-shm", default="true", choices=["true", "false"],
+                    help="1P+1D's disagg.torch_shm: the torch connector through shared "
+                         "memory on one host, or through gloo")
     ap.add_argument("--prefill-step-tokens", type=int, default=None,
                     help="1P+1D's engine.max_num_batched_tokens (default: the engine's, as "
                          "the colocated layouts run)")
@@ -329,9 +337,7 @@ def main() -> None:
         names = args.layouts if i % 2 == 0 else list(reversed(args.layouts))
         rows = {}
         for name in names:
-            extra = ([f"disagg.connector={args.connector}", f"disagg.stream_kv={args.stream_kv}",
-                      f"engine.max_num_batched_tokens={args.prefill_step_tokens}"]
-                     if name == "1P+1D" else [])
+            extra = split_overrides(args) if name == "1P+1D" else []
             runner = MeshserveRunner(load_runtime_config([*base, *LAYOUTS[name], *extra]),
                                      name=name)
             try:

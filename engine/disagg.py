@@ -44,7 +44,13 @@ from typing import Any
 import torch.distributed as dist
 
 from meshserve.engine.data_parallel import STARTUP_TIMEOUT_S, DataParallelEngine
-from meshserve.engine.kv_connector import connector_pushes, forget_grant, resolve_connector
+from meshserve.engine.kv_connector import (
+    connector_pushes,
+    forget_grant,
+    name_run,
+    resolve_connector,
+    sweep_run,
+)
 from meshserve.engine.kv_transfer import decode_params
 from meshserve.engine.launched_replicas import own_launched_store
 from meshserve.engine.outputs import RequestOutput
@@ -163,6 +169,8 @@ class DisaggEngine(DataParallelEngine):
         self._store: dist.Store | None = None
         """The KV store (this process serves it, unless launched): the front deletes the
         grants announced there once nobody looks for them."""
+        self.kv_run: str | None = None
+        """The KV world's name: what its shared-memory files carry."""
         super().__init__(run, progress=False, min_replicas=min_replicas)
         self.disagg = d
         self.prefill_router = Router(config.parallel.router, self.num_prefill,
@@ -198,6 +206,7 @@ class DisaggEngine(DataParallelEngine):
                                   timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
             addr = ("127.0.0.1", store.port)
         self._store = store
+        self.kv_run = name_run(store)
         for r in self._remotes:
             r.send("kv", r.index, self.dp, *addr)
 
@@ -571,3 +580,6 @@ class DisaggEngine(DataParallelEngine):
             self._progress = False
         super().shutdown()
         self._store = None
+        if getattr(self, "kv_run", None) is not None:  # what dead ranks left behind
+            sweep_run(self.kv_run)  # type: ignore[arg-type]
+            self.kv_run = None

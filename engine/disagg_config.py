@@ -38,8 +38,11 @@ class DisaggConfig:
     cost model; `meshserve plan ... plan.simulate=true` shows the same choice), a few
     seconds at start-up; false: by the closed forms."""
     connector: str = "auto"
-    """How KV blocks move: nixl (UCX underneath), torch (torch.distributed: gloo), auto:
-    nixl where it is installed."""
+    """How KV blocks move: nixl (UCX underneath), torch (shared memory between processes on
+    one host, else torch.distributed: gloo), auto: nixl where it is installed."""
+    torch_shm: bool = True
+    """The torch connector between processes on one host: through a channel in shared
+    memory per pair of ranks (false: through gloo, as between hosts)."""
     min_prefill_tokens: int = 256
     """Prompts shorter than this (and prompts a decode replica mostly caches already)
     skip the hop and prefill on the decode replica."""

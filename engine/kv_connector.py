@@ -12,10 +12,13 @@ thread per transfer) and are bounded by disagg.transfer_timeout_s.
 - `nixl`: the decode rank READs each source rank's registered cache straight into its
   own blocks over UCX (shared memory or TCP between processes' host memory; NVLink or
   InfiniBand between GPUs); the prefill side does nothing.
-- `torch`: torch.distributed point-to-point over a gloo group of every rank of every
-  replica: each prefill rank sends its pieces a layer at a time, each decode rank
+- `torch`: each prefill rank sends its pieces a layer at a time, each decode rank
   receives its own and writes each layer into its cache as it lands, so packing, the
-  wire and placing overlap (a GPU cache is staged through host memory).
+  wire and placing overlap (a GPU cache is staged through host memory). Between
+  processes on one host a piece goes through the two ranks' channel in shared memory
+  (parallel/comm/shm_channel.py: packed straight into it, placed straight from it);
+  otherwise torch.distributed point-to-point over a gloo group of every rank of every
+  replica carries it.
 
 Ranks find each other (where each one's KV sits, NIXL metadata, the KV spec the
 handshake compares) through one TCP store the front hosts.
@@ -24,7 +27,11 @@ handshake compares) through one TCP store the front hosts.
 from __future__ import annotations
 
 import json
+import math
+import os
 import threading
+import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from datetime import timedelta
@@ -46,6 +53,8 @@ from meshserve.engine.worker.kv_pieces import (
     unpack_layer,
 )
 from meshserve.parallel.comm.nixl_kv import NixlKV, nixl_available
+from meshserve.parallel.comm.shm_allreduce import SHM_DIR, supported
+from meshserve.parallel.comm.shm_channel import ShmChannel, sweep
 
 KV_STARTUP_S = 300.0
 """Longest a rank waits at start-up for the others' handshake and group (they load
@@ -122,6 +131,28 @@ _ABSENT = b"\x00"
 """compare_set's answer for a key not in the store (it sets nothing then)."""
 
 
+RUN_KEY = "meshserve-kv/run"
+"""A name for this run's KV world, unique on its host: its shared-memory files carry it."""
+
+
+def name_run(store: dist.Store) -> str:
+    """The front, before any replica makes its connector: name the run."""
+    token = uuid.uuid4().hex[:12]
+    store.set(RUN_KEY, token)
+    return token
+
+
+def shm_prefix(token: str) -> str:
+    """The start of every shared-memory file name of run `token` (under SHM_DIR)."""
+    return f"meshserve-kv-{token}-"
+
+
+def sweep_run(token: str) -> int:
+    """Remove what run `token` left in shared memory (channels whose sender never came,
+    markers of ranks that died); how many went."""
+    return sweep(shm_prefix(token))
+
+
 def _grant_key(transfer_id: int) -> str:
     return f"meshserve-kv/granted/{transfer_id}"
 
@@ -180,63 +211,186 @@ class KVConnector(ABC):
 
 
 class TorchKVConnector(KVConnector):
-    """torch.distributed point-to-point over a gloo group of every replica's ranks."""
+    """Shared-memory channels between processes on one host, else torch.distributed
+    point-to-point over a gloo group of every replica's ranks."""
 
     name, pushes = "torch", True
 
     def __init__(self, me: RankKV, replica: int, cache: KVCache, peers: KVPeers,
-                 timeout_s: float) -> None:
+                 timeout_s: float, shm: bool = True) -> None:
         super().__init__(me, replica, cache, peers, timeout_s)
         self._timeout = timedelta(seconds=timeout_s)
+        self._prefix: str | None = None
+        """Where this run's shared-memory files are named (None: no shared memory)."""
+        self._local: dict[int, bool] = {}
+        self._channels: dict[tuple[int, int], ShmChannel] = {}
+        """(source rank, destination rank) -> the channel between them, made on first use."""
+        self._lock = threading.Lock()
+        if shm and supported():
+            # A rank leaves a marker in shared memory before the group below forms, so once
+            # it has, each rank tells the ranks whose memory it shares by their markers.
+            with peers.lock:
+                peers.store.wait([RUN_KEY], timedelta(seconds=KV_STARTUP_S))
+                token = peers.store.get(RUN_KEY).decode()
+            self._prefix = f"{SHM_DIR}/{shm_prefix(token)}"
+            with open(self._marker(me.rank), "w") as f:
+                f.write(str(os.getpid()))
         # Its rendezvous waits for every rank to load; each send and recv below is
         # bounded by disagg.transfer_timeout_s instead.
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("meshserve-kv", peers.store),
                                            me.rank, peers.world,
                                            timedelta(seconds=KV_STARTUP_S))
 
+    def _marker(self, rank: int) -> str:
+        return f"{self._prefix}rank{rank}"
+
+    def _shares_memory(self, rank: int) -> bool:
+        """Whether global rank `rank` runs where this rank's shared memory is its too."""
+        if self._prefix is None:
+            return False
+        if rank not in self._local:
+            self._local[rank] = os.path.exists(self._marker(rank))
+        return self._local[rank]
+
+    def _channel(self, src: int, dst: int, deadline: float, what: str) -> ShmChannel:
+        """The channel from rank `src` to rank `dst`: this rank's end (the receiver makes
+        the segment; the sender waits for it)."""
+        key = (src, dst)
+        with self._lock:
+            if key in self._channels:
+                return self._channels[key]
+            path = f"{self._prefix}{src}-{dst}"
+            if dst == self.me.rank:
+                self._channels[key] = ShmChannel.receiver(path)
+                return self._channels[key]
+        made = ShmChannel.sender(path, deadline, what)  # (waits: not under the lock)
+        with self._lock:
+            if key in self._channels:
+                made.close()
+            return self._channels.setdefault(key, made)
+
+    def _sizes(self, piece: Piece, num_blocks: int) -> list[int]:
+        """The bytes of each of a piece's layers over `num_blocks` blocks."""
+        shape = layer_shape(self.cache, piece, num_blocks)
+        return [math.prod(shape) * self.cache[0][0].element_size()] * piece.num_layers
+
     def send(self, dst: int, transfer_id: int, blocks: Sequence[int]) -> int:
         """Each piece a layer at a time: a layer goes on the wire as soon as it is packed
-        (staged to host memory from a GPU), while the next one is packed."""
+        (staged to host memory from a GPU), while the next one is packed; into a shared
+        channel it is packed straight."""
         out = pieces_from(self.me, self.peers.ranks(self.replica), self.peers.ranks(dst))
         idx = block_index(self.cache, blocks)
+        deadline = time.monotonic() + self.timeout_s
+        local = [p for p in out if self._shares_memory(p.dst.rank)]
         sent: list[tuple[dist.Work, torch.Tensor]] = []
+        n = 0
         try:
-            for p, layer in by_layer(out):
+            for p, layer in by_layer([p for p in out if p not in local]):
                 buf = pack_layer(self.cache, self.me, p, idx, layer).cpu()
                 sent.append((self.group.send([buf], p.dst.rank, _tag(transfer_id, layer)),
                              buf))
+            for p in local:  # (in rank order, as receivers take theirs: no wait cycle)
+                n += self._send_local(p, transfer_id, idx, deadline)
             for work, _ in sent:
                 work.wait(self._timeout)
-        except RuntimeError as e:
+        except (RuntimeError, OSError) as e:  # (OSError: shared memory full, say)
             raise RuntimeError(f"sending {len(blocks)} KV blocks to replica {dst} failed "
                                f"(torch connector): {e}") from None
-        n = sum(b.numel() * b.element_size() for _, b in sent)
+        n += sum(b.numel() * b.element_size() for _, b in sent)
         self.bytes_moved += n
         return n
+
+    def _send_local(self, p: Piece, transfer_id: int, idx: torch.Tensor,
+                    deadline: float) -> int:
+        sizes = self._sizes(p, len(idx))
+        if not sum(sizes):
+            return 0
+        what = f"KV transfer {transfer_id} to rank {p.dst.rank}"
+        packed: dict[int, torch.Tensor] = {}
+
+        def fill(layer: int, start: int, slot: torch.Tensor) -> None:
+            if slot.numel() == sizes[layer]:  # the whole layer: packed straight into it
+                pack_layer(self.cache, self.me, p, idx, layer,
+                           out=_as_layer(slot, self.cache, p, len(idx)))
+                return
+            if layer not in packed:
+                packed.clear()
+                packed[layer] = pack_layer(self.cache, self.me, p, idx, layer).cpu().view(
+                    -1).view(torch.uint8)
+            slot.copy_(packed[layer][start:start + slot.numel()])
+
+        self._channel(self.me.rank, p.dst.rank, deadline, what).send(
+            transfer_id, sizes, deadline, what, fill)
+        return sum(sizes)
 
     def pull(self, src: int, transfer_id: int, src_blocks: Sequence[int],
              dst_blocks: Sequence[int]) -> int:
         """Every layer's receive posted at once; each layer is written into the cache as it
-        lands, while the later ones are still on the wire."""
+        lands, while the later ones are still on the wire (or being packed)."""
         pieces = self._incoming(src)
         dtype = self.cache[0][0].dtype
         idx = block_index(self.cache, dst_blocks)
-        landing: list[tuple[Piece, int, torch.Tensor]] = [
-            (p, layer, torch.empty(layer_shape(self.cache, p, len(dst_blocks)), dtype=dtype))
-            for p, layer in by_layer(pieces)]
+        deadline = time.monotonic() + self.timeout_s
+        local = [p for p in pieces if self._shares_memory(p.src.rank)]
+        landing = [(p, layer, torch.empty(layer_shape(self.cache, p, len(dst_blocks)),
+                                          dtype=dtype))
+                   for p, layer in by_layer([p for p in pieces if p not in local])]
+        n = 0
         try:
             works = [self.group.recv([b], p.src.rank, _tag(transfer_id, layer))
                      for p, layer, b in landing]
+            for p in local:
+                n += self._pull_local(p, transfer_id, idx, deadline)
             for w, (p, layer, b) in zip(works, landing, strict=True):
                 w.wait(self._timeout)
                 unpack_layer(self.cache, self.me, p, idx, layer, b)
-        except RuntimeError as e:
+        except (RuntimeError, OSError) as e:
             raise RuntimeError(f"receiving {len(dst_blocks)} KV blocks from replica {src} "
                                f"failed or took over disagg.transfer_timeout_s="
                                f"{self.timeout_s} s (torch connector): {e}") from None
-        n = sum(b.numel() * b.element_size() for _, _, b in landing)
+        n += sum(b.numel() * b.element_size() for _, _, b in landing)
         self.bytes_moved += n
         return n
+
+    def _pull_local(self, p: Piece, transfer_id: int, idx: torch.Tensor,
+                    deadline: float) -> int:
+        sizes = self._sizes(p, len(idx))
+        if not sum(sizes):
+            return 0
+        what = f"KV transfer {transfer_id} from rank {p.src.rank}"
+        partial: dict[int, torch.Tensor] = {}
+
+        def place(layer: int, start: int, chunk: torch.Tensor) -> None:
+            if chunk.numel() == sizes[layer]:  # the whole layer: placed straight from it
+                unpack_layer(self.cache, self.me, p, idx, layer,
+                             _as_layer(chunk, self.cache, p, len(idx)))
+                return
+            buf = partial.setdefault(layer, torch.empty(sizes[layer], dtype=torch.uint8))
+            buf[start:start + chunk.numel()].copy_(chunk)
+            if start + chunk.numel() == sizes[layer]:
+                unpack_layer(self.cache, self.me, p, idx, layer,
+                             _as_layer(partial.pop(layer), self.cache, p, len(idx)))
+
+        self._channel(p.src.rank, self.me.rank, deadline, what).receive(
+            transfer_id, sizes, deadline, what, place)
+        return sum(sizes)
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.unlink()  # (a receiver's, if its sender never came)
+                channel.close()
+            self._channels.clear()
+        if self._prefix is not None:
+            try:
+                os.unlink(self._marker(self.me.rank))
+            except FileNotFoundError:
+                pass
+
+
+def _as_layer(part: torch.Tensor, cache: KVCache, piece: Piece, num_blocks: int) -> torch.Tensor:
+    """Bytes of shared memory as one packed layer of `piece`."""
+    return part.view(cache[0][0].dtype).view(layer_shape(cache, piece, num_blocks))
 
 
 MAX_LAYERS = 1 << 10
@@ -297,11 +451,13 @@ def handshake(store: dist.Store, index: int, spec: KVSpec) -> None:
 
 
 def make_connector(name: str, me: RankKV, replica: int, cache: KVCache, peers: KVPeers,
-                   timeout_s: float) -> KVConnector:
+                   timeout_s: float, shm: bool = True) -> KVConnector:
     """This rank's connector (every rank of every replica makes its own at start-up,
-    together)."""
+    together); `shm`: the torch connector's shared memory between processes on one host."""
     peers.publish(me)
-    return _connector_class(name)(me, replica, cache, peers, timeout_s)
+    if _connector_class(name) is TorchKVConnector:
+        return TorchKVConnector(me, replica, cache, peers, timeout_s, shm)
+    return NixlKVConnector(me, replica, cache, peers, timeout_s)
 
 
 def _connector_class(name: str) -> type[TorchKVConnector] | type[NixlKVConnector]:

@@ -123,12 +123,12 @@ class FannedOut(KVConnector):
 
 
 def tell_ranks(store: dist.Store, kv_world: StoreAddress, replica: int, sizes: Sequence[int],
-               connector: str, timeout_s: float) -> None:
+               connector: str, timeout_s: float, shm: bool) -> None:
     """The driver: where the KV world's store is, for its other ranks' `serve_kv` threads."""
     store.set(CONNECT_KEY, json.dumps({"host": kv_world.host, "port": kv_world.port,
                                        "prefix": kv_world.prefix, "replica": replica,
                                        "sizes": list(sizes), "connector": connector,
-                                       "timeout_s": timeout_s}))
+                                       "timeout_s": timeout_s, "shm": shm}))
 
 
 def serve_kv(open_store: Callable[[], dist.Store], rank: int, first_layer: int,
@@ -145,7 +145,7 @@ def serve_kv(open_store: Callable[[], dist.Store], rank: int, first_layer: int,
     me = RankKV.of(peers.offsets[replica] + rank, (first_layer, first_layer + num_layers),
                    tp_rank, tp, num_kv_heads)
     connector = make_connector(info["connector"], me, replica, cache, peers,
-                               float(info["timeout_s"]))
+                               float(info["timeout_s"]), bool(info["shm"]))
     results = StorePool(open_store)
     for seq in itertools.count():
         key = _cmd_key(rank, seq)

@@ -111,19 +111,25 @@ def block_index(cache: KVCache, blocks: Sequence[int]) -> torch.Tensor:
 
 
 def pack_layer(cache: KVCache, me: RankKV, piece: Piece,
-               blocks: Sequence[int] | torch.Tensor, layer: int) -> torch.Tensor:
+               blocks: Sequence[int] | torch.Tensor, layer: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """The piece's `layer`-th layer (counted from its first) of `blocks` from this rank's
-    cache, shaped as `layer_shape` (a copy: the cache may change after)."""
+    cache, shaped as `layer_shape` (a copy: the cache may change after); into `out` if
+    given (host memory for a GPU cache: staged through the device)."""
     layers, heads = piece.local(me)
     k, v = cache[layers.start + layer]
     idx = blocks if isinstance(blocks, torch.Tensor) else block_index(cache, blocks)
-    out = torch.empty(layer_shape(cache, piece, len(idx)), dtype=k.dtype, device=k.device)
+    shape = layer_shape(cache, piece, len(idx))
+    into = out if out is not None and out.device == k.device else torch.empty(
+        shape, dtype=k.dtype, device=k.device)
     for i, t in enumerate((k, v)):
         if heads == slice(0, t.shape[2]):
-            torch.index_select(t, 0, idx, out=out[i])
+            torch.index_select(t, 0, idx, out=into[i])
         else:
-            out[i].copy_(t.index_select(0, idx)[:, :, heads])
-    return out
+            into[i].copy_(t.index_select(0, idx)[:, :, heads])
+    if out is not None and into is not out:
+        out.copy_(into)
+    return out if out is not None else into
 
 
 def pack(cache: KVCache, me: RankKV, piece: Piece, blocks: Sequence[int]) -> torch.Tensor:

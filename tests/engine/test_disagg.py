@@ -16,6 +16,7 @@ from helpers.disagg import (
     assert_no_blocks_held,
     kill_replica,
     run_until,
+    shm_files,
 )
 
 from meshserve import LLM, SamplingParams
@@ -38,13 +39,22 @@ def disagg_llm(path: str, *extra: str) -> LLM:
     return LLM(path, overrides=ONE_RANK + list(extra), progress=False)
 
 
-@pytest.mark.parametrize("connector", CONNECTORS)
+@pytest.mark.parametrize(("connector", "shm"), [
+    ("torch", True), pytest.param("torch", False, id="torch-gloo"), *[
+        pytest.param(*c.values, True, marks=c.marks, id=c.values[0]) for c in CONNECTORS[1:]]])
 def test_one_prefill_one_decode_equals_transformers(make_checkpoint, prompts, expected,
-                                                    connector: str) -> None:
-    llm = disagg_llm(str(make_checkpoint("llama")), f"disagg.connector={connector}")
+                                                    connector: str, shm: bool) -> None:
+    llm = disagg_llm(str(make_checkpoint("llama")), f"disagg.connector={connector}",
+                     f"disagg.torch_shm={shm}")
+    run = ""
     try:
         engine = llm.engine
         assert isinstance(engine, DisaggEngine) and engine.connector_name == connector
+        assert engine.kv_run is not None
+        run = engine.kv_run
+        # while it serves, only the ranks' markers (the torch connector's shared memory)
+        assert shm_files(run) == (["rank0", "rank1"] if connector == "torch" and shm
+                                  else [])
         assert [s.role for s in engine.replica_states()] == ["prefill", "decode"]
         outs = llm.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == expected
@@ -65,6 +75,7 @@ def test_one_prefill_one_decode_equals_transformers(make_checkpoint, prompts, ex
         assert_no_blocks_held(engine)
     finally:
         llm.shutdown()
+    assert shm_files(run) == []
 
 
 @pytest.mark.parametrize("min_tokens", [16, 2])
@@ -305,8 +316,10 @@ def test_a_killed_decode_replica_fails_its_requests_and_the_other_serves_on(
     llm = LLM(path, overrides=[*ONE_RANK, "disagg.decode.replicas=2", "disagg.connector=torch",
                                "parallel.timeout_s=5", "disagg.transfer_timeout_s=5"],
               progress=False, min_replicas=2)
+    run = ""
     try:
         engine = llm.engine
+        run = engine.kv_run or ""
         assert [s.role for s in engine.replica_states()] == ["prefill", "decode", "decode"]
         long = [i for i, p in enumerate(prompts) if len(p) >= 16]
         # long enough that the replica, running ahead of the front, is still decoding them
@@ -336,6 +349,7 @@ def test_a_killed_decode_replica_fails_its_requests_and_the_other_serves_on(
         assert_no_blocks_held(engine, within_s=15.0)
     finally:
         llm.shutdown()
+    assert run and shm_files(run) == []  # the killed rank's marker went at the end too
 
 
 def test_a_killed_prefill_replica_fails_or_recomputes_what_it_held(
@@ -349,8 +363,10 @@ def test_a_killed_prefill_replica_fails_or_recomputes_what_it_held(
     llm = LLM(path, overrides=[*ONE_RANK, "disagg.prefill.replicas=2", "disagg.connector=torch",
                                "disagg.on_failure=recompute", "parallel.timeout_s=5"],
               progress=False, min_replicas=2)
+    run = ""
     try:
         engine = llm.engine
+        run = engine.kv_run or ""
         assert [s.role for s in engine.replica_states()] == ["prefill", "prefill", "decode"]
         long = [i for i, p in enumerate(prompts) if len(p) >= 16]
         ids = {engine.add_request(prompts[i], GREEDY): i for i in long}
@@ -375,23 +391,30 @@ def test_a_killed_prefill_replica_fails_or_recomputes_what_it_held(
         assert_no_blocks_held(engine)
     finally:
         llm.shutdown()
+    assert run and shm_files(run) == []  # the killed rank's marker went at the end too
 
 
-@pytest.mark.parametrize("connector", CONNECTORS)
+@pytest.mark.parametrize(("connector", "shm"), [
+    ("torch", True), pytest.param("torch", False, id="torch-gloo"), *[
+        pytest.param(*c.values, True, marks=c.marks, id=c.values[0]) for c in CONNECTORS[1:]]])
 def test_a_prefill_replica_killed_during_a_granted_read_recomputes_it(
         make_checkpoint, prompts, expected, monkeypatch: pytest.MonkeyPatch,
-        connector: str) -> None:
+        connector: str, shm: bool) -> None:
     """2P+1D with every pull starting 1.5 s late: replica 1 is killed once it granted a
-    read, before the bytes moved. The read fails within disagg.transfer_timeout_s and the
-    request is prefilled again on the decode replica, keeping transformers' tokens."""
+    read, before the decode replica reads. The read fails within
+    disagg.transfer_timeout_s and the request is prefilled again on the decode replica,
+    keeping transformers' tokens."""
     monkeypatch.setenv(FAULT_ENV, "pull=1.5")
     path = str(make_checkpoint("llama"))
     llm = LLM(path, overrides=[*ONE_RANK, "disagg.prefill.replicas=2",
                                f"disagg.connector={connector}", "disagg.on_failure=recompute",
+                               f"disagg.torch_shm={shm}",
                                "disagg.transfer_timeout_s=5", "parallel.timeout_s=5"],
               progress=False, min_replicas=2)
+    run = ""
     try:
         engine = llm.engine
+        run = engine.kv_run or ""
         long = [i for i, p in enumerate(prompts) if len(p) >= 16]
         ids = {engine.add_request(prompts[i], GREEDY): i for i in long}
 
@@ -410,3 +433,4 @@ def test_a_prefill_replica_killed_during_a_granted_read_recomputes_it(
         assert_no_blocks_held(engine)
     finally:
         llm.shutdown()
+    assert run and shm_files(run) == []

@@ -3,13 +3,16 @@ what moved and that nothing is left held."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import time
 from collections.abc import Callable
 
 from meshserve.engine.disagg import DisaggEngine
+from meshserve.engine.kv_connector import shm_prefix
 from meshserve.engine.outputs import RequestOutput
+from meshserve.parallel.comm.shm_allreduce import SHM_DIR
 
 
 def run_until(engine: DisaggEngine, done: Callable[[list[RequestOutput]], bool],
@@ -55,3 +58,10 @@ def assert_each_block_moved_once(engine: DisaggEngine, prompts: list[list[int]],
     assert t.num_transfers == len(hopped) and t.num_failed == 0
     assert t.bytes == sum(-(-len(p) // block_size) for p in hopped) * block_bytes
     return hopped
+
+
+def shm_files(run: str) -> list[str]:
+    """What KV world `run` (`DisaggEngine.kv_run`) has in shared memory now: the files'
+    names after the run's prefix."""
+    prefix = f"{SHM_DIR}/{shm_prefix(run)}"
+    return sorted(p[len(prefix):] for p in glob.glob(f"{prefix}*"))

@@ -1,12 +1,17 @@
-"""The torch connector between real gloo ranks of two replicas of different layouts: a
-pipeline of two stages sends to two tensor-parallel ranks, a layer at a time; every
-destination rank ends with exactly its layers and heads of the blocks asked for, in its
-own block ids; the byte counts; a bounded wait on a silent peer."""
+"""The torch connector between real ranks of two replicas of different layouts, through
+shared memory and through gloo: a pipeline of two stages sends to two tensor-parallel
+ranks, a layer at a time; every destination rank ends with exactly its layers and heads
+of the blocks asked for, in its own block ids; the byte counts; a bounded wait on a silent
+peer; nothing left in shared memory."""
 
 from __future__ import annotations
 
+import glob
+import uuid
+
 import pytest
 
+from meshserve.parallel.comm.shm_allreduce import SHM_DIR, supported
 from tests.parallel.conftest import RunRanks
 
 pytestmark = pytest.mark.slow
@@ -15,7 +20,7 @@ RANK_PROGRAM = r'''
 import os, sys, time
 import torch
 import torch.distributed as dist
-from meshserve.engine.kv_connector import KVPeers, make_connector
+from meshserve.engine.kv_connector import RUN_KEY, KVPeers, make_connector
 from meshserve.engine.worker.kv_pieces import RankKV
 
 rank, store_path = int(sys.argv[1]), sys.argv[2]
@@ -27,7 +32,10 @@ me = ranks[rank]
 h = slice(*me.heads)
 cache = [(full[i, 0][:, :, h].clone(), full[i, 1][:, :, h].clone()) for i in range(*me.layers)]
 peers = KVPeers(dist.FileStore(store_path, 4), [2, 2])
-conn = make_connector("torch", me, rank // 2, cache, peers, 1.0)
+SHM, TOKEN = @SHM@, "@TOKEN@"
+if rank == 0:
+    peers.store.set(RUN_KEY, TOKEN)
+conn = make_connector("torch", me, rank // 2, cache, peers, 1.0, shm=SHM)
 src_blocks, dst_blocks = [7, 2, 9], [0, 5, 11]
 per_block = BS * 2 * D * 4  # tokens x heads x head dim x fp32, per layer, K or V
 if rank < 2:
@@ -54,10 +62,19 @@ else:
     else:
         raise AssertionError("a pull from a silent replica returned")
     assert time.monotonic() - t0 < 2.5
+assert conn._shares_memory(2 if rank < 2 else 0) == SHM
+conn.close()
 print("ok", rank, flush=True)
 os._exit(0)  # the pairs are broken after a timed-out wait: no collective shutdown
 '''
 
 
-def test_pieces_cross_gloo_ranks_of_two_layouts_layer_by_layer(run_ranks: RunRanks) -> None:
-    run_ranks(RANK_PROGRAM, 4, 120.0)
+@pytest.mark.parametrize("shm", [
+    pytest.param(True, id="shm", marks=pytest.mark.skipif(not supported(),
+                                                          reason="needs x86-64 and /dev/shm")),
+    pytest.param(False, id="gloo")])
+def test_pieces_cross_ranks_of_two_layouts_layer_by_layer(run_ranks: RunRanks,
+                                                          shm: bool) -> None:
+    token = uuid.uuid4().hex[:12]
+    run_ranks(RANK_PROGRAM.replace("@SHM@", str(shm)).replace("@TOKEN@", token), 4, 120.0)
+    assert glob.glob(f"{SHM_DIR}/meshserve-kv-{token}-*") == []
