@@ -33,7 +33,8 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
@@ -54,7 +55,7 @@ from meshserve.engine.worker.kv_pieces import (
 )
 from meshserve.parallel.comm.nixl_kv import NixlKV, nixl_available
 from meshserve.parallel.comm.shm_allreduce import SHM_DIR, supported
-from meshserve.parallel.comm.shm_channel import ShmChannel, sweep
+from meshserve.parallel.comm.shm_channel import ChannelError, ShmChannel, sweep
 
 KV_STARTUP_S = 300.0
 """Longest a rank waits at start-up for the others' handshake and group (they load
@@ -225,6 +226,7 @@ class TorchKVConnector(KVConnector):
         self._local: dict[int, bool] = {}
         self._channels: dict[tuple[int, int], ShmChannel] = {}
         """(source rank, destination rank) -> the channel between them, made on first use."""
+        self._making: dict[tuple[int, int], threading.Lock] = {}
         self._lock = threading.Lock()
         if shm and supported():
             # A rank leaves a marker in shared memory before the group below forms, so once
@@ -256,18 +258,28 @@ class TorchKVConnector(KVConnector):
         """The channel from rank `src` to rank `dst`: this rank's end (the receiver makes
         the segment; the sender waits for it)."""
         key = (src, dst)
+        path = f"{self._prefix}{src}-{dst}"
         with self._lock:
             if key in self._channels:
                 return self._channels[key]
-            path = f"{self._prefix}{src}-{dst}"
             if dst == self.me.rank:
                 self._channels[key] = ShmChannel.receiver(path)
                 return self._channels[key]
-        made = ShmChannel.sender(path, deadline, what)  # (waits: not under the lock)
-        with self._lock:
-            if key in self._channels:
-                made.close()
-            return self._channels.setdefault(key, made)
+            making = self._making.setdefault(key, threading.Lock())
+        # One sender maps it, while the others for the same rank wait (the receiver removes
+        # the name once one has): not under the connector's lock, so other pairs go on.
+        if not making.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise ChannelError(f"{what}: the channel to rank {dst} was not mapped in time")
+        try:
+            with self._lock:
+                if key in self._channels:
+                    return self._channels[key]
+            made = ShmChannel.sender(path, deadline, what)
+            with self._lock:
+                self._channels[key] = made
+            return made
+        finally:
+            making.release()
 
     def _sizes(self, piece: Piece, num_blocks: int) -> list[int]:
         """The bytes of each of a piece's layers over `num_blocks` blocks."""
@@ -289,8 +301,7 @@ class TorchKVConnector(KVConnector):
                 buf = pack_layer(self.cache, self.me, p, idx, layer).cpu()
                 sent.append((self.group.send([buf], p.dst.rank, _tag(transfer_id, layer)),
                              buf))
-            for p in local:  # (in rank order, as receivers take theirs: no wait cycle)
-                n += self._send_local(p, transfer_id, idx, deadline)
+            n += _each(lambda p: self._send_local(p, transfer_id, idx, deadline), local)
             for work, _ in sent:
                 work.wait(self._timeout)
         except (RuntimeError, OSError) as e:  # (OSError: shared memory full, say)
@@ -339,8 +350,7 @@ class TorchKVConnector(KVConnector):
         try:
             works = [self.group.recv([b], p.src.rank, _tag(transfer_id, layer))
                      for p, layer, b in landing]
-            for p in local:
-                n += self._pull_local(p, transfer_id, idx, deadline)
+            n += _each(lambda p: self._pull_local(p, transfer_id, idx, deadline), local)
             for w, (p, layer, b) in zip(works, landing, strict=True):
                 w.wait(self._timeout)
                 unpack_layer(self.cache, self.me, p, idx, layer, b)
@@ -386,6 +396,15 @@ class TorchKVConnector(KVConnector):
                 os.unlink(self._marker(self.me.rank))
             except FileNotFoundError:
                 pass
+
+
+def _each(move: Callable[[Piece], int], pieces: list[Piece]) -> int:
+    """`move` every piece, each with a channel of its own, at once (a transfer stuck on one
+    pair of ranks then holds up no other pair); the bytes moved. Raises the first error."""
+    if len(pieces) <= 1:
+        return sum(move(p) for p in pieces)
+    with ThreadPoolExecutor(len(pieces), thread_name_prefix="meshserve-kv-piece") as pool:
+        return sum(f.result() for f in [pool.submit(move, p) for p in pieces])
 
 
 def _as_layer(part: torch.Tensor, cache: KVCache, piece: Piece, num_blocks: int) -> torch.Tensor:
