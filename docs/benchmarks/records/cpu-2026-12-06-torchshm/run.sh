@@ -1,5 +1,5 @@
 #!/bin/sh
-# The torch connector's hand-off through shared memory against gloo, with NIXL (not
+# The torch connector's hand-off through its shared-memory channel against gloo, with NIXL (not
 # streamed) beside them: 1P+1D, 40 rag requests at 0.3 req/s each, in the order gloo,
 # shm, nixl, shm, gloo, from a worktree of the commit (PYTHONPATH=/work/new), nothing
 # else on the machine. Run from the repository root.
