@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -228,9 +229,12 @@ class TorchKVConnector(KVConnector):
         """(source rank, destination rank) -> the channel between them, made on first use."""
         self._making: dict[tuple[int, int], threading.Lock] = {}
         self._lock = threading.Lock()
-        if shm and supported():
-            # A rank leaves a marker in shared memory before the group below forms, so once
-            # it has, each rank tells the ranks whose memory it shares by their markers.
+        if shm and supported() and shutil.disk_usage(SHM_DIR).free >= (
+                peers.world - 1) * ShmChannel.footprint():
+            # A rank leaves a marker in shared memory (if there is room for a channel with
+            # every other rank) before the group below forms, so once it has, each rank
+            # tells the ranks it shares memory with by their markers; one without room
+            # leaves none and uses gloo with everyone, who then use gloo with it.
             with peers.lock:
                 peers.store.wait([RUN_KEY], timedelta(seconds=KV_STARTUP_S))
                 token = peers.store.get(RUN_KEY).decode()

@@ -77,7 +77,8 @@ class ShmChannel:
         """One transfer at a time on this side."""
 
     @staticmethod
-    def _size(num_slots: int, slot_bytes: int) -> int:
+    def footprint(num_slots: int = NUM_SLOTS, slot_bytes: int = SLOT_BYTES) -> int:
+        """A segment's bytes."""
         return _HEADER + num_slots * slot_bytes
 
     @classmethod
@@ -85,7 +86,7 @@ class ShmChannel:
                  slot_bytes: int = SLOT_BYTES) -> ShmChannel:
         """The receiving side: the segment, written under a temporary name and renamed, so
         the sender never maps a short file; its pages reserved and touched once."""
-        size = cls._size(num_slots, slot_bytes)
+        size = cls.footprint(num_slots, slot_bytes)
         tmp = f"{path}.new"
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -108,7 +109,7 @@ class ShmChannel:
                slot_bytes: int = SLOT_BYTES) -> ShmChannel:
         """The sending side: wait until `deadline` (time.monotonic) for the receiver's
         segment, map it, say so (the receiver then removes its name)."""
-        size = cls._size(num_slots, slot_bytes)
+        size = cls.footprint(num_slots, slot_bytes)
         while True:
             try:
                 fd = os.open(path, os.O_RDWR)
