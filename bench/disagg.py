@@ -53,7 +53,6 @@ from meshserve.bench.harness import MeshserveRunner
 from meshserve.bench.layout_check import load_cluster
 from meshserve.bench.metrics import summarize
 from meshserve.engine.disagg import DisaggEngine, TransferStats
-from meshserve.engine.kv_connector import resolve_connector
 from meshserve.engine.runtime_config import load_runtime_config
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.planner.cluster import ClusterConfig
@@ -238,7 +237,7 @@ def split_overrides(args: argparse.Namespace) -> list[str]:
 
 def streams(args: argparse.Namespace) -> bool:
     """Whether the split the bench starts reads prompts' KV as it is computed."""
-    return args.stream_kv == "true" and resolve_connector(args.connector) == "nixl"
+    return args.stream_kv == "true"
 
 
 def handoff_gaps(records: list[Any]) -> dict[str, float]:
@@ -276,7 +275,7 @@ def main() -> None:
     ap.add_argument("--connector", default="auto", choices=["auto", "nixl", "torch"])
     ap.add_argument("--stream-kv", default="true", choices=["true", "false"],
                     help="1P+1D's disagg.stream_kv: read each prompt's blocks as they are "
-                         "computed (a pulling connector), or all after its first token")
+                         "computed, or all after its first token")
     ap.add_argument("--torch-shm", default="true", choices=["true", "false"],
                     help="1P+1D's disagg.torch_shm: the torch connector through shared "
                          "memory on one host, or through gloo")

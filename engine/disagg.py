@@ -6,18 +6,18 @@ their own), and each has a KV connector and a `KVRole` (engine/kv_transfer.py). 
 whose prompt is long enough goes to the prefill replica the cache-aware router picks,
 with max_tokens=1; its first token is returned at once. When that replica has pinned the
 prompt's KV ("held"), the front picks the decode replica (the less loaded of two drawn at
-random) and tells it to import; the decode replica allocates, asks ("want"), the prefill
-replica grants the read of its lease (or refuses: lapsed, aborted), the blocks move, the
-decode replica admits the request and the prefill replica unpins them. With a pulling
-connector (NIXL) the read is granted as the import is sent: the prefill replica announces
-it in the KV store, where the decode replica looks, and neither asks through the front.
-The request's outputs then come from the decode replica, after the first token.
+random), tells it to import and tells the prefill replica to grant the read of its lease
+(or refuse: lapsed, aborted). The prefill replica announces the grant in the KV store,
+where the decode replica looks once it has allocated its blocks, and pulls them; neither
+asks through the front. The decode replica admits the request and the prefill replica
+unpins the blocks. The request's outputs then come from the decode replica, after the
+first token.
 
-With disagg.stream_kv and a pulling connector, the decode replica is picked as the prompt
-goes to its prefill replica and told at once ("stream"): it reads the prompt's blocks as
-the prefill replica computes them (engine/kv_transfer.py), so the import after the first
-token moves only the rest. The read counts as begun from then on: whatever ends it (the
-import, an abort, a refusal, a lost replica), the prefill replica is told "read_done".
+With disagg.stream_kv, the decode replica is picked as the prompt goes to its prefill
+replica and told at once ("stream"): it reads the prompt's blocks as the prefill replica
+computes them (engine/kv_transfer.py), so the import after the first token moves only
+the rest. The read counts as begun from then on: whatever ends it (the import, an abort,
+a refusal, a lost replica), the prefill replica is told "read_done".
 
 Short prompts, prompts a decode replica mostly caches, and requests whose later tokens
 depend on the first one's state (structured outputs, presence and frequency penalties)
@@ -45,7 +45,6 @@ import torch.distributed as dist
 
 from meshserve.engine.data_parallel import STARTUP_TIMEOUT_S, DataParallelEngine
 from meshserve.engine.kv_connector import (
-    connector_pushes,
     forget_grant,
     name_run,
     resolve_connector,
@@ -82,9 +81,6 @@ class _Hop:
     """Whether the prefill replica granted the read (the blocks may be moving)."""
     import_sent_at: float = 0.0
     """When the front told the decode replica to import (its clock)."""
-    announced: bool = False
-    """Whether the read began as the import was sent, with its grant announced in the KV
-    store by the prefill replica (a pulling connector)."""
     streamed: bool = False
     """Whether `decode` reads the prompt's blocks as they are computed (under
     `transfer_id`)."""
@@ -119,9 +115,6 @@ class TransferStats:
     """Leases that lapsed on a prefill replica with nobody reading them."""
     num_skipped: int = 0
     """Requests that did not hop (short, cached, or their params need the whole run)."""
-    num_granted_at_import: int = 0
-    """Reads begun as the import was sent (a pulling connector), so the decode replica
-    never asked: the prefill replica announced the grant in the KV store."""
     bytes: int = 0
     bytes_streamed: int = 0
     """Of `bytes`, those read while the prompt was still being computed."""
@@ -162,10 +155,9 @@ class DisaggEngine(DataParallelEngine):
         assert config.parallel.dp == d.num_replicas, "resolve_layout sets the replicas"
         self.num_prefill = d.prefill.replicas
         self.connector_name = resolve_connector(d.connector)
-        self._pushes = connector_pushes(self.connector_name)
-        self._stream_kv = d.stream_kv and not self._pushes and d.prefill.pp == 1
+        self._stream_kv = d.stream_kv and d.prefill.pp == 1
         """Whether prompts' blocks are read as they are computed (a pipeline's steps end
-        out of order, and a pushing connector sends only what is asked)."""
+        out of order)."""
         self._store: dist.Store | None = None
         """The KV store (this process serves it, unless launched): the front deletes the
         grants announced there once nobody looks for them."""
@@ -289,12 +281,18 @@ class DisaggEngine(DataParallelEngine):
         return best if share >= CACHE_THRESHOLD else None
 
     def _pick_decode(self) -> int:
-        """The less loaded of two live decode replicas drawn at random."""
+        """The less loaded of two live decode replicas drawn at random. A prompt streamed
+        to one counts there from when it was sent to be prefilled (a burst of them would
+        all go to one replica otherwise)."""
         live = [i for i in self.decode_trees if i in self.router.live]
         if not live:
             raise RankFailure("no decode replica left")
         pair = self._rng.sample(live, min(2, len(live)))
-        return min(pair, key=lambda i: (self.router.load[i], i))
+        bound = dict.fromkeys(pair, 0)
+        for rid, hop in self._hops.items():
+            if hop.streamed and hop.stage == PREFILL and hop.decode in bound:
+                bound[hop.decode] += self._work_of.get(rid, 0)
+        return min(pair, key=lambda i: (self.router.load[i] + bound[i], i))
 
     def _tell(self, index: int, *msg: Any) -> None:
         """Send a message to replica `index`."""
@@ -340,15 +338,6 @@ class DisaggEngine(DataParallelEngine):
             hop.held_blocks, hop.held_at = list(blocks), time.monotonic()
             if hop.first is not None:  # (else once its output is seen, in `_stitch`)
                 self._import(rid, hop)
-        elif kind == "want":
-            if hop is None or hop.stage == "decode":  # aborted, or already failed over
-                return []
-            if hop.prefill in self.down:
-                return self._on_message(hop.prefill, ("denied", rid, self._gone(hop.prefill)))
-            transfer_id, first_block = args
-            hop.stage = "import"
-            self._transfers[rid] = (hop.prefill, hop.held_at)
-            self._tell_or_lose(hop.prefill, "export", rid, transfer_id, first_block, index)
         elif kind == "granted":
             announced = rid in self._grant_keys
             self._grant_key_step(rid, seen=True)
@@ -356,12 +345,7 @@ class DisaggEngine(DataParallelEngine):
                 if not announced:  # replica may be reading (it reports the end)
                     self._end_transfer(rid)
                 return []
-            assert hop.decode is not None
-            hop.granted = True
-            if not hop.announced:
-                self._tell_or_lose(hop.decode, "granted", rid)
-            else:  # the decode replica finds it in the store
-                self.transfers.num_granted_at_import += 1
+            hop.granted = True  # (the decode replica finds it in the store)
         elif kind == "denied":
             (why,) = args
             self._transfers.pop(rid, None)
@@ -402,31 +386,29 @@ class DisaggEngine(DataParallelEngine):
     def _import(self, rid: str, hop: _Hop) -> None:
         """The prompt's KV is held and its first token known: send it to a decode replica.
 
-        When the connector pulls, the lease's read begins now and the decode replica pulls
-        as soon as it has its blocks, with no ask and no grant through this loop: the
-        prefill replica is told to export and announces its grant in the KV store, where
-        the decode replica looks (a refusal still comes through here)."""
+        The lease's read begins now and the decode replica pulls as soon as it has its
+        blocks, with no ask and no grant through this loop: the prefill replica is told to
+        export and announces its grant in the KV store, where the decode replica looks (a
+        refusal still comes through here)."""
         assert hop.first is not None and hop.held_blocks is not None
         streamed = hop.streamed and rid in self._grant_keys  # (its decode replica is live)
         target = hop.decode if streamed and hop.decode is not None else self._pick_decode()
         self._move(rid, hop.prefill, target)
         hop.decode, hop.stage = target, "held"
         transfer_id = hop.transfer_id if streamed else next(self._transfer_ids)
-        if not self._pushes:  # (counted as granted at import when the grant comes here)
-            hop.announced = True
-            if streamed:  # the grant of the rest is still to come
-                self._grant_keys[rid].seen = False
-            else:
-                self._grant_keys[rid] = _Announced(transfer_id, hop.prefill, target)
-            self._transfers[rid] = (hop.prefill, hop.held_at)
-            self._tell_or_lose(hop.prefill, "export", rid, transfer_id, 0, target, True)
-            if hop.prefill in self.down:  # lost on the way: the hop failed over
-                return
-            hop.stage = "import"
+        if streamed:  # the grant of the rest is still to come
+            self._grant_keys[rid].seen = False
+        else:
+            self._grant_keys[rid] = _Announced(transfer_id, hop.prefill, target)
+        self._transfers[rid] = (hop.prefill, hop.held_at)
+        self._tell_or_lose(hop.prefill, "export", rid, transfer_id)
+        if hop.prefill in self.down:  # lost on the way: the hop failed over
+            return
+        hop.stage = "import"
         hop.import_sent_at = time.monotonic()
         self._tell_or_lose(target, "import", rid, hop.ids + hop.first.token_ids,
                            decode_params(hop.params), hop.arrival, hop.prefill,
-                           hop.held_blocks, transfer_id, hop.granted, hop.announced)
+                           hop.held_blocks, transfer_id, hop.granted)
 
     def _grant_key_step(self, rid: str, *, seen: bool = False, ended: bool = False) -> None:
         """A read announced in the KV store: its grant was seen here, or its transfer

@@ -12,13 +12,16 @@ thread per transfer) and are bounded by disagg.transfer_timeout_s.
 - `nixl`: the decode rank READs each source rank's registered cache straight into its
   own blocks over UCX (shared memory or TCP between processes' host memory; NVLink or
   InfiniBand between GPUs); the prefill side does nothing.
-- `torch`: each prefill rank sends its pieces a layer at a time, each decode rank
-  receives its own and writes each layer into its cache as it lands, so packing, the
-  wire and placing overlap (a GPU cache is staged through host memory). Between
-  processes on one host a piece goes through the two ranks' channel in shared memory
-  (parallel/comm/shm_channel.py: packed straight into it, placed straight from it);
-  otherwise torch.distributed point-to-point over a gloo group of every rank of every
-  replica carries it.
+- `torch`: the decode rank asks each source rank for its piece (through the KV store), and
+  a thread of the source rank answers, a layer at a time: the decode rank writes each
+  layer into its cache as it lands, so packing, the wire and placing overlap (a GPU cache
+  is staged through host memory). Between processes on one host a piece goes through the
+  two ranks' channel in shared memory (parallel/comm/shm_channel.py: packed straight into
+  it, placed straight from it); otherwise torch.distributed point-to-point over a gloo
+  group of every rank of every replica carries it.
+
+Either way the decode side pulls: it reads what the prefill side was told to grant, as
+soon as it has its blocks, and the prefill side's engine takes no part.
 
 Ranks find each other (where each one's KV sits, NIXL metadata, the KV spec the
 handshake compares) through one TCP store the front hosts.
@@ -26,10 +29,13 @@ handshake compares) through one TCP store the front hosts.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import math
 import os
 import shutil
+import sys
 import threading
 import time
 import uuid
@@ -38,6 +44,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -66,17 +73,23 @@ their models meanwhile); one transfer has disagg.transfer_timeout_s."""
 class KVPeers:
     """Every replica's ranks as the KV store lists them (each rank publishes its own)."""
 
-    def __init__(self, store: dist.Store, sizes: Sequence[int]) -> None:
-        self.store, self.sizes = store, list(sizes)
+    def __init__(self, store: dist.Store, sizes: Sequence[int],
+                 open_store: Callable[[], dist.Store] | None = None) -> None:
+        self.store, self.sizes, self.open_store = store, list(sizes), open_store
         self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         self._ranks: dict[int, list[RankKV]] = {}
         self.lock = threading.Lock()
         """Held by every call on `store`: the main thread and the transfer threads share
-        its one connection, whose replies would cross otherwise."""
+        its one connection, whose replies would cross otherwise. A thread that waits on
+        the store opens a connection of its own (`open_store`)."""
 
     @property
     def world(self) -> int:
         return sum(self.sizes)
+
+    def replica_of(self, rank: int) -> int:
+        """The replica global rank `rank` belongs to."""
+        return bisect.bisect_right(self.offsets, rank) - 1
 
     def publish(self, me: RankKV) -> None:
         with self.lock:
@@ -184,19 +197,12 @@ class KVConnector(ABC):
     """One rank's end of KV traffic: replica indices name the peers."""
 
     name: str
-    pushes: bool
-    """Whether the prefill side must send (else the decode side reads alone)."""
 
     def __init__(self, me: RankKV, replica: int, cache: KVCache, peers: KVPeers,
                  timeout_s: float) -> None:
         self.me, self.replica, self.cache, self.peers = me, replica, cache, peers
         self.timeout_s = timeout_s
         self.bytes_moved = 0
-
-    def send(self, dst: int, transfer_id: int, blocks: Sequence[int]) -> int:
-        """Prefill side: send this rank's pieces of `blocks` to replica `dst`'s ranks
-        (pushing backends); the bytes sent."""
-        raise NotImplementedError(f"the {self.name} connector does not push")
 
     @abstractmethod
     def pull(self, src: int, transfer_id: int, src_blocks: Sequence[int],
@@ -213,14 +219,19 @@ class KVConnector(ABC):
 
 
 class TorchKVConnector(KVConnector):
-    """Shared-memory channels between processes on one host, else torch.distributed
-    point-to-point over a gloo group of every replica's ranks."""
+    """The decode rank asks each source rank for its piece through the KV store; a thread
+    of the source rank answers every ask, a layer at a time: through the two ranks'
+    channel in shared memory on one host, else torch.distributed point-to-point over a
+    gloo group of every replica's ranks."""
 
-    name, pushes = "torch", True
+    name = "torch"
 
     def __init__(self, me: RankKV, replica: int, cache: KVCache, peers: KVPeers,
                  timeout_s: float, shm: bool = True) -> None:
         super().__init__(me, replica, cache, peers, timeout_s)
+        if peers.open_store is None:
+            raise ValueError("the torch connector answers asks on a store connection of "
+                             "its own: KVPeers needs open_store")
         self._timeout = timedelta(seconds=timeout_s)
         self._prefix: str | None = None
         """Where this run's shared-memory files are named (None: no shared memory)."""
@@ -229,6 +240,8 @@ class TorchKVConnector(KVConnector):
         """(source rank, destination rank) -> the channel between them, made on first use."""
         self._making: dict[tuple[int, int], threading.Lock] = {}
         self._lock = threading.Lock()
+        self._closing = False
+        self._asked = itertools.count(1)
         if shm and supported() and shutil.disk_usage(SHM_DIR).free >= (
                 peers.world - 1) * ShmChannel.footprint():
             # A rank leaves a marker in shared memory (if there is room for a channel with
@@ -246,6 +259,9 @@ class TorchKVConnector(KVConnector):
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("meshserve-kv", peers.store),
                                            me.rank, peers.world,
                                            timedelta(seconds=KV_STARTUP_S))
+        self._answering = threading.Thread(target=self._answer, args=(peers.open_store(),),
+                                           name="meshserve-kv-answer", daemon=True)
+        self._answering.start()
 
     def _marker(self, rank: int) -> str:
         return f"{self._prefix}rank{rank}"
@@ -290,71 +306,26 @@ class TorchKVConnector(KVConnector):
         shape = layer_shape(self.cache, piece, num_blocks)
         return [math.prod(shape) * self.cache[0][0].element_size()] * piece.num_layers
 
-    def send(self, dst: int, transfer_id: int, blocks: Sequence[int]) -> int:
-        """Each piece a layer at a time: a layer goes on the wire as soon as it is packed
-        (staged to host memory from a GPU), while the next one is packed; into a shared
-        channel it is packed straight."""
-        out = pieces_from(self.me, self.peers.ranks(self.replica), self.peers.ranks(dst))
-        idx = block_index(self.cache, blocks)
-        deadline = time.monotonic() + self.timeout_s
-        local = [p for p in out if self._shares_memory(p.dst.rank)]
-        sent: list[tuple[dist.Work, torch.Tensor]] = []
-        n = 0
-        try:
-            for p, layer in by_layer([p for p in out if p not in local]):
-                buf = pack_layer(self.cache, self.me, p, idx, layer).cpu()
-                sent.append((self.group.send([buf], p.dst.rank, _tag(transfer_id, layer)),
-                             buf))
-            n += _each(lambda p: self._send_local(p, transfer_id, idx, deadline), local)
-            for work, _ in sent:
-                work.wait(self._timeout)
-        except (RuntimeError, OSError) as e:  # (OSError: shared memory full, say)
-            raise RuntimeError(f"sending {len(blocks)} KV blocks to replica {dst} failed "
-                               f"(torch connector): {e}") from None
-        n += sum(b.numel() * b.element_size() for _, b in sent)
-        self.bytes_moved += n
-        return n
-
-    def _send_local(self, p: Piece, transfer_id: int, idx: torch.Tensor,
-                    deadline: float) -> int:
-        sizes = self._sizes(p, len(idx))
-        if not sum(sizes):
-            return 0
-        what = f"KV transfer {transfer_id} to rank {p.dst.rank}"
-        packed: dict[int, torch.Tensor] = {}
-
-        def fill(layer: int, start: int, slot: torch.Tensor) -> None:
-            if slot.numel() == sizes[layer]:  # the whole layer: packed straight into it
-                pack_layer(self.cache, self.me, p, idx, layer,
-                           out=_as_layer(slot, self.cache, p, len(idx)))
-                return
-            if layer not in packed:
-                packed.clear()
-                packed[layer] = pack_layer(self.cache, self.me, p, idx, layer).cpu().view(
-                    -1).view(torch.uint8)
-            slot.copy_(packed[layer][start:start + slot.numel()])
-
-        self._channel(self.me.rank, p.dst.rank, deadline, what).send(
-            transfer_id, sizes, deadline, what, fill)
-        return sum(sizes)
+    # --- the decode side -----------------------------------------------------------------
 
     def pull(self, src: int, transfer_id: int, src_blocks: Sequence[int],
              dst_blocks: Sequence[int]) -> int:
-        """Every layer's receive posted at once; each layer is written into the cache as it
-        lands, while the later ones are still on the wire (or being packed)."""
+        """Ask for every piece, post every layer's receive at once, and write each layer
+        into the cache as it lands, while the later ones are still on the wire (or being
+        packed)."""
         pieces = self._incoming(src)
         dtype = self.cache[0][0].dtype
         idx = block_index(self.cache, dst_blocks)
         deadline = time.monotonic() + self.timeout_s
-        local = [p for p in pieces if self._shares_memory(p.src.rank)]
-        landing = [(p, layer, torch.empty(layer_shape(self.cache, p, len(dst_blocks)),
-                                          dtype=dtype))
-                   for p, layer in by_layer([p for p in pieces if p not in local])]
-        n = 0
         try:
-            works = [self.group.recv([b], p.src.rank, _tag(transfer_id, layer))
+            asks = {id(p): self._ask(p, pieces, transfer_id, src_blocks) for p in pieces}
+            local = [p for p in pieces if self._shares_memory(p.src.rank)]
+            landing = [(p, layer, torch.empty(layer_shape(self.cache, p, len(dst_blocks)),
+                                              dtype=dtype))
+                       for p, layer in by_layer([p for p in pieces if p not in local])]
+            works = [self.group.recv([b], p.src.rank, _tag(asks[id(p)], layer))
                      for p, layer, b in landing]
-            n += _each(lambda p: self._pull_local(p, transfer_id, idx, deadline), local)
+            n = _each(lambda p: self._pull_local(p, asks[id(p)], idx, deadline), local)
             for w, (p, layer, b) in zip(works, landing, strict=True):
                 w.wait(self._timeout)
                 unpack_layer(self.cache, self.me, p, idx, layer, b)
@@ -366,12 +337,23 @@ class TorchKVConnector(KVConnector):
         self.bytes_moved += n
         return n
 
-    def _pull_local(self, p: Piece, transfer_id: int, idx: torch.Tensor,
-                    deadline: float) -> int:
+    def _ask(self, piece: Piece, pieces: list[Piece], transfer_id: int,
+             blocks: Sequence[int]) -> int:
+        """Ask `piece`'s source rank for it over `blocks`; the ask's number, which names
+        its channel transfer and its point-to-point tags (unique between the two ranks:
+        this rank numbers its own asks)."""
+        n = next(self._asked)
+        k = [p for p in pieces if p.src.rank == piece.src.rank].index(piece)
+        ask = np.array([self.me.rank, n, transfer_id, k, *blocks], dtype=np.int64)
+        with self.peers.lock:
+            self.peers.store.queue_push(_asks_key(piece.src.rank), ask.tobytes())
+        return n
+
+    def _pull_local(self, p: Piece, ask: int, idx: torch.Tensor, deadline: float) -> int:
         sizes = self._sizes(p, len(idx))
         if not sum(sizes):
             return 0
-        what = f"KV transfer {transfer_id} from rank {p.src.rank}"
+        what = f"KV transfer {ask} from rank {p.src.rank}"
         partial: dict[int, torch.Tensor] = {}
 
         def place(layer: int, start: int, chunk: torch.Tensor) -> None:
@@ -386,10 +368,90 @@ class TorchKVConnector(KVConnector):
                              _as_layer(partial.pop(layer), self.cache, p, len(idx)))
 
         self._channel(p.src.rank, self.me.rank, deadline, what).receive(
-            transfer_id, sizes, deadline, what, place)
+            ask, sizes, deadline, what, place)
+        return sum(sizes)
+
+    # --- the prefill side ----------------------------------------------------------------
+
+    def _answer(self, store: dist.Store) -> None:
+        """Answer this rank's asks as they come, each in a thread of its own (a stuck one
+        holds up no other), until `close` (or the store is gone)."""
+        store.set_timeout(timedelta(seconds=ASK_WAIT_S))
+        while True:
+            try:
+                ask = store.queue_pop(_asks_key(self.me.rank))
+            except RuntimeError as e:
+                if self._closing or "timeout" not in str(e).lower():
+                    return
+                continue
+            if ask == _STOP:
+                return
+            threading.Thread(target=self._answer_one, args=(ask,),
+                             name="meshserve-kv-answer-one", daemon=True).start()
+
+    def _answer_one(self, ask: bytes) -> None:
+        asker, n, transfer_id, k, *blocks = np.frombuffer(ask, dtype=np.int64).tolist()
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            dests = self.peers.ranks(self.peers.replica_of(asker))
+            mine = [p for p in pieces_from(self.me, self.peers.ranks(self.replica), dests)
+                    if p.dst.rank == asker]
+            nbytes = self._send_piece(mine[k], n, block_index(self.cache, blocks), deadline)
+        except Exception as e:  # noqa: BLE001 - the asker fails on its side, naming this replica
+            if self._closing:  # (cut short by `close`)
+                return
+            print(f"meshserve: KV transfer {transfer_id} from rank {self.me.rank} to rank "
+                  f"{asker} failed (torch connector): {e}", file=sys.stderr, flush=True)
+            return
+        with self._lock:
+            self.bytes_moved += nbytes
+
+    def _send_piece(self, p: Piece, ask: int, idx: torch.Tensor, deadline: float) -> int:
+        """A piece a layer at a time: a layer goes on the wire as soon as it is packed
+        (staged to host memory from a GPU), while the next one is packed; into a shared
+        channel it is packed straight."""
+        if self._shares_memory(p.dst.rank):
+            return self._send_local(p, ask, idx, deadline)
+        sent = []
+        for _, layer in by_layer([p]):
+            buf = pack_layer(self.cache, self.me, p, idx, layer).cpu()
+            sent.append((self.group.send([buf], p.dst.rank, _tag(ask, layer)), buf))
+        for work, _ in sent:
+            work.wait(self._timeout)
+        return sum(b.numel() * b.element_size() for _, b in sent)
+
+    def _send_local(self, p: Piece, ask: int, idx: torch.Tensor, deadline: float) -> int:
+        sizes = self._sizes(p, len(idx))
+        if not sum(sizes):
+            return 0
+        what = f"KV transfer {ask} to rank {p.dst.rank}"
+        packed: dict[int, torch.Tensor] = {}
+
+        def fill(layer: int, start: int, slot: torch.Tensor) -> None:
+            if slot.numel() == sizes[layer]:  # the whole layer: packed straight into it
+                pack_layer(self.cache, self.me, p, idx, layer,
+                           out=_as_layer(slot, self.cache, p, len(idx)))
+                return
+            if layer not in packed:
+                packed.clear()
+                packed[layer] = pack_layer(self.cache, self.me, p, idx, layer).cpu().view(
+                    -1).view(torch.uint8)
+            slot.copy_(packed[layer][start:start + slot.numel()])
+
+        self._channel(self.me.rank, p.dst.rank, deadline, what).send(
+            ask, sizes, deadline, what, fill)
         return sum(sizes)
 
     def close(self) -> None:
+        self._closing = True
+        try:  # the answering thread's last ask
+            with self.peers.lock:
+                self.peers.store.queue_push(_asks_key(self.me.rank), _STOP)
+        except RuntimeError:
+            pass  # the store is gone: so is its wait
+        # Joined, so it is not inside the store's client as the process ends (a thread
+        # unwound there at exit aborts the process).
+        self._answering.join(timeout=CLOSE_WAIT_S)
         with self._lock:
             for channel in self._channels.values():
                 channel.unlink()  # (a receiver's, if its sender never came)
@@ -400,6 +462,21 @@ class TorchKVConnector(KVConnector):
                 os.unlink(self._marker(self.me.rank))
             except FileNotFoundError:
                 pass
+
+
+ASK_WAIT_S = 3600.0
+"""How long a torch connector's answering thread waits on the store at a time (its
+`close` wakes it)."""
+
+CLOSE_WAIT_S = 5.0
+"""Longest `close` waits for the answering thread to take its last ask."""
+
+_STOP = b"stop"
+
+
+def _asks_key(rank: int) -> str:
+    """The queue, in the KV store, of the asks to global rank `rank`."""
+    return f"meshserve-kv/asks/{rank}"
 
 
 def _each(move: Callable[[Piece], int], pieces: list[Piece]) -> int:
@@ -428,7 +505,7 @@ def _tag(transfer_id: int, layer: int) -> int:
 class NixlKVConnector(KVConnector):
     """NIXL READs of the source ranks' registered caches."""
 
-    name, pushes = "nixl", False
+    name = "nixl"
 
     def __init__(self, me: RankKV, replica: int, cache: KVCache, peers: KVPeers,
                  timeout_s: float) -> None:
@@ -485,9 +562,3 @@ def make_connector(name: str, me: RankKV, replica: int, cache: KVCache, peers: K
 
 def _connector_class(name: str) -> type[TorchKVConnector] | type[NixlKVConnector]:
     return NixlKVConnector if resolve_connector(name) == "nixl" else TorchKVConnector
-
-
-def connector_pushes(name: str) -> bool:
-    """Whether `disagg.connector` `name` pushes (the prefill side sends, asked by the
-    decode side) rather than pulls (the decode side reads what it was granted)."""
-    return _connector_class(name).pushes

@@ -2,23 +2,21 @@
 
 A prefill replica runs a request's prompt with max_tokens=1; when it finishes for its
 length, the prompt's full blocks are pinned under a lease (engine/kv_leases.py) and the
-front is told ("held"). When a decode replica asks for them ("export"), the lease's read
-begins (or is refused: expired, aborted) and, for a pushing connector, a thread sends
-the blocks; "read_done" ends the read and unpins them. Leases nobody reads lapse after
-disagg.kv_lease_s and are counted.
+front is told ("held"). As the front sends the import to a decode replica it tells this
+replica to "export": the lease's read begins (or is refused: expired, aborted) and is
+announced in the KV store; "read_done" ends the read and unpins them. Leases nobody reads
+lapse after disagg.kv_lease_s and are counted.
 
 A decode replica told to "import" a request pins what its prefix cache already holds of
 the prompt and takes fresh blocks for the rest (`BlockManager.begin_import`); if nothing
 is missing, or no block is free, it admits the request at once (then it prefills what it
-lacks itself). Otherwise it asks ("want"), and once granted a thread pulls the blocks in
-(an import may come granted already: the front began the read of KV it holds itself; or
-announced: the front began the read of a remote prefill replica's KV as it sent the
-import, and that replica announces the grant in the KV store, where this side looks);
+lacks itself). Otherwise, once it sees the grant in the KV store, a thread pulls the
+blocks in (the connector's decode side reads; the prefill replica's steps take no part);
 when the thread is done the blocks enter its prefix cache and the request (its prompt
 plus the first token) is admitted, a prefix hit for all but its last block. An abort at
 any point frees what the request holds on this side, once no thread still uses it.
 
-A streamed prompt (disagg.stream_kv, a pulling connector) is read as it is computed: its
+A streamed prompt (disagg.stream_kv) is read as it is computed: its
 decode replica is told ("stream") as it is sent to its prefill replica. After each step
 the prefill replica pins the prompt's newly computed blocks and lists them in the KV
 store, where the decode replica looks: at the first listed, it takes blocks for the
@@ -70,8 +68,8 @@ from meshserve.parallel.comm.ranks import StoreAddress, launcher_store_address
 Message = tuple[object, ...]
 
 FAULT_ENV = "MESHSERVE_KV_FAULT_DELAY"
-"""Fault injection (tests): `want=S` holds a decode replica's ask for S seconds (a lease
-may lapse meanwhile), `pull=S` starts each transfer S seconds late (an abort may come
+"""Fault injection (tests): `held=S` holds a prefill replica's word that it holds a
+prompt's KV for S seconds (its lease may lapse meanwhile), `pull=S` starts each transfer S seconds late (an abort may come
 while it is in flight), `list=S` has a prefill replica wait S seconds after it lists a
 streamed prompt's new blocks (a slow prefill, which the reads overlap); comma-separated."""
 
@@ -82,9 +80,9 @@ def fault_delays() -> dict[str, float]:
     out: dict[str, float] = {}
     for item in filter(None, spec.split(",")):
         kind, _, seconds = item.partition("=")
-        if kind not in ("want", "pull", "list"):
+        if kind not in ("held", "pull", "list"):
             raise ValueError(f"{FAULT_ENV}={spec!r}: unknown kind {kind!r}; allowed: "
-                             "want=S, pull=S, list=S")
+                             "held=S, pull=S, list=S")
         out[kind] = float(seconds)
     return out
 
@@ -112,7 +110,8 @@ class _Import:
     received: float = 0.0
     """When the import came (this side's clock)."""
     announced: bool = False
-    """Whether the grant comes through the KV store rather than from the front."""
+    """Whether the grant is still to be seen in the KV store (the front had not seen it
+    when the import came)."""
     running: bool = False
     aborted: bool = False
     streamed: bool = False
@@ -179,7 +178,13 @@ def kv_role(engine: Engine, run: Run, index: int, store: dist.Store,
     multi-rank replica's other ranks connect too."""
     d = run.config.disagg
     handshake(store, index, kv_spec(engine))
-    peers = KVPeers(store, d.ranks_per_replica)
+    env = engine.run.env
+    if addr is not None:
+        kv_world = StoreAddress(*addr)
+    else:  # launched: the KV world's store is the launcher's
+        assert env is not None
+        kv_world = launcher_store_address(env.world or env)
+    peers = KVPeers(store, d.ranks_per_replica, store_opener(kv_world))
     worker = driver_worker(engine)
     assert worker.runner is not None
     cache = worker.runner.kv_cache
@@ -190,7 +195,6 @@ def kv_role(engine: Engine, run: Run, index: int, store: dist.Store,
     num_ranks = par.tp * par.pp
     ranks_store = None
     if num_ranks > 1:  # the other ranks join the KV world before this rank waits on it
-        env = engine.run.env
         port = getattr(engine.executor, "rendezvous_port", None)
         if port is not None:  # self-spawned ranks: their own run's store
             ranks_at = StoreAddress("127.0.0.1", port)
@@ -199,11 +203,6 @@ def kv_role(engine: Engine, run: Run, index: int, store: dist.Store,
         else:
             raise ValueError(f"disagg with a replica of tp={par.tp}, pp={par.pp}: its ranks "
                              "must be self-spawned or a launched replica's own world")
-        if addr is not None:
-            kv_world = StoreAddress(*addr)
-        else:  # launched: the KV world's store is the launched world's
-            assert env is not None and env.world is not None
-            kv_world = launcher_store_address(env.world)
         ranks_store = store_opener(ranks_at)
         tell_ranks(ranks_store(), kv_world, index, d.ranks_per_replica, name,
                    d.transfer_timeout_s, d.torch_shm)
@@ -227,10 +226,7 @@ class KVRole:
         self._imports: dict[str, _Import] = {}
         self._results: queue.Queue[tuple[str, str, int, float, str | None]] = queue.Queue()
         """(kind, request id, bytes, seconds, error) from the transfer threads."""
-        self._sending: dict[str, int] = {}
-        """Requests whose blocks a thread of this side is sending -> their transfer id."""
         self.num_failed = 0
-        self.bytes_sent = 0
         self.bytes_received = 0
         self._delays = fault_delays()
         self._held_back: list[tuple[float, Message]] = []
@@ -271,15 +267,11 @@ class KVRole:
                 if stream.pinned:
                     self._publish_listed({stream.decode})
             # (a stream may end before its lease's read begins: the lease stays)
-            if self.leases.reading(rid) and rid not in self._sending:  # type: ignore[arg-type]
+            if self.leases.reading(rid):  # type: ignore[arg-type]
                 self._end_read(rid)  # type: ignore[arg-type]
             return []
         if kind == "import":
             return self._import(*args)  # type: ignore[arg-type]
-        if kind == "granted":
-            (rid,) = args
-            self._start_pull(rid)  # type: ignore[arg-type]
-            return []
         if kind == "denied":
             rid, _why = args
             self._planned.pop(rid, None)  # type: ignore[call-overload]
@@ -298,7 +290,7 @@ class KVRole:
         if self._planned.pop(rid, None) is not None:
             return [("import_failed", rid, "aborted")]
         dropped = self._drop_import(rid)
-        return [("import_failed", rid, "aborted")] if dropped and dropped.announced else []
+        return [("import_failed", rid, "aborted")] if dropped else []
 
     def _drop_import(self, rid: str) -> _Import | None:
         """Free an import's blocks, or have its thread's end free them (a pull announced
@@ -336,7 +328,11 @@ class KVRole:
             else:  # a full block before it is missing: the decode side computes it
                 self.bm.unpin(tail)
             self.leases.hold(out.request_id, blocks, self.clock())
-            replies.append(("held", out.request_id, blocks))
+            held: Message = ("held", out.request_id, blocks)
+            if "held" in self._delays:
+                self._held_back.append((self.clock() + self._delays["held"], held))
+            else:
+                replies.append(held)
         return replies
 
     def poll(self) -> list[Message]:
@@ -347,14 +343,6 @@ class KVRole:
                 kind, rid, nbytes, seconds, error = self._results.get_nowait()
             except queue.Empty:
                 break
-            if kind == "sent":
-                self._sending.pop(rid, None)
-                self.bytes_sent += nbytes
-                if error is not None:
-                    self.num_failed += 1
-                if rid in self.leases:
-                    self._end_read(rid)
-                continue
             if kind == "part":
                 replies += self._part_landed(rid, nbytes, seconds, error)
                 continue
@@ -397,7 +385,7 @@ class KVRole:
     @property
     def busy(self) -> bool:
         """Whether a lease, an import or a transfer is outstanding here."""
-        return bool(len(self.leases) or self._imports or self._sending or self._held_back
+        return bool(len(self.leases) or self._imports or self._held_back
                     or self._planned)
 
     @property
@@ -409,31 +397,15 @@ class KVRole:
 
     # --- prefill side --------------------------------------------------------------------
 
-    def _export(self, rid: str, transfer_id: int, first_block: int, dst: int,
-                announce: bool = False) -> list[Message]:
-        """Begin the lease's read for replica `dst` (refused if it lapsed or was aborted);
-        `announce`: say so in the KV store too, where the pulling decode replica looks."""
+    def _export(self, rid: str, transfer_id: int) -> list[Message]:
+        """Begin the lease's read (refused if it lapsed or was aborted) and announce it in
+        the KV store, where the decode replica looks."""
         try:
-            blocks = self.leases.begin_read(rid, self.clock())
+            self.leases.begin_read(rid, self.clock())
         except LeaseExpired as e:
             return [("denied", rid, str(e))]
-        if announce:
-            self.connector.peers.announce_grant(transfer_id)
-        if self.connector.pushes:
-            self._sending[rid] = transfer_id
-            send = list(blocks[first_block:])
-            threading.Thread(target=self._send, args=(rid, dst, transfer_id, send),
-                             name=f"meshserve-kv-send-{rid}", daemon=True).start()
+        self.connector.peers.announce_grant(transfer_id)
         return [("granted", rid)]
-
-    def _send(self, rid: str, dst: int, transfer_id: int, blocks: list[int]) -> None:
-        t0 = time.perf_counter()
-        try:
-            nbytes = self.connector.send(dst, transfer_id, blocks)
-        except Exception as e:  # noqa: BLE001 - reported on the main thread
-            self._results.put(("sent", rid, 0, time.perf_counter() - t0, str(e)))
-            return
-        self._results.put(("sent", rid, nbytes, time.perf_counter() - t0, None))
 
     def _end_read(self, rid: str) -> None:
         self.bm.unpin(self.leases.end_read(rid))
@@ -536,11 +508,11 @@ class KVRole:
 
     def _import(self, rid: str, ids: list[int], params: SamplingParams, arrival: float,
                 src: int, src_blocks: list[int], transfer_id: int,
-                granted: bool = False, announced: bool = False) -> list[Message]:
+                granted: bool = False) -> list[Message]:
         """Take blocks for what the prefix cache lacks of the prompt (`ids`: it and its first
-        token) and for the tokens after its last full block if they come too, then ask for
-        the read (or, `granted` already, pull at once; `announced`, pull once the store
-        says so)."""
+        token) and for the tokens after its last full block if they come too, then pull
+        once the prefill replica announces the grant in the KV store (`granted`: the
+        front saw it already)."""
         bs = self.bm.block_size
         num_full = min(len(src_blocks), (len(ids) - 1) // bs)
         self._planned.pop(rid, None)  # (its prompt was done before a block was listed)
@@ -565,17 +537,10 @@ class KVRole:
             self.engine.add_request(ids, params, rid, arrival)
             return [("imported", rid, 0, 0.0, 0.0)]
         self._imports[rid] = _Import(imp, ids, params, arrival, src, src_blocks, transfer_id,
-                                     self.clock(), announced)
-        if granted or (announced and self.connector.peers.grant_announced(transfer_id)):
+                                     self.clock(), announced=not granted)
+        if granted or self.connector.peers.grant_announced(transfer_id):
             self._start_pull(rid)
-            return []
-        if announced:
-            return []  # `poll` starts the pull
-        want: Message = ("want", rid, transfer_id, imp.first_block)
-        if "want" in self._delays:
-            self._held_back.append((self.clock() + self._delays["want"], want))
-            return []
-        return [want]
+        return []  # else `poll` starts the pull
 
     def _after_import(self, rid: str, job: _Import) -> list[Message]:
         """A streamed prompt's import has come and no part is moving: fail it, or read what

@@ -1,15 +1,16 @@
-"""KV transfers of a multi-rank replica: its driver fans each one out to every rank.
+"""KV transfers of a multi-rank replica: its driver fans each pull out to every rank.
 
 Each rank holds its own share of the replica's KV (engine/worker/kv_pieces.py), so a
-transfer in or out of a tp x pp replica is one transfer per rank. The driver's KV role
-decides (engine/kv_transfer.py); `FannedOut` runs the driver's own part in the calling
-thread and tells every other rank through the replica's store, then waits for all of
-them. A TCP store connection is not safe to share between threads that wait on it, so
-each transfer takes a connection of its own from a pool (opening one per transfer costs
-a connect, at times seconds of it). On every other rank a thread, `serve_kv`, waits for
-where the KV world is, makes that rank's connector and runs each transfer it is told in
-a thread of its own, so transfers overlap there as on the driver. Steps never wait for it: a transfer touches
-only blocks the driver's block manager holds pinned for it.
+pull into a tp x pp replica is one pull per rank; out of one, each rank's connector
+answers for its own share by itself. The driver's KV role decides (engine/kv_transfer.py);
+`FannedOut` runs the driver's own part in the calling thread and tells every other rank
+through the replica's store, then waits for all of them. A TCP store connection is not
+safe to share between threads that wait on it, so each transfer takes a connection of its
+own from a pool (opening one per transfer costs a connect, at times seconds of it). On
+every other rank a thread, `serve_kv`, waits for where the KV world is, makes that rank's
+connector and runs each pull it is told in a thread of its own, so pulls overlap there as
+on the driver. Steps never wait for it: a transfer touches only blocks the driver's block
+manager holds pinned for it.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class FannedOut(KVConnector):
         self.own, self.num_ranks = own, num_ranks
         self.store = open_store()  # (for the commands, under the lock)
         self._waits = StorePool(open_store)
-        self.name, self.pushes = own.name, own.pushes
+        self.name = own.name
         self.me, self.replica, self.cache, self.peers = own.me, own.replica, own.cache, own.peers
         self.timeout_s = own.timeout_s
         self._seq = itertools.count()
@@ -105,10 +106,6 @@ class FannedOut(KVConnector):
                 total += nbytes
         return total
 
-    def send(self, dst: int, transfer_id: int, blocks: Sequence[int]) -> int:
-        return self._fan("send", (dst, transfer_id, list(blocks)),
-                         lambda: self.own.send(dst, transfer_id, blocks))
-
     def pull(self, src: int, transfer_id: int, src_blocks: Sequence[int],
              dst_blocks: Sequence[int]) -> int:
         args = (src, transfer_id, list(src_blocks), list(dst_blocks))
@@ -138,9 +135,9 @@ def serve_kv(open_store: Callable[[], dist.Store], rank: int, first_layer: int,
     store = open_store()
     store.wait([CONNECT_KEY], timedelta(seconds=KV_STARTUP_S))
     info = json.loads(store.get(CONNECT_KEY))
-    kv_store = StoreAddress(info["host"], int(info["port"]), info["prefix"]).open(
-        timedelta(seconds=KV_STARTUP_S))
-    peers = KVPeers(kv_store, info["sizes"])
+    kv_world = StoreAddress(info["host"], int(info["port"]), info["prefix"])
+    peers = KVPeers(kv_world.open(timedelta(seconds=KV_STARTUP_S)), info["sizes"],
+                    store_opener(kv_world))
     replica = int(info["replica"])
     me = RankKV.of(peers.offsets[replica] + rank, (first_layer, first_layer + num_layers),
                    tp_rank, tp, num_kv_heads)
@@ -168,8 +165,7 @@ def serve_kv(open_store: Callable[[], dist.Store], rank: int, first_layer: int,
 def _run(results: StorePool, rank: int, seq: int, connector: KVConnector, kind: str,
          args: tuple[object, ...]) -> None:
     try:
-        n = connector.send(*args) if kind == "send" else connector.pull(*args)  # type: ignore[arg-type]
-        result = (n, None)
+        result = (connector.pull(*args), None)  # type: ignore[arg-type]
     except Exception as e:  # noqa: BLE001 - reported to the driver
         result = (0, f"{type(e).__name__}: {e}")
     with results.connection() as store:

@@ -94,15 +94,14 @@ class ShmChannel:
             # the first write into the hole would kill the process with SIGBUS.
             os.posix_fallocate(fd, 0, size)
             buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-            os.rename(tmp, path)
+            np.ndarray((1,), dtype=np.int64, buffer=buf, offset=_TID)[0] = -1  # no ask yet
+            os.rename(tmp, path)  # (only then may a sender map it)
         except OSError:
             os.unlink(tmp)
             raise
         finally:
             os.close(fd)
-        channel = cls(path, buf, num_slots, slot_bytes)
-        channel._flag[_TID][0] = -1  # no ask yet
-        return channel
+        return cls(path, buf, num_slots, slot_bytes)
 
     @classmethod
     def sender(cls, path: str, deadline: float, what: str, num_slots: int = NUM_SLOTS,

@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from meshserve.parallel.comm.mesh import divisors
-from meshserve.parallel.comm.nixl_kv import nixl_available
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.cost_model import CostModel, StageTime, StepWork
 from meshserve.parallel.planner.model_shape import ArchLike, ModelShape
@@ -73,7 +72,7 @@ class PlannerOptions:
     (disagg_search.simulated_goodput) instead of the closed forms (plan.simulate)."""
     streamed_hop: bool = False
     """A split's decode replica reads each prompt's KV as its prefill steps compute it
-    (disagg.stream_kv over NIXL, prefill pp = 1): only the last step's blocks move after
+    (disagg.stream_kv, prefill pp = 1): only the last step's blocks move after
     the first token."""
 
     def __post_init__(self) -> None:
@@ -362,12 +361,9 @@ def options_for(config: RunLike) -> PlannerOptions:
 
 
 def streams_kv(config: RunLike) -> bool:
-    """Whether a split of this run reads prompts' KV as it is computed: disagg.stream_kv
-    with a pulling connector (nixl, or auto where it is installed)."""
+    """Whether a split of this run reads prompts' KV as it is computed (disagg.stream_kv)."""
     d = getattr(config, "disagg", None)
-    if d is None or not d.stream_kv:
-        return False
-    return d.connector == "nixl" or (d.connector == "auto" and nixl_available())
+    return d is not None and bool(d.stream_kv)
 
 
 def is_auto(config: RunLike) -> bool:

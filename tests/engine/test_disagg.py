@@ -65,8 +65,6 @@ def test_one_prefill_one_decode_equals_transformers(make_checkpoint, prompts, ex
         hopped = assert_each_block_moved_once(engine, prompts, 2 * 2 * 8 * 2 * 16 * 4)
         t = engine.transfers
         assert t.num_skipped == len(prompts) - len(hopped)  # short prompts prefill on decode
-        # NIXL pulls: the front began each read itself, so no ask waited on its steps
-        assert t.num_granted_at_import == (len(hopped) if connector == "nixl" else 0)
         assert_no_blocks_held(engine)
         # The same prompts again: the decode replica caches them, so nothing hops or moves.
         again = llm.generate(prompts, GREEDY)
@@ -183,10 +181,7 @@ def test_sides_of_other_tp_and_pp_equal_transformers(make_checkpoint, prompts, e
         # every layer and head once, whatever the split
         hopped = assert_each_block_moved_once(engine, prompts, 2 * 2 * 8 * 2 * 16 * 4)
         t = engine.transfers
-        # NIXL pulls: each read began as the import was sent (granted in the front for
-        # replica 0's KV, announced in the KV store by replica 1), so no ask or grant
-        # waited on the front's steps
-        assert t.num_granted_at_import == (len(hopped) if connector == "nixl" else 0)
+        assert t.num_transfers == len(hopped) and t.num_failed == 0
         if engine.num_prefill == 2:
             assert engine.requests_per_replica[1] > 0  # some prompts prefilled there
             assert_no_grant_left(engine)
@@ -195,27 +190,26 @@ def test_sides_of_other_tp_and_pp_equal_transformers(make_checkpoint, prompts, e
         llm.shutdown()
 
 
-@NIXL_ONLY
+@pytest.mark.parametrize("connector", CONNECTORS)
 @pytest.mark.usefixtures("slow_transfers")
 def test_an_abort_of_an_announced_read_frees_both_sides(make_checkpoint, prompts,
-                                                        expected) -> None:
-    """2P+1D over NIXL, pulls starting 0.6 s late: requests prefilled on replica 1 are
-    aborted once their read is announced; the others keep transformers' tokens, and no
-    block or key is left."""
+                                                        expected, connector: str) -> None:
+    """2P+1D, pulls starting 0.6 s late: requests prefilled on replica 1 are aborted once
+    their read is announced; the others keep transformers' tokens, and no block or key is
+    left."""
     llm = LLM(str(make_checkpoint("llama")), progress=False, min_replicas=2, overrides=[
-        *ONE_RANK, "disagg.prefill.replicas=2", "disagg.connector=nixl"])
+        *ONE_RANK, "disagg.prefill.replicas=2", f"disagg.connector={connector}"])
     try:
         engine = llm.engine
         long = [i for i, p in enumerate(prompts) if len(p) >= 16]
         ids = {engine.add_request(prompts[i], GREEDY): i for i in long}
 
         def announced_on_1(_: list[RequestOutput]) -> bool:
-            return any(h.prefill == 1 and h.announced
-                       for h in engine._hops.values())
+            return any(h.prefill == 1 and h.stage == "import" for h in engine._hops.values())
 
         outs = run_until(engine, announced_on_1)
         aborted = {r for r, h in engine._hops.items()
-                   if h.prefill == 1 and h.announced}
+                   if h.prefill == 1 and h.stage == "import"}
         for rid in aborted:
             engine.abort(rid)
         outs += run_until(engine, lambda o: not engine.has_unfinished(), 60.0)
@@ -288,9 +282,10 @@ def test_an_abort_at_any_stage_frees_both_sides(make_checkpoint, prompts,
 def test_a_lapsed_lease_fails_the_request_or_recomputes(make_checkpoint, prompts, expected,
                                                         monkeypatch: pytest.MonkeyPatch,
                                                         on_failure: str) -> None:
-    monkeypatch.setenv(FAULT_ENV, "want=1.0")  # the decode replica asks after the lease lapsed
+    monkeypatch.setenv(FAULT_ENV, "held=1.0")  # the front begins the read after it lapsed
     llm = disagg_llm(str(make_checkpoint("llama")), "disagg.connector=torch",
-                     "disagg.kv_lease_s=0.2", f"disagg.on_failure={on_failure}")
+                     "disagg.stream_kv=false", "disagg.kv_lease_s=0.2",
+                     f"disagg.on_failure={on_failure}")
     try:
         engine = llm.engine
         i = max(range(len(prompts)), key=lambda j: len(prompts[j]))
@@ -354,14 +349,15 @@ def test_a_killed_decode_replica_fails_its_requests_and_the_other_serves_on(
 
 def test_a_killed_prefill_replica_fails_or_recomputes_what_it_held(
         make_checkpoint, prompts, expected, monkeypatch: pytest.MonkeyPatch) -> None:
-    """2P+1D with the decode side's asks held back 1 s, replica 1 (a prefill replica)
-    killed while it holds KV for the decode replica: the requests it was still prefilling
-    end in an error naming it; those whose first token was out are prefilled again on the
-    decode replica (on_failure=recompute) and keep transformers' tokens."""
-    monkeypatch.setenv(FAULT_ENV, "want=1.0")
+    """2P+1D with every pull starting 1 s late, replica 1 (a prefill replica) killed once
+    it holds KV the decode replica was told to import: the requests it was still
+    prefilling end in an error naming it; those whose first token was out are prefilled
+    again on the decode replica (on_failure=recompute) and keep transformers' tokens."""
+    monkeypatch.setenv(FAULT_ENV, "pull=1.0")
     path = str(make_checkpoint("llama"))
     llm = LLM(path, overrides=[*ONE_RANK, "disagg.prefill.replicas=2", "disagg.connector=torch",
-                               "disagg.on_failure=recompute", "parallel.timeout_s=5"],
+                               "disagg.on_failure=recompute", "parallel.timeout_s=5",
+                               "disagg.transfer_timeout_s=5"],
               progress=False, min_replicas=2)
     run = ""
     try:
@@ -372,12 +368,10 @@ def test_a_killed_prefill_replica_fails_or_recomputes_what_it_held(
         ids = {engine.add_request(prompts[i], GREEDY): i for i in long}
 
         def held_on_1(_: list[RequestOutput]) -> bool:
-            return any(h.prefill == 1 and h.decode is not None and h.stage == "held"
-                       for h in engine._hops.values())
+            return any(h.prefill == 1 and h.stage == "import" for h in engine._hops.values())
 
         outs = run_until(engine, held_on_1)
-        held = {r for r, h in engine._hops.items()
-                if h.prefill == 1 and h.decode is not None and not h.granted}
+        held = {r for r, h in engine._hops.items() if h.prefill == 1 and h.stage == "import"}
         finished = kill_and_finish(engine, 1, outs)
         assert set(finished) == set(ids)
         for rid, i in ids.items():

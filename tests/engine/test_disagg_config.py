@@ -57,10 +57,10 @@ def test_a_bad_override_names_the_key() -> None:
 
 
 def test_fault_delays(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(FAULT_ENV, "want=1.5,pull=0.25")
-    assert fault_delays() == {"want": 1.5, "pull": 0.25}
+    monkeypatch.setenv(FAULT_ENV, "held=1.5,pull=0.25")
+    assert fault_delays() == {"held": 1.5, "pull": 0.25}
     monkeypatch.setenv(FAULT_ENV, "send=1")
-    with pytest.raises(ValueError, match="allowed: want=S, pull=S"):
+    with pytest.raises(ValueError, match="allowed: held=S, pull=S"):
         fault_delays()
 
 

@@ -1,4 +1,5 @@
-"""Prompts whose KV is read as it is computed (disagg.stream_kv over NIXL, on CPU).
+"""Prompts whose KV is read as it is computed (disagg.stream_kv, over NIXL and the torch
+connector, on CPU).
 
 Prompts are prefilled 8 tokens a step and the prefill replica waits a little after it
 lists new blocks, so the decode replica reads most of each prompt before its first token
@@ -67,8 +68,10 @@ def assert_all_freed(engine: DisaggEngine, within_s: float = 15.0) -> None:
 @pytest.mark.usefixtures("slow_prefill")
 @pytest.mark.parametrize("side", [(), ("disagg.prefill.tp=2",), ("disagg.decode.tp=2",),
                                   ("engine.async_scheduling=true",),
-                                  ("disagg.stream_kv=false",)],
-                         ids=["1P+1D", "prefill-tp2", "decode-tp2", "async", "off"])
+                                  ("disagg.stream_kv=false",), ("disagg.connector=torch",),
+                                  ("disagg.connector=torch", "disagg.prefill.tp=2")],
+                         ids=["1P+1D", "prefill-tp2", "decode-tp2", "async", "off", "torch",
+                              "torch-prefill-tp2"])
 def test_streamed_prompts_equal_transformers_and_move_each_block_once(
         make_checkpoint, prompts, expected, side: tuple[str, ...]) -> None:
     llm = streamed_llm(str(make_checkpoint("llama")), *side)
@@ -220,9 +223,10 @@ def test_a_decode_replica_short_of_room_refuses_the_stream(make_checkpoint, prom
         llm.shutdown()
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize(("seed", "connector"), [(1, "nixl"), (2, "torch")])
 def test_many_streamed_prompts_with_random_aborts_keep_their_tokens(make_checkpoint,
-                                                                    seed: int) -> None:
+                                                                    seed: int,
+                                                                    connector: str) -> None:
     """1P+2D, 40 prompts of 10-120 tokens, steps of 8-24 tokens, 64 blocks a replica, about
     a fifth aborted at random points: every other request has a colocated run's greedy
     tokens, and nothing is left read, pinned or listed."""
@@ -240,7 +244,8 @@ def test_many_streamed_prompts_with_random_aborts_keep_their_tokens(make_checkpo
     finally:
         ref.shutdown()
     llm = streamed_llm(path, "disagg.decode.replicas=2", "engine.num_gpu_blocks=64",
-                       f"engine.max_num_batched_tokens={rng.choice([8, 16, 24])}")
+                       f"engine.max_num_batched_tokens={rng.choice([8, 16, 24])}",
+                       f"disagg.connector={connector}")
     try:
         engine = llm.engine
         assert isinstance(engine, DisaggEngine)

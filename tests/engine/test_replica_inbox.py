@@ -50,10 +50,10 @@ def test_an_export_is_taken_at_once_and_the_rest_waits_in_order() -> None:
     holder.append(Inbox(mine, role, out))  # type: ignore[arg-type]
     inbox = holder[0]
     front.send(("add", 1))
-    front.send(("export", "r1", 7, 0, 2, True))
+    front.send(("export", "r1", 7))
     front.send(("abort", "r0"))
     assert role.done.wait(5)  # nobody took a message from the inbox meanwhile
-    assert role.exports == [("r1", 7, 0, 2, True)] and out.sent == [("granted", "r1")]
+    assert role.exports == [("r1", 7)] and out.sent == [("granted", "r1")]
     assert inbox.get(5) == ("add", 1)
     assert inbox.get(5) == ("abort", "r0")
     assert inbox.get(0.0) is None and inbox.empty()
@@ -68,7 +68,7 @@ def test_an_export_that_fails_is_raised_to_the_loop() -> None:
     front, mine = _pair()
     holder: list[Inbox] = []
     holder.append(Inbox(mine, _Role(holder), _Out()))  # type: ignore[arg-type]
-    front.send(("export", "bad", 1, 0, 2, True))
+    front.send(("export", "bad", 1))
     with pytest.raises(RuntimeError, match="ValueError: no lease"):
         holder[0].get(5)
     front.close()
@@ -77,9 +77,9 @@ def test_an_export_that_fails_is_raised_to_the_loop() -> None:
 def test_stop_ends_the_reading_thread() -> None:
     front, mine = _pair()
     inbox = Inbox(mine, None, _Out())
-    front.send(("export", "r", 1, 0, 2, True))  # no KV role: the loop's to refuse
+    front.send(("export", "r", 1))  # no KV role: the loop's to refuse
     front.send(("stop",))
-    assert inbox.get(5) == ("export", "r", 1, 0, 2, True)
+    assert inbox.get(5) == ("export", "r", 1)
     assert inbox.get(5) == ("stop",)
     inbox.thread.join(5)
     assert not inbox.thread.is_alive()

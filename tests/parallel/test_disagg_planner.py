@@ -85,24 +85,24 @@ def test_a_hop_between_nodes_is_priced_on_the_slower_link() -> None:
 
 
 def test_a_streamed_split_prices_only_the_last_prefill_steps_hop() -> None:
-    """With the prompt read as it is computed (disagg.stream_kv over NIXL), a 4,000-token
-    prompt in steps of 2,048 leaves 1,952 tokens' KV for after its first token; the bytes
-    are the same. The torch connector, or stream_kv=false, moves it all after."""
+    """With the prompt read as it is computed (disagg.stream_kv, either connector), a
+    4,000-token prompt in steps of 2,048 leaves 1,952 tokens' KV for after its first token;
+    the bytes are the same. With stream_kv=false it all moves after."""
     found = {}
     for extra in ("disagg.connector=nixl", "disagg.connector=torch",
                   "disagg.stream_kv=false"):
         cfg = load_config([*LONG_PROMPTS_TIGHT_TPOT, extra])
         options = options_for(cfg)
-        assert options.streamed_hop == (extra == "disagg.connector=nixl")
+        assert options.streamed_hop == (extra != "disagg.stream_kv=false")
         shape = model_shape(cfg, cfg.cluster)
         found[extra] = {(c.prefill.text, c.decode.text): c
                         for c in splits(shape, cfg.cluster, cfg.scenario, options)
                         if c.rejected is None and c.prefill.pp == 1}
-    streamed, pushed, off = found.values()
-    assert streamed.keys() == pushed.keys() == off.keys()
-    for key, c in streamed.items():
-        assert c.kv_bytes == pushed[key].kv_bytes == off[key].kv_bytes
-        assert pushed[key].transfer_ms == off[key].transfer_ms > c.transfer_ms
+    nixl, torch_, off = found.values()
+    assert nixl.keys() == torch_.keys() == off.keys()
+    for key, c in nixl.items():
+        assert c.kv_bytes == torch_[key].kv_bytes == off[key].kv_bytes
+        assert torch_[key].transfer_ms == c.transfer_ms < off[key].transfer_ms
         assert "of it after the first token" in describe(c, cfg.scenario)
 
 

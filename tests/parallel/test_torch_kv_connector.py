@@ -1,8 +1,9 @@
 """The torch connector between real ranks of two replicas of different layouts, through
-shared memory and through gloo: a pipeline of two stages sends to two tensor-parallel
-ranks, a layer at a time; every destination rank ends with exactly its layers and heads
-of the blocks asked for, in its own block ids; the byte counts; a bounded wait on a silent
-peer; nothing left in shared memory."""
+shared memory and through gloo: two tensor-parallel ranks pull from a pipeline of two
+stages, whose connectors answer by themselves, a layer at a time; every destination rank
+ends with exactly its layers and heads of the blocks asked for, in its own block ids; the
+byte counts on both sides; a bounded wait on a peer that stopped answering; nothing left
+in shared memory."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import uuid
 
 import pytest
 
+from meshserve.parallel.comm.discovery import free_port
 from meshserve.parallel.comm.shm_allreduce import SHM_DIR, supported
 from tests.parallel.conftest import RunRanks
 
@@ -18,12 +20,13 @@ pytestmark = pytest.mark.slow
 
 RANK_PROGRAM = r'''
 import os, sys, time
+from datetime import timedelta
 import torch
 import torch.distributed as dist
 from meshserve.engine.kv_connector import RUN_KEY, KVPeers, make_connector
 from meshserve.engine.worker.kv_pieces import RankKV
 
-rank, store_path = int(sys.argv[1]), sys.argv[2]
+rank = int(sys.argv[1])
 L, BLOCKS, BS, H, D = 3, 12, 4, 4, 8
 full = torch.randn(L, 2, BLOCKS, BS, H, D, generator=torch.Generator().manual_seed(0))
 ranks = [RankKV(0, (0, 2), (0, 4)), RankKV(1, (2, 3), (0, 4)),  # replica 0: pp=2
@@ -31,17 +34,28 @@ ranks = [RankKV(0, (0, 2), (0, 4)), RankKV(1, (2, 3), (0, 4)),  # replica 0: pp=
 me = ranks[rank]
 h = slice(*me.heads)
 cache = [(full[i, 0][:, :, h].clone(), full[i, 1][:, :, h].clone()) for i in range(*me.layers)]
-peers = KVPeers(dist.FileStore(store_path, 4), [2, 2])
-SHM, TOKEN = @SHM@, "@TOKEN@"
+SHM, TOKEN, PORT = @SHM@, "@TOKEN@", @PORT@
+wait = timedelta(seconds=60)
+store = dist.TCPStore("127.0.0.1", PORT, 4, rank == 0, timeout=wait)
+def connect() -> dist.Store:
+    return dist.TCPStore("127.0.0.1", PORT, is_master=False, timeout=wait)
+peers = KVPeers(store, [2, 2], connect)
+store = connect()  # (the test's own waits never hold up the connector's calls)
 if rank == 0:
     peers.store.set(RUN_KEY, TOKEN)
 conn = make_connector("torch", me, rank // 2, cache, peers, 1.0, shm=SHM)
 src_blocks, dst_blocks = [7, 2, 9], [0, 5, 11]
 per_block = BS * 2 * D * 4  # tokens x heads x head dim x fp32, per layer, K or V
-if rank < 2:
-    n = conn.send(1, 5, src_blocks)
-    assert n == (me.layers[1] - me.layers[0]) * 2 * len(src_blocks) * 2 * per_block, n
-    time.sleep(3)  # silent while the destination waits for more
+if rank < 2:  # a prefill rank: its connector answers by itself
+    want = (me.layers[1] - me.layers[0]) * 2 * len(src_blocks) * 2 * per_block
+    store.wait(["pulled-2", "pulled-3"], wait)
+    deadline = time.monotonic() + 5
+    while conn.bytes_moved != want:
+        assert time.monotonic() < deadline, (conn.bytes_moved, want)
+        time.sleep(0.01)
+    conn.close()  # it answers no more: silent while the destination waits
+    store.add("closed", 1)
+    store.wait(["done-2", "done-3"], wait)
 else:
     for k, v in cache:
         k.zero_()
@@ -54,6 +68,9 @@ else:
             assert torch.equal(t[dst_blocks], want), (layer, which)
             rest = [b for b in range(BLOCKS) if b not in dst_blocks]
             assert not t[rest].any()  # blocks not asked for stay as they were
+    store.set(f"pulled-{rank}", "1")
+    while store.add("closed", 0) < 2:
+        time.sleep(0.01)
     t0 = time.monotonic()
     try:
         conn.pull(0, 6, src_blocks, dst_blocks)
@@ -62,6 +79,7 @@ else:
     else:
         raise AssertionError("a pull from a silent replica returned")
     assert time.monotonic() - t0 < 2.5
+    store.set(f"done-{rank}", "1")
 assert conn._shares_memory(2 if rank < 2 else 0) == SHM
 conn.close()
 print("ok", rank, flush=True)
@@ -76,5 +94,6 @@ os._exit(0)  # the pairs are broken after a timed-out wait: no collective shutdo
 def test_pieces_cross_ranks_of_two_layouts_layer_by_layer(run_ranks: RunRanks,
                                                           shm: bool) -> None:
     token = uuid.uuid4().hex[:12]
-    run_ranks(RANK_PROGRAM.replace("@SHM@", str(shm)).replace("@TOKEN@", token), 4, 120.0)
+    program = RANK_PROGRAM.replace("@SHM@", str(shm)).replace("@TOKEN@", token)
+    run_ranks(program.replace("@PORT@", str(free_port())), 4, 120.0)
     assert glob.glob(f"{SHM_DIR}/meshserve-kv-{token}-*") == []
