@@ -259,7 +259,14 @@ class TorchKVConnector(KVConnector):
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("meshserve-kv", peers.store),
                                            me.rank, peers.world,
                                            timedelta(seconds=KV_STARTUP_S))
-        self._answering = threading.Thread(target=self._answer, args=(peers.open_store(),),
+        answers = peers.open_store()
+        try:
+            answers.queue_len(_asks_key(me.rank))
+        except NotImplementedError:
+            raise ValueError("disagg.connector=torch: the KV store has no queues (a "
+                             "TCPStore without libuv, as USE_LIBUV=0 makes); unset "
+                             "USE_LIBUV or use disagg.connector=nixl") from None
+        self._answering = threading.Thread(target=self._answer, args=(answers,),
                                            name="meshserve-kv-answer", daemon=True)
         self._answering.start()
 

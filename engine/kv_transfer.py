@@ -69,9 +69,10 @@ Message = tuple[object, ...]
 
 FAULT_ENV = "MESHSERVE_KV_FAULT_DELAY"
 """Fault injection (tests): `held=S` holds a prefill replica's word that it holds a
-prompt's KV for S seconds (its lease may lapse meanwhile), `pull=S` starts each transfer S seconds late (an abort may come
-while it is in flight), `list=S` has a prefill replica wait S seconds after it lists a
-streamed prompt's new blocks (a slow prefill, which the reads overlap); comma-separated."""
+prompt's KV for S seconds (its lease may lapse meanwhile), `pull=S` starts each transfer
+S seconds late (an abort may come while it is in flight), `list=S` has a prefill replica
+wait S seconds after it lists a streamed prompt's new blocks (a slow prefill, which the
+reads overlap); comma-separated."""
 
 
 def fault_delays() -> dict[str, float]:

@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 
+from meshserve.engine.kv_connector import sweep_run
 from meshserve.parallel.comm.discovery import free_port
 from meshserve.parallel.comm.shm_allreduce import SHM_DIR, supported
 from tests.parallel.conftest import RunRanks
@@ -95,5 +96,8 @@ def test_pieces_cross_ranks_of_two_layouts_layer_by_layer(run_ranks: RunRanks,
                                                           shm: bool) -> None:
     token = uuid.uuid4().hex[:12]
     program = RANK_PROGRAM.replace("@SHM@", str(shm)).replace("@TOKEN@", token)
-    run_ranks(program.replace("@PORT@", str(free_port())), 4, 120.0)
-    assert glob.glob(f"{SHM_DIR}/meshserve-kv-{token}-*") == []
+    try:
+        run_ranks(program.replace("@PORT@", str(free_port())), 4, 120.0)
+        assert glob.glob(f"{SHM_DIR}/meshserve-kv-{token}-*") == []
+    finally:  # (what ranks that failed left)
+        sweep_run(token)
