@@ -16,15 +16,15 @@ when the thread is done the blocks enter its prefix cache and the request (its p
 plus the first token) is admitted, a prefix hit for all but its last block. An abort at
 any point frees what the request holds on this side, once no thread still uses it.
 
-A streamed prompt (disagg.stream_kv) is read as it is computed: its
-decode replica is told ("stream") as it is sent to its prefill replica. After each step
-the prefill replica pins the prompt's newly computed blocks and lists them in the KV
-store, where the decode replica looks: at the first listed, it takes blocks for the
-prompt's full blocks (or refuses: nothing missing, or too little room left for its
-running sequences), then reads what is new, one part at a time. The import that follows
-the first token then moves only what is left (the last chunk's blocks and the tail). The
-prefill replica keeps those pins until the front says the read is done ("read_done"),
-whatever happens to the request meanwhile.
+A streamed prompt (disagg.stream_kv) is read as it is computed: its decode replica is told
+("stream") as it is sent to its prefill replica. After each step the prefill replica pins
+the prompt's newly computed blocks and lists them in the KV store, where the decode
+replica looks: at the first listed, it takes blocks for the prompt's full blocks (or
+refuses: nothing missing, or too little room left for its running sequences), then reads
+what is new, one part at a time. The import that follows the first token then moves only
+what is left (the last chunk's blocks and the tail). The prefill replica keeps those pins
+until the front says the read is done ("read_done"), whatever happens to the request
+meanwhile.
 
 Everything but the transfers themselves runs on the replica's main thread; the threads
 touch only pinned blocks and report through a queue.

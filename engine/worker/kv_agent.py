@@ -82,13 +82,14 @@ class FannedOut(KVConnector):
     def bytes_moved(self) -> int:
         return self.own.bytes_moved
 
-    def _fan(self, kind: str, args: tuple[object, ...],
-             mine: Callable[[], int]) -> int:
+    def pull(self, src: int, transfer_id: int, src_blocks: Sequence[int],
+             dst_blocks: Sequence[int]) -> int:
+        args = (src, transfer_id, list(src_blocks), list(dst_blocks))
         with self._lock:  # every rank is told the transfers in one order
             seq = next(self._seq)
             for r in range(1, self.num_ranks):
-                self.store.set(_cmd_key(r, seq), pickle.dumps((kind, args)))
-        total = mine()
+                self.store.set(_cmd_key(r, seq), pickle.dumps(("pull", args)))
+        total = self.own.pull(*args)
         with self._waits.connection() as store:
             for r in range(1, self.num_ranks):
                 key = _done_key(r, seq)
@@ -105,11 +106,6 @@ class FannedOut(KVConnector):
                     raise RuntimeError(f"rank {r} of replica {self.replica}: {error}")
                 total += nbytes
         return total
-
-    def pull(self, src: int, transfer_id: int, src_blocks: Sequence[int],
-             dst_blocks: Sequence[int]) -> int:
-        args = (src, transfer_id, list(src_blocks), list(dst_blocks))
-        return self._fan("pull", args, lambda: self.own.pull(*args))  # type: ignore[arg-type]
 
     def close(self) -> None:
         with self._lock:
@@ -158,11 +154,11 @@ def serve_kv(open_store: Callable[[], dist.Store], rank: int, first_layer: int,
         if kind == "stop":
             connector.close()
             return
-        threading.Thread(target=_run, args=(results, rank, seq, connector, kind, args),
-                         name=f"meshserve-kv-{kind}-{seq}", daemon=True).start()
+        threading.Thread(target=_run, args=(results, rank, seq, connector, args),
+                         name=f"meshserve-kv-pull-{seq}", daemon=True).start()
 
 
-def _run(results: StorePool, rank: int, seq: int, connector: KVConnector, kind: str,
+def _run(results: StorePool, rank: int, seq: int, connector: KVConnector,
          args: tuple[object, ...]) -> None:
     try:
         result = (connector.pull(*args), None)  # type: ignore[arg-type]
