@@ -368,6 +368,8 @@ def main() -> None:
                              "failed": transfers.num_failed, "bytes": transfers.bytes,
                              "streamed_share": round(transfers.bytes_streamed
                                                      / max(transfers.bytes, 1), 3),
+                             "layered_share": round(transfers.bytes_layered
+                                                    / max(transfers.bytes, 1), 3),
                              "wire_bytes_per_s": round(transfers.bytes
                                                        / max(transfers.wire_seconds_sum, 1e-9)),
                              "handoff_bytes_per_s": round(transfers.bytes

@@ -118,6 +118,8 @@ class TransferStats:
     bytes: int = 0
     bytes_streamed: int = 0
     """Of `bytes`, those read while the prompt was still being computed."""
+    bytes_layered: int = 0
+    """Of `bytes_streamed`, those of layers read while the rest of their step still ran."""
     wire_seconds_sum: float = 0.0
     """Time the bytes themselves took (the decode replica's pulls)."""
     seconds_sum: float = 0.0
@@ -370,6 +372,7 @@ class DisaggEngine(DataParallelEngine):
                 self.transfers.observe(int(nbytes), hop.import_sent_at - start
                                        + float(admit_s), float(wire_s))
                 self.transfers.bytes_streamed += int(early[0]) if early else 0
+                self.transfers.bytes_layered += int(early[1]) if len(early) > 1 else 0
             if hop is not None:
                 hop.stage = "decode"
         elif kind == "import_failed":

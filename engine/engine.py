@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -100,6 +101,9 @@ class Engine:
         self._by_request_id: dict[str, int] = {}
         self._kept_tails: dict[str, int] = {}
         """Finished requests -> the block `keep_prompt_tail` kept, until taken."""
+        self.on_launch: Callable[[SchedulerOutput], None] | None = None
+        """Called with each step as it is scheduled, before it runs (not on a pipeline): a
+        prefill replica pins the blocks a streamed prompt's step completes."""
         self._seq_ids = itertools.count()
         if self.step_log is not None:
             self.step_log.comm = self._measured_comm()
@@ -246,6 +250,17 @@ class Engine:
         n = min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.config.engine.block_size
         return list(seq.block_table[:n]), seq.num_preemptions
 
+    def prompt_blocks_scheduled(self, request_id: str, out: SchedulerOutput
+                                ) -> tuple[list[int], int]:
+        """`prompt_blocks_computed` once step `out` (scheduled, not launched) has run too."""
+        seq_id = self._by_request_id.get(request_id)
+        chunk = next((s for s in out.scheduled if s.seq_id == seq_id), None)
+        if chunk is None:
+            return self.prompt_blocks_computed(request_id)
+        seq = self._requests[chunk.seq_id].seq
+        end = min(chunk.start_pos + chunk.num_tokens, seq.num_prompt_tokens)
+        return list(chunk.block_table[:end // self.config.engine.block_size]), seq.num_preemptions
+
     def give_prompt_tail(self, request_id: str, block: int) -> None:
         """Hand a request not yet admitted a block the caller holds with the KV of its
         prompt's tokens after the last full block, all but the last token: its admission
@@ -289,6 +304,8 @@ class Engine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        if self.on_launch is not None:
+            self.on_launch(out)
         new = self._admit_to_executor(out)
         clock.scheduled()
         result = self.executor.execute(out, new, self._take_finished())
@@ -340,6 +357,8 @@ class Engine:
         clock.scheduled()
         launched = None
         if out.scheduled:
+            if self.on_launch is not None:
+                self.on_launch(out)
             launched = executor.launch(out, self._admit_to_executor(out), self._take_finished())
             clock.executed()
         outputs = self._resolve_launched(call)

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from meshserve.engine.kv_handshake import KVSpec, check_handshake
+from meshserve.engine.kv_listing import Listed
 from meshserve.engine.worker.kv_blocks import KVCache
 from meshserve.engine.worker.kv_pieces import (
     Piece,
@@ -59,6 +60,7 @@ from meshserve.engine.worker.kv_pieces import (
     pack_layer,
     pieces_for,
     pieces_from,
+    restrict,
     unpack_layer,
 )
 from meshserve.parallel.comm.nixl_kv import NixlKV, nixl_available
@@ -124,22 +126,25 @@ class KVPeers:
             return grant_announced(self.store, transfer_id)
 
     # Streamed prompts' blocks: a prefill replica lists, for each decode replica, the
-    # blocks of every prompt it streams there computed so far (pinned until the read
-    # ends), under one key, so a decode replica reads one key per prefill replica however
+    # blocks of every prompt it streams there computed so far, layer by layer (pinned
+    # until the read ends: engine/kv_listing.py), under one key, so a decode replica reads one key per prefill replica however
     # many prompts it waits on.
 
-    def publish_listed(self, src: int, dst: int, listed: dict[int, list[int]]) -> None:
+    def publish_listed(self, src: int, dst: int, listed: dict[int, Listed]) -> None:
         """Prefill replica `src`: what it lists for decode replica `dst`, by transfer id."""
+        value = json.dumps({k: v.to_json() for k, v in listed.items()})
         with self.lock:
-            self.store.set(_listed_key(src, dst), json.dumps(listed))
+            self.store.set(_listed_key(src, dst), value)
 
-    def listed(self, src: int, dst: int) -> dict[int, list[int]]:
+    def listed(self, src: int, dst: int) -> dict[int, Listed]:
         """What prefill replica `src` lists for decode replica `dst`: the blocks computed
-        so far of each prompt it streams there, by transfer id. One read that never waits
-        (a get would wait for a key not yet set)."""
+        so far of each prompt it streams there (and their layers written), by transfer id.
+        One read that never waits (a get would wait for a key not yet set)."""
         with self.lock:
             value = self.store.compare_set(_listed_key(src, dst), _ABSENT, _ABSENT)
-        return {} if value == _ABSENT else {int(k): v for k, v in json.loads(value).items()}
+        if value == _ABSENT:
+            return {}
+        return {int(k): Listed.from_json(v) for k, v in json.loads(value).items()}
 
 
 _ABSENT = b"\x00"
@@ -206,10 +211,10 @@ class KVConnector(ABC):
 
     @abstractmethod
     def pull(self, src: int, transfer_id: int, src_blocks: Sequence[int],
-             dst_blocks: Sequence[int]) -> int:
+             dst_blocks: Sequence[int], layers: tuple[int, int] | None = None) -> int:
         """Decode side: bring this rank's pieces of replica `src`'s `src_blocks` into this
-        cache's `dst_blocks`; the bytes moved. Raises RuntimeError naming the peer when it
-        fails or times out."""
+        cache's `dst_blocks` (`layers`: of the global layers [start, stop) only); the
+        bytes moved. Raises RuntimeError naming the peer when it fails or times out."""
 
     def _incoming(self, src: int) -> list[Piece]:
         return pieces_for(self.peers.ranks(src), self.me)
@@ -316,16 +321,20 @@ class TorchKVConnector(KVConnector):
     # --- the decode side -----------------------------------------------------------------
 
     def pull(self, src: int, transfer_id: int, src_blocks: Sequence[int],
-             dst_blocks: Sequence[int]) -> int:
+             dst_blocks: Sequence[int], layers: tuple[int, int] | None = None) -> int:
         """Ask for every piece, post every layer's receive at once, and write each layer
         into the cache as it lands, while the later ones are still on the wire (or being
         packed)."""
-        pieces = self._incoming(src)
+        whole = self._incoming(src)
+        # A piece is named to its source by its place among the whole pieces from there.
+        named = [(p.within(layers) if layers else p, p) for p in whole]
+        pieces = [p for p, _ in named if p is not None]
         dtype = self.cache[0][0].dtype
         idx = block_index(self.cache, dst_blocks)
         deadline = time.monotonic() + self.timeout_s
         try:
-            asks = {id(p): self._ask(p, pieces, transfer_id, src_blocks) for p in pieces}
+            asks = {id(p): self._ask(w, whole, transfer_id, src_blocks, p.layers)
+                    for p, w in named if p is not None}
             local = [p for p in pieces if self._shares_memory(p.src.rank)]
             landing = [(p, layer, torch.empty(layer_shape(self.cache, p, len(dst_blocks)),
                                               dtype=dtype))
@@ -345,13 +354,13 @@ class TorchKVConnector(KVConnector):
         return n
 
     def _ask(self, piece: Piece, pieces: list[Piece], transfer_id: int,
-             blocks: Sequence[int]) -> int:
-        """Ask `piece`'s source rank for it over `blocks`; the ask's number, which names
-        its channel transfer and its point-to-point tags (unique between the two ranks:
-        this rank numbers its own asks)."""
+             blocks: Sequence[int], layers: tuple[int, int]) -> int:
+        """Ask `piece`'s source rank for its global `layers` over `blocks`; the ask's
+        number, which names its channel transfer and its point-to-point tags (unique
+        between the two ranks: this rank numbers its own asks)."""
         n = next(self._asked)
         k = [p for p in pieces if p.src.rank == piece.src.rank].index(piece)
-        ask = np.array([self.me.rank, n, transfer_id, k, *blocks], dtype=np.int64)
+        ask = np.array([self.me.rank, n, transfer_id, k, *layers, *blocks], dtype=np.int64)
         with self.peers.lock:
             self.peers.store.queue_push(_asks_key(piece.src.rank), ask.tobytes())
         return n
@@ -397,13 +406,16 @@ class TorchKVConnector(KVConnector):
                              name="meshserve-kv-answer-one", daemon=True).start()
 
     def _answer_one(self, ask: bytes) -> None:
-        asker, n, transfer_id, k, *blocks = np.frombuffer(ask, dtype=np.int64).tolist()
+        asker, n, transfer_id, k, lo, hi, *blocks = np.frombuffer(
+            ask, dtype=np.int64).tolist()
         deadline = time.monotonic() + self.timeout_s
         try:
             dests = self.peers.ranks(self.peers.replica_of(asker))
             mine = [p for p in pieces_from(self.me, self.peers.ranks(self.replica), dests)
                     if p.dst.rank == asker]
-            nbytes = self._send_piece(mine[k], n, block_index(self.cache, blocks), deadline)
+            piece = mine[k].within((lo, hi))
+            assert piece is not None, (mine[k], lo, hi)  # (the asker asks for none empty)
+            nbytes = self._send_piece(piece, n, block_index(self.cache, blocks), deadline)
         except Exception as e:  # noqa: BLE001 - the asker fails on its side, naming this replica
             if self._closing:  # (cut short by `close`)
                 return
@@ -522,9 +534,9 @@ class NixlKVConnector(KVConnector):
         self._lock = threading.Lock()  # one NIXL call at a time from this process
 
     def pull(self, src: int, transfer_id: int, src_blocks: Sequence[int],
-             dst_blocks: Sequence[int]) -> int:
+             dst_blocks: Sequence[int], layers: tuple[int, int] | None = None) -> int:
         with self._lock:
-            pieces = self._incoming(src)
+            pieces = restrict(self._incoming(src), layers)
             before = self.nixl.bytes_read
             for p in pieces:
                 self.nixl.read(f"kv{p.src.rank}", src_blocks, dst_blocks, transfer_id,

@@ -17,14 +17,15 @@ plus the first token) is admitted, a prefix hit for all but its last block. An a
 any point frees what the request holds on this side, once no thread still uses it.
 
 A streamed prompt (disagg.stream_kv) is read as it is computed: its decode replica is told
-("stream") as it is sent to its prefill replica. After each step the prefill replica pins
-the prompt's newly computed blocks and lists them in the KV store, where the decode
-replica looks: at the first listed, it takes blocks for the prompt's full blocks (or
-refuses: nothing missing, or too little room left for its running sequences), then reads
-what is new, one part at a time. The import that follows the first token then moves only
-what is left (the last chunk's blocks and the tail). The prefill replica keeps those pins
-until the front says the read is done ("read_done"), whatever happens to the request
-meanwhile.
+("stream") as it is sent to its prefill replica. As each step is launched the prefill
+replica pins the blocks it completes of the prompt, and as each layer of the step has run
+it lists them in the KV store with the layers written (engine/kv_listing.py), where the
+decode replica looks: at the first listed, it takes blocks for the prompt's full blocks
+(or refuses: nothing missing, or too little room left for its running sequences), then
+reads what is new, one part at a time (the layers each block lacks). The import that
+follows the first token then moves only what is left (the last layers of the last step's
+blocks, and the tail). The prefill replica keeps those pins until the front says the read
+is done ("read_done"), whatever happens to the request meanwhile.
 
 Everything but the transfers themselves runs on the replica's main thread; the threads
 touch only pinned blocks and report through a queue.
@@ -39,7 +40,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-import torch
 import torch.distributed as dist
 
 from meshserve.engine.block_manager import KVImport
@@ -53,9 +53,11 @@ from meshserve.engine.kv_connector import (
 )
 from meshserve.engine.kv_exchange import driver_worker, kv_spec
 from meshserve.engine.kv_leases import KVLeases, LeaseExpired
+from meshserve.engine.kv_listing import Listed, StreamLister, moves
 from meshserve.engine.outputs import RequestOutput
 from meshserve.engine.run import Run
 from meshserve.engine.sampling_params import SamplingParams
+from meshserve.engine.scheduler_output import SchedulerOutput
 from meshserve.engine.worker.kv_agent import (
     FannedOut,
     replica_store_address,
@@ -71,8 +73,9 @@ FAULT_ENV = "MESHSERVE_KV_FAULT_DELAY"
 """Fault injection (tests): `held=S` holds a prefill replica's word that it holds a
 prompt's KV for S seconds (its lease may lapse meanwhile), `pull=S` starts each transfer
 S seconds late (an abort may come while it is in flight), `list=S` has a prefill replica
-wait S seconds after it lists a streamed prompt's new blocks (a slow prefill, which the
-reads overlap); comma-separated."""
+wait S seconds after a step in which it listed a streamed prompt's blocks (a slow
+prefill, which the reads overlap), `layer=S` after each layer of such a step but the last
+(a slow layer, which the reads of the ones before overlap); comma-separated."""
 
 
 def fault_delays() -> dict[str, float]:
@@ -81,9 +84,9 @@ def fault_delays() -> dict[str, float]:
     out: dict[str, float] = {}
     for item in filter(None, spec.split(",")):
         kind, _, seconds = item.partition("=")
-        if kind not in ("held", "pull", "list"):
+        if kind not in ("held", "pull", "list", "layer"):
             raise ValueError(f"{FAULT_ENV}={spec!r}: unknown kind {kind!r}; allowed: "
-                             "held=S, pull=S, list=S")
+                             "held=S, pull=S, list=S, layer=S")
         out[kind] = float(seconds)
     return out
 
@@ -119,16 +122,21 @@ class _Import:
     """Begun as its prompt's prefill started: parts are read while `final` is False."""
     final: bool = True
     """Whether the import itself has come (the first token, and the blocks left)."""
-    pulled: int = 0
-    """Fresh blocks (`imp.blocks`) written so far by the streamed parts."""
-    pulling: int = 0
-    """`pulled` once the part in flight has landed."""
+    have: list[int] = field(default_factory=list)
+    """Layers written so far of each fresh block (`imp.blocks`) by the streamed parts."""
+    pulling: list[int] = field(default_factory=list)
+    """`have` once the part in flight has landed."""
     error: str | None = None
     """A streamed part failed: the import fails when it comes."""
     nbytes: int = 0
     wire_s: float = 0.0
     early_bytes: int = 0
     """Bytes read before the import came (while the prompt was still computed)."""
+    layered_bytes: int = 0
+    """Of those, bytes of layers read while their step still ran."""
+
+    def __post_init__(self) -> None:
+        self.have = self.have or [0] * len(self.imp.blocks)
 
 
 @dataclass
@@ -144,32 +152,8 @@ STREAM_RESERVE = 0.05
 """Share of a decode replica's blocks a streamed prompt must leave free (its running
 sequences grow into them)."""
 
-
-@dataclass
-class _Stream:
-    """A prompt prefilled here whose blocks its decode replica reads as they are computed."""
-
-    transfer_id: int
-    decode: int
-    """The decode replica reading it."""
-    pinned: list[int] = field(default_factory=list)
-    """The blocks listed so far, pinned until the read is done."""
-    seen: list[tuple[int, _Mark]] = field(default_factory=list)
-    """Computed-block counts seen after steps whose writes may not have ended yet, oldest
-    first, each with what says they have."""
-    open: bool = True
-    """Whether its prompt is still being computed here (and was never preempted: its
-    blocks may change then, so the rest moves after the first token)."""
-
-
-@dataclass(frozen=True)
-class _Mark:
-    """When blocks counted after a step are surely written: `lag` steps later on a CPU
-    (with a step launched before the last resolved, the one counted may still run), and
-    once `event` (recorded after what is queued on the GPU) has completed."""
-
-    step: int
-    event: torch.cuda.Event | None
+Read = tuple[list[int], list[int], tuple[int, int]]
+"""One connector pull: source blocks, destination blocks, global layers [start, stop)."""
 
 
 def kv_role(engine: Engine, run: Run, index: int, store: dist.Store,
@@ -225,20 +209,28 @@ class KVRole:
         self._prefills: dict[str, list[int]] = {}
         """Requests prefilled here for a decode replica -> their prompt ids."""
         self._imports: dict[str, _Import] = {}
-        self._results: queue.Queue[tuple[str, str, int, float, str | None]] = queue.Queue()
-        """(kind, request id, bytes, seconds, error) from the transfer threads."""
+        self._results: queue.Queue[tuple[str, str, int, int, float, str | None]] = \
+            queue.Queue()
+        """(kind, request id, bytes, of them layered, seconds, error) from the transfer
+        threads."""
         self.num_failed = 0
         self.bytes_received = 0
         self._delays = fault_delays()
         self._held_back: list[tuple[float, Message]] = []
         """Replies FAULT_ENV holds back, with when they go."""
-        self._streams: dict[str, _Stream] = {}
         self._planned: dict[str, _Planned] = {}
         self._reserve = max(1, int(self.bm.num_blocks * STREAM_RESERVE))
-        self._cuda = engine.device.type == "cuda"
-        self._lag = 2 if engine.async_scheduling and not self._cuda else 0
-        self._steps = 0
+        self._num_layers = engine.arch.num_hidden_layers
         self._next_look = 0.0
+        worker = driver_worker(engine)
+        self._lister = StreamLister(worker.layer_range, self._publish,
+                                    engine.device.type == "cuda")
+        self._listed_before = 0
+        if worker.layer_range == (0, self._num_layers):  # (no stream on a pipeline)
+            assert worker.runner is not None
+            worker.runner.model.model.on_layer = (self._slow_layer if "layer" in self._delays
+                                                  else self._lister.layer_done)
+            engine.on_launch = self._launched
 
     # --- the front's commands ------------------------------------------------------------
 
@@ -251,7 +243,7 @@ class KVRole:
             self._prefills[rid] = list(ids)  # type: ignore[index, arg-type]
             if stream and stream[0] is not None and self.bm.sliding_window is None:
                 transfer_id, decode = stream[0]  # type: ignore[misc]
-                self._streams[rid] = _Stream(int(transfer_id), int(decode))  # type: ignore[index]
+                self._lister.add(rid, int(transfer_id), int(decode))  # type: ignore[arg-type]
             return []
         if kind == "stream":
             rid, ids, src, transfer_id = args
@@ -262,11 +254,9 @@ class KVRole:
             return self._export(*args)  # type: ignore[arg-type]
         if kind == "read_done":
             (rid,) = args
-            stream = self._streams.pop(rid, None)  # type: ignore[call-overload]
+            stream = self._lister.pop(rid)  # type: ignore[arg-type]
             if stream is not None:
                 self.bm.unpin(stream.pinned)
-                if stream.pinned:
-                    self._publish_listed({stream.decode})
             # (a stream may end before its lease's read begins: the lease stays)
             if self.leases.reading(rid):  # type: ignore[arg-type]
                 self._end_read(rid)  # type: ignore[arg-type]
@@ -286,8 +276,7 @@ class KVRole:
         (its grant may have reached the front before the abort)."""
         self._prefills.pop(rid, None)
         self.bm.unpin(self.leases.abort(rid))
-        if rid in self._streams:  # its pins go when the read is done
-            self._streams[rid].open = False
+        self._lister.close_stream(rid)  # (its pins go when the read is done)
         if self._planned.pop(rid, None) is not None:
             return [("import_failed", rid, "aborted")]
         dropped = self._drop_import(rid)
@@ -311,13 +300,14 @@ class KVRole:
         """Hold the KV of prompts prefilled here that finished for their length: every
         full block, then the block of the tokens after them (kept at the finish), so the
         decode replica computes only the first token's."""
-        self._list_computed()
+        if self._lister.num_listed > self._listed_before:
+            self._listed_before = self._lister.num_listed
+            time.sleep(self._delays.get("list", 0.0))
         replies: list[Message] = []
         for out in outs:
             if not out.finished or out.request_id not in self._prefills:
                 continue
-            if out.request_id in self._streams:
-                self._streams[out.request_id].open = False
+            self._lister.close_stream(out.request_id)
             ids = self._prefills.pop(out.request_id)
             tail = self.engine.take_prompt_tail(out.request_id)
             if out.finish_reason != "length":  # stopped at its first token: nothing to ship
@@ -341,25 +331,25 @@ class KVRole:
         replies: list[Message] = []
         while True:
             try:
-                kind, rid, nbytes, seconds, error = self._results.get_nowait()
+                kind, rid, nbytes, layered, seconds, error = self._results.get_nowait()
             except queue.Empty:
                 break
             if kind == "part":
-                replies += self._part_landed(rid, nbytes, seconds, error)
+                replies += self._part_landed(rid, nbytes, layered, seconds, error)
                 continue
             replies += self._finish_pull(rid, nbytes, seconds, error)
         now = self.clock()
         listed = self._look_listed(now)
         for rid, plan in list(self._planned.items()):
             if plan.src in listed:
-                replies += self._begin_stream(rid, plan,
-                                              listed[plan.src].get(plan.transfer_id, []))
+                replies += self._begin_stream(rid, plan, listed[plan.src].get(plan.transfer_id))
         for rid, job in list(self._imports.items()):
             if job.running:
                 continue
             if not job.final:
-                if job.error is None and job.src in listed:
-                    self._pull_part(rid, job, listed[job.src].get(job.transfer_id, []))
+                part = listed.get(job.src, {}).get(job.transfer_id)
+                if job.error is None and part is not None:
+                    self._pull_part(rid, job, part)
             elif job.announced and self.connector.peers.grant_announced(job.transfer_id):
                 self._start_pull(rid)
         for rid, blocks in self.leases.expire(self.clock()):
@@ -370,7 +360,7 @@ class KVRole:
         self._held_back = [(at, msg) for at, msg in self._held_back if at > now]
         return replies
 
-    def _look_listed(self, now: float) -> dict[int, dict[int, list[int]]]:
+    def _look_listed(self, now: float) -> dict[int, dict[int, Listed]]:
         """Every STREAM_POLL_S, what each prefill replica this side waits on lists for it
         (one read each, however many prompts)."""
         if now < self._next_look:
@@ -394,6 +384,7 @@ class KVRole:
         return self.leases.num_expired
 
     def close(self) -> None:
+        self._lister.close()
         self.connector.close()
 
     # --- prefill side --------------------------------------------------------------------
@@ -411,56 +402,29 @@ class KVRole:
     def _end_read(self, rid: str) -> None:
         self.bm.unpin(self.leases.end_read(rid))
 
-    def _list_computed(self) -> None:
-        """Pin and list in the KV store the streamed prompts' blocks written since. A
-        prompt's block table only grows until it is preempted, so a count seen after one
-        step is a prefix of its blocks after any later one."""
-        self._steps += 1
-        mark = None
-        changed: set[int] = set()
-        for rid, stream in self._streams.items():
-            if not stream.open:
-                continue
-            blocks, preempted = self.engine.prompt_blocks_computed(rid)
-            if preempted:  # what it listed stays pinned; the rest moves after its end
-                stream.open = False
-                continue
-            if mark is None:
-                mark = _Mark(self._steps, torch.cuda.Event() if self._cuda else None)
-                if mark.event is not None:
-                    mark.event.record()
-            stream.seen.append((len(blocks), mark))
-            n = 0
-            while stream.seen and self._written(stream.seen[0][1]):
-                n = stream.seen.pop(0)[0]
-            if n <= len(stream.pinned):
-                continue
-            new = blocks[len(stream.pinned):n]
-            self.bm.pin(new)
-            stream.pinned += new
-            changed.add(stream.decode)
-        if changed:
-            self._publish_listed(changed)
-            time.sleep(self._delays.get("list", 0.0))
+    def _launched(self, out: SchedulerOutput) -> None:
+        """A step is about to run: pin the blocks it completes of streamed prompts."""
+        self._lister.launched(out.num_batched_tokens,
+                              lambda rid: self.engine.prompt_blocks_scheduled(rid, out),
+                              self.bm.pin)
 
-    def _publish_listed(self, decodes: set[int]) -> None:
-        """List, for each of `decodes`, the blocks of every prompt streamed there."""
-        for dst in decodes:
-            listed = {s.transfer_id: s.pinned for s in self._streams.values()
-                      if s.decode == dst and s.pinned}
-            self.connector.peers.publish_listed(self.connector.replica, dst, listed)
+    def _slow_layer(self, layer: int, num_tokens: int) -> None:
+        """(FAULT_ENV's layer=S) The lister's hook, then a pause after a layer listed."""
+        before = self._lister.num_listed
+        self._lister.layer_done(layer, num_tokens)
+        if self._lister.num_listed > before and layer + 1 < self._num_layers:
+            time.sleep(self._delays["layer"])
 
-    def _written(self, mark: _Mark) -> bool:
-        return self._steps - mark.step >= self._lag and (
-            mark.event is None or mark.event.query())
+    def _publish(self, dst: int, listed: dict[int, Listed]) -> None:
+        self.connector.peers.publish_listed(self.connector.replica, dst, listed)
 
     # --- decode side ---------------------------------------------------------------------
 
-    def _begin_stream(self, rid: str, plan: _Planned, ready: list[int]) -> list[Message]:
+    def _begin_stream(self, rid: str, plan: _Planned, ready: Listed | None) -> list[Message]:
         """Once the prompt's first block is listed, take blocks for the full blocks this
         side lacks and start reading (refused: nothing missing, or too little room left;
         the import then comes as for any prompt)."""
-        if not ready:
+        if ready is None or not ready.blocks:
             return []
         del self._planned[rid]
         imp = self.bm.begin_import(plan.ids + [0])  # (a stand-in first token)
@@ -475,19 +439,21 @@ class KVRole:
         self._pull_part(rid, job, ready)
         return []
 
-    def _pull_part(self, rid: str, job: _Import, ready: list[int]) -> None:
-        """Read what is newly listed of a streamed prompt's blocks, in a thread."""
+    def _pull_part(self, rid: str, job: _Import, ready: Listed) -> None:
+        """Read what is newly listed of a streamed prompt's blocks (the layers each one
+        lacks), in a thread."""
         first = job.imp.first_block
-        end = min(len(ready), first + len(job.imp.blocks))
-        if end <= first + job.pulled:
+        want = [ready.layers_of(first + i, self._num_layers) for i in range(len(job.have))]
+        reads = [(ready.blocks[first + a:first + b], job.imp.blocks[a:b], (lo, hi))
+                 for a, b, lo, hi in moves(job.have, want)]
+        if not reads:
             return
-        src = ready[first + job.pulled:end]
-        dst = job.imp.blocks[job.pulled:end - first]
-        job.running, job.pulling = True, end - first
-        threading.Thread(target=self._read, args=("part", rid, job, src, dst),
+        job.running = True
+        job.pulling = [max(h, w) for h, w in zip(job.have, want, strict=True)]
+        threading.Thread(target=self._read, args=("part", rid, job, reads),
                          name=f"meshserve-kv-part-{rid}", daemon=True).start()
 
-    def _part_landed(self, rid: str, nbytes: int, seconds: float,
+    def _part_landed(self, rid: str, nbytes: int, layered: int, seconds: float,
                      error: str | None) -> list[Message]:
         job = self._imports[rid]
         job.running = False
@@ -498,11 +464,12 @@ class KVRole:
         if error is not None:
             job.error = error
         else:
-            job.pulled = job.pulling
+            job.have = job.pulling
             job.nbytes += nbytes
             job.wire_s += seconds
             if not job.final:
                 job.early_bytes += nbytes
+                job.layered_bytes += layered
         if job.final:  # the import came while the part moved
             return self._after_import(rid, job)
         return []
@@ -560,24 +527,32 @@ class KVRole:
         if job is None or job.running:  # aborted meanwhile, or begun already
             return
         job.running = True
-        imp, start = job.imp, job.imp.first_block + job.pulled
+        imp = job.imp
         num_full = imp.first_block + len(imp.blocks)
-        src = job.src_blocks[start:num_full] + (
-            job.src_blocks[num_full:num_full + 1] if imp.tail is not None else [])
-        dst = imp.blocks[job.pulled:] + ([imp.tail] if imp.tail is not None else [])
-        threading.Thread(target=self._read, args=("pulled", rid, job, src, dst),
+        tail = imp.tail is not None  # (its source: the block after the full ones)
+        src = job.src_blocks[imp.first_block:num_full + tail]
+        dst = imp.blocks + ([imp.tail] if imp.tail is not None else [])
+        have = job.have + [0] * tail
+        reads = [(src[a:b], dst[a:b], (lo, hi))
+                 for a, b, lo, hi in moves(have, [self._num_layers] * len(have))]
+        threading.Thread(target=self._read, args=("pulled", rid, job, reads),
                          name=f"meshserve-kv-pull-{rid}", daemon=True).start()
 
-    def _read(self, kind: str, rid: str, job: _Import, src: list[int],
-              dst: list[int]) -> None:
+    def _read(self, kind: str, rid: str, job: _Import, reads: list[Read]) -> None:
+        """Every read, in a thread; the bytes, and of them those of layers read while
+        their step still ran (all but the last layers)."""
         t0 = time.perf_counter()
         time.sleep(self._delays.get("pull", 0.0))
+        n = layered = 0
         try:
-            n = self.connector.pull(job.src, job.transfer_id, src, dst)
+            for src, dst, layers in reads:
+                moved = self.connector.pull(job.src, job.transfer_id, src, dst, layers)
+                n += moved
+                layered += moved if layers[1] < self._num_layers else 0
         except Exception as e:  # noqa: BLE001 - reported on the main thread
-            self._results.put((kind, rid, 0, time.perf_counter() - t0, str(e)))
+            self._results.put((kind, rid, 0, 0, time.perf_counter() - t0, str(e)))
             return
-        self._results.put((kind, rid, n, time.perf_counter() - t0, None))
+        self._results.put((kind, rid, n, layered, time.perf_counter() - t0, None))
 
     def _finish_pull(self, rid: str, nbytes: int, seconds: float,
                      error: str | None) -> list[Message]:
@@ -596,4 +571,4 @@ class KVRole:
         if tail is not None:
             self.engine.give_prompt_tail(rid, tail)
         return [("imported", rid, nbytes, seconds, self.clock() - job.received,
-                 job.early_bytes)]
+                 job.early_bytes, job.layered_bytes)]

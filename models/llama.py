@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -95,6 +97,11 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+LayerHook = Callable[[int, int], None]
+"""hook(global layer index, tokens in the step), after the layer has run (enqueued, on a
+GPU)."""
+
+
 class LlamaModel(nn.Module):
     """The decoder stack, or one pipeline stage of it: layers [layer_start, layer_end)."""
 
@@ -112,6 +119,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(arch, tp, dtype)
                                      for i in range(layer_start, layer_end)})
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype) if is_last else None
+        self.on_layer: LayerHook | None = None
+        """Called after each layer with its global index and the step's token count (a
+        prefill replica lists a streamed prompt's KV layer by layer: engine/kv_listing.py)."""
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 meta: AttentionMetadata, hidden: torch.Tensor | None = None,
@@ -122,8 +132,11 @@ class LlamaModel(nn.Module):
             hidden = self.embed_tokens(input_ids)
         assert hidden is not None
         cos_sin = self.rotary.lookup(positions)
-        for layer in self.layers.values():
+        hook = self.on_layer
+        for i, layer in enumerate(self.layers.values(), self.layer_start):
             hidden, residual = layer(cos_sin, hidden, residual, meta)
+            if hook is not None:
+                hook(i, hidden.shape[0])
         if self.norm is not None:
             hidden, _ = self.norm(hidden, residual)
             residual = None

@@ -96,6 +96,8 @@ class _TransferCollector(Collector):
                 ("kv_transfer_bytes", "Bytes of KV moved between replicas.", t.bytes),
                 ("kv_transfer_bytes_streamed", "Of those, bytes read while their prompt "
                  "was still being prefilled (disagg.stream_kv).", t.bytes_streamed),
+                ("kv_transfer_bytes_layered", "Of those, bytes of layers read while the "
+                 "rest of their prefill step still ran.", t.bytes_layered),
                 ("kv_transfers_failed", "KV transfers that failed or were refused (the "
                  "request failed or was recomputed).", t.num_failed),
                 ("kv_leases_expired", "Prefill-side KV leases that lapsed unread "

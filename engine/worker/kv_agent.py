@@ -83,8 +83,8 @@ class FannedOut(KVConnector):
         return self.own.bytes_moved
 
     def pull(self, src: int, transfer_id: int, src_blocks: Sequence[int],
-             dst_blocks: Sequence[int]) -> int:
-        args = (src, transfer_id, list(src_blocks), list(dst_blocks))
+             dst_blocks: Sequence[int], layers: tuple[int, int] | None = None) -> int:
+        args = (src, transfer_id, list(src_blocks), list(dst_blocks), layers)
         with self._lock:  # every rank is told the transfers in one order
             seq = next(self._seq)
             for r in range(1, self.num_ranks):

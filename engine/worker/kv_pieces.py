@@ -49,6 +49,11 @@ class Piece:
     def num_layers(self) -> int:
         return self.layers[1] - self.layers[0]
 
+    def within(self, layers: tuple[int, int]) -> Piece | None:
+        """This piece over the global layers [start, stop) only (None: it holds none)."""
+        cut = _overlap(self.layers, layers)
+        return None if cut is None else Piece(self.src, self.dst, cut, self.heads)
+
     def local(self, side: RankKV) -> tuple[slice, slice]:
         """This piece's layers and heads in `side`'s own cache (its source or destination)."""
         return (slice(self.layers[0] - side.layers[0], self.layers[1] - side.layers[0]),
@@ -85,6 +90,14 @@ def _stage_ranges(sources: Sequence[RankKV], want: tuple[int, int]) -> list[tupl
     cuts = sorted({want[0], want[1]} | {b for s in sources for b in s.layers
                                         if want[0] < b < want[1]})
     return list(zip(cuts, cuts[1:], strict=False))
+
+
+def restrict(pieces: Sequence[Piece], layers: tuple[int, int] | None) -> list[Piece]:
+    """`pieces` over the global layers [start, stop) only, the empty ones dropped (None:
+    all their layers)."""
+    if layers is None:
+        return list(pieces)
+    return [q for p in pieces if (q := p.within(layers)) is not None]
 
 
 def pieces_from(src: RankKV, sources: Sequence[RankKV], dests: Sequence[RankKV]) -> list[Piece]:

@@ -3,7 +3,8 @@ connector, on CPU).
 
 Prompts are prefilled 8 tokens a step and the prefill replica waits a little after it
 lists new blocks, so the decode replica reads most of each prompt before its first token
-is out. Greedy tokens stay transformers'; every block moves once; an abort, an early
+is out; a prompt prefilled in one step is read a layer at a time as its step runs.
+Greedy tokens stay transformers'; every block moves once; an abort, an early
 stop, a refusal and a killed replica on either side leave no block held and no key in
 the KV store."""
 
@@ -91,6 +92,36 @@ def test_streamed_prompts_equal_transformers_and_move_each_block_once(
         llm.shutdown()
 
 
+@pytest.mark.parametrize("side", [("disagg.connector=nixl",), ("disagg.connector=torch",),
+                                  ("disagg.connector=torch", "disagg.prefill.tp=2"),
+                                  ("disagg.connector=nixl", "engine.async_scheduling=true")],
+                         ids=["nixl", "torch", "torch-prefill-tp2", "nixl-async"])
+def test_prompts_of_one_step_are_read_layer_by_layer(make_checkpoint, prompts, expected,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     side: tuple[str, ...]) -> None:
+    """Prompts prefilled in one step each, whose layers are slow: the decode replica reads
+    each prompt's first layer while its second is computed, and only the second and the
+    tail after the first token."""
+    monkeypatch.setenv(FAULT_ENV, "layer=0.1")
+    one_step = [o for o in STREAMED if not o.startswith(("engine.max_num_batched_tokens",
+                                                         "disagg.connector"))]
+    llm = LLM(str(make_checkpoint("llama")), progress=False,
+              overrides=one_step + ["engine.max_num_batched_tokens=64", *side])
+    try:
+        engine = llm.engine
+        assert isinstance(engine, DisaggEngine)
+        outs = [llm.generate([p], GREEDY)[0] for p in prompts]  # one step each
+        assert [o.token_ids for o in outs] == expected
+        hopped = assert_each_block_moved_once(engine, prompts, BLOCK_BYTES)
+        first_layers = sum(len(p) // 8 for p in hopped) * BLOCK_BYTES // 2
+        t = engine.transfers
+        assert first_layers // 2 <= t.bytes_layered <= first_layers, (t, first_layers)
+        assert t.bytes_layered <= t.bytes_streamed
+        assert_all_freed(engine)
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.usefixtures("slow_prefill")
 def test_an_abort_or_a_stop_while_streaming_frees_both_sides(make_checkpoint, prompts,
                                                              expected) -> None:
@@ -115,7 +146,7 @@ def test_an_abort_or_a_stop_while_streaming_frees_both_sides(make_checkpoint, pr
         peers = KVPeers(engine._store, engine.disagg.ranks_per_replica)
         tid = engine._hops[aborted].transfer_id
         deadline = time.monotonic() + 30  # (the replicas step on their own)
-        while len(peers.listed(0, 1).get(tid, [])) < 2:  # 2 of its 8 blocks listed
+        while (listed := peers.listed(0, 1).get(tid)) is None or listed.full < 2:  # 2 of 8
             assert time.monotonic() < deadline
             time.sleep(0.005)
         assert engine._hops[aborted].stage == "prefill"  # still being computed

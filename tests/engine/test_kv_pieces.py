@@ -9,7 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshserve.engine.worker.kv_pieces import RankKV, pack, pieces_for, pieces_from, unpack
+from meshserve.engine.worker.kv_pieces import (
+    RankKV,
+    pack,
+    pieces_for,
+    pieces_from,
+    restrict,
+    unpack,
+)
 
 L, H, BLOCKS, BS, D = 6, 4, 5, 2, 3
 
@@ -77,3 +84,21 @@ def test_replicated_heads_come_from_the_first_holder() -> None:
 def test_sources_that_miss_a_layer_are_refused() -> None:
     with pytest.raises(ValueError, match="no source rank holds layer 3"):
         pieces_for([RankKV(0, (0, 3), (0, H))], RankKV(1, (0, L), (0, H)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(src=layouts, dst=layouts, cut=st.integers(0, L))
+def test_pieces_restricted_to_two_layer_ranges_move_what_the_whole_ones_do(
+        src: tuple[int, list[int]], dst: tuple[int, list[int]], cut: int) -> None:
+    """A streamed prompt's block moves its first layers, then the rest: together, what one
+    move of every layer does, each cell once."""
+    sources, dests = layout(*src), layout(*dst, first_rank=100)
+    for d in dests:
+        whole = pieces_for(sources, d)
+        parts = restrict(whole, (0, cut)) + restrict(whole, (cut, L))
+        cells = sorted((p.src.rank, layer, h) for p in parts for layer in range(*p.layers)
+                       for h in range(*p.heads))
+        assert cells == sorted((p.src.rank, layer, h) for p in whole
+                               for layer in range(*p.layers) for h in range(*p.heads))
+        assert all(p.num_layers > 0 for p in parts)
+    assert restrict(whole, None) == whole

@@ -1,7 +1,8 @@
 """The torch connector between real ranks of two replicas of different layouts, through
 shared memory and through gloo: two tensor-parallel ranks pull from a pipeline of two
-stages, whose connectors answer by themselves, a layer at a time; every destination rank
-ends with exactly its layers and heads of the blocks asked for, in its own block ids; the
+stages, whose connectors answer by themselves, a layer at a time, the first layer asked
+for before the others; every destination rank ends with exactly its layers and heads of
+the blocks asked for, in its own block ids; the
 byte counts on both sides; a bounded wait on a peer that stopped answering; nothing left
 in shared memory."""
 
@@ -61,7 +62,10 @@ else:
     for k, v in cache:
         k.zero_()
         v.zero_()
-    n = conn.pull(0, 5, src_blocks, dst_blocks)
+    # the first layer, then the rest (a streamed prompt's last step): rank 1 holds none of
+    # the first
+    n = conn.pull(0, 5, src_blocks, dst_blocks, (0, 1))
+    n += conn.pull(0, 5, src_blocks, dst_blocks, (1, 3))
     assert n == L * 2 * len(src_blocks) * per_block == conn.bytes_moved, n
     for layer, (k, v) in enumerate(cache):
         for which, t in enumerate((k, v)):

@@ -1,0 +1,241 @@
+"""A streamed prompt's KV, listed layer by layer as its prefill replica computes it.
+
+A prefill replica pins the blocks a step will complete of each streamed prompt as the step
+is scheduled (`StreamLister.launched`), and after each layer of that step's forward lists
+them with the count of layers written so far (`StreamLister.layer_done`): its decode
+replica reads those layers while the later ones are computed, so the last step's KV is
+mostly across by the time the first token is out. A block is listed "full" once the
+step's last layer has run. On a GPU a layer has run once an event recorded after it has
+completed, which a thread of the lister waits for; on a CPU the forward calls back after
+the layer has run.
+
+A step's forward runs (or is enqueued, on a GPU) on the thread that scheduled it, right
+after `launched`, so the hook's calls belong to the step launched last. One whose token
+count differs from that step's stops the layer-by-layer listing: the open streams close,
+and what they lack moves after the first token, as for a preempted prompt.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+LIST_EVERY_S = 0.002
+"""Within a step, how often at most a prefill replica lists newly written layers (the
+step's last layer is always listed at once)."""
+
+@dataclass(frozen=True)
+class Listed:
+    """What a prefill replica lists of one streamed prompt: the blocks pinned for it, of
+    which the first `full` hold every layer and the rest layers [0, `layers`)."""
+
+    blocks: list[int]
+    full: int
+    layers: int
+
+    def to_json(self) -> list[int]:
+        return [self.full, self.layers, *self.blocks]
+
+    @classmethod
+    def from_json(cls, value: list[int]) -> Listed:
+        full, layers, *blocks = value
+        return cls(blocks, full, layers)
+
+    def layers_of(self, index: int, num_layers: int) -> int:
+        """How many layers the prompt's `index`-th block holds, as listed."""
+        if index < self.full:
+            return num_layers
+        return self.layers if index < len(self.blocks) else 0
+
+
+Move = tuple[int, int, int, int]
+"""(start, stop, lo, hi): layers [lo, hi) of a run of blocks [start, stop)."""
+
+
+def moves(have: list[int], want: list[int]) -> list[Move]:
+    """The reads that bring every block i from `have[i]` layers to `want[i]`: consecutive
+    blocks that lack the same layers are read together."""
+    out: list[Move] = []
+    for i, (h, w) in enumerate(zip(have, want, strict=True)):
+        if w <= h:
+            continue
+        if out and out[-1][1] == i and out[-1][2:] == (h, w):
+            out[-1] = (out[-1][0], i + 1, h, w)
+        else:
+            out.append((i, i + 1, h, w))
+    return out
+
+
+@dataclass
+class Stream:
+    """A prompt prefilled here whose blocks its decode replica reads as they are computed."""
+
+    transfer_id: int
+    decode: int
+    """The decode replica reading it."""
+    pinned: list[int] = field(default_factory=list)
+    """The blocks pinned for it so far (until the read is done), in prompt order."""
+    full: int = 0
+    """How many of `pinned` hold every layer."""
+    partial: int = 0
+    """pinned[full:partial] hold layers [0, layers)."""
+    layers: int = 0
+    open: bool = True
+    """Whether its prompt is still being computed here (and was never preempted: its
+    blocks may change then, so the rest moves after the first token)."""
+
+    def listed(self) -> Listed:
+        end = self.partial if self.layers else self.full
+        return Listed(self.pinned[:end], self.full, self.layers)
+
+
+@dataclass
+class _Step:
+    """A step scheduled: its token count and, by request, the blocks it completes."""
+
+    num_tokens: int
+    ends: dict[str, int]
+
+
+Publish = Callable[[int, dict[int, Listed]], None]
+"""publish(decode replica, what is listed there by transfer id)."""
+
+
+class StreamLister:
+    """A prefill replica's streamed prompts and what it lists of them (every call but
+    `layer_done` on the replica's main thread; the state they share is under a lock)."""
+
+    def __init__(self, layers: tuple[int, int], publish: Publish, cuda: bool) -> None:
+        self.first, self.last = layers[0], layers[1] - 1
+        self._publish = publish
+        self.streams: dict[str, Stream] = {}
+        self.lock = threading.Lock()
+        self._running: _Step | None = None
+        """The step launched last, until its forward's last layer."""
+        self._layerwise = True
+        self._last_listed = 0.0
+        self.num_listed = 0
+        """Listings published (each a store write per decode replica changed)."""
+        self._events: queue.Queue[tuple[_Step, int, torch.cuda.Event] | None] | None = None
+        if cuda:  # a thread waits for each layer's event
+            self._events = queue.Queue()
+            threading.Thread(target=self._wait_events, name="meshserve-kv-lister",
+                             daemon=True).start()
+
+    def add(self, rid: str, transfer_id: int, decode: int) -> None:
+        with self.lock:
+            self.streams[rid] = Stream(transfer_id, decode)
+
+    def close_stream(self, rid: str) -> None:
+        """Its prompt is no longer computed here (finished, aborted): list no more."""
+        if rid in self.streams:
+            self.streams[rid].open = False
+
+    def pop(self, rid: str) -> Stream | None:
+        """The read is done: forget it, and list the rest of its decode replica's again."""
+        with self.lock:
+            stream = self.streams.pop(rid, None)
+        if stream is not None and stream.pinned:
+            self._publish_to({stream.decode})
+        return stream
+
+    def launched(self, num_tokens: int,
+                 blocks_after: Callable[[str], tuple[list[int], int]],
+                 pin: Callable[[list[int]], None]) -> None:
+        """A step is about to run: pin the blocks it completes of each open stream.
+        `blocks_after(rid)`: the prompt's full blocks once it has run, and whether it was
+        ever preempted."""
+        ends: dict[str, int] = {}
+        for rid, stream in self.streams.items():
+            if not stream.open:
+                continue
+            blocks, preempted = blocks_after(rid)
+            if preempted or not self._layerwise:
+                stream.open = False
+                continue
+            if len(blocks) > len(stream.pinned):
+                new = blocks[len(stream.pinned):]
+                pin(new)
+                with self.lock:
+                    stream.pinned += new
+                ends[rid] = len(stream.pinned)
+        self._running = _Step(num_tokens, ends) if self._layerwise else None
+
+    def layer_done(self, layer: int, num_tokens: int) -> None:
+        """The model's hook: global `layer` of the running step's forward has run (been
+        enqueued, on a GPU)."""
+        step = self._running
+        if step is None:
+            return
+        if step.num_tokens != num_tokens:
+            self._unmatched(f"a forward of {num_tokens} tokens; the step launched last has "
+                            f"{step.num_tokens}")
+            return
+        if layer == self.last:
+            self._running = None
+        if not step.ends:
+            return
+        count = layer - self.first + 1
+        if self._events is None:
+            self._written(step, count)
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self._events.put((step, count, event))
+
+    def close(self) -> None:
+        if self._events is not None:
+            self._events.put(None)
+
+    def _wait_events(self) -> None:
+        assert self._events is not None
+        while (item := self._events.get()) is not None:
+            step, count, event = item
+            event.synchronize()
+            self._written(step, count)
+
+    def _written(self, step: _Step, count: int) -> None:
+        """`count` layers of `step` have run: list them (at most every LIST_EVERY_S within
+        a step; its last layer at once)."""
+        last = count == self.last - self.first + 1
+        changed: set[int] = set()
+        with self.lock:
+            for rid, end in step.ends.items():
+                stream = self.streams.get(rid)
+                if stream is None:  # its read is done
+                    continue
+                if last:
+                    stream.full = stream.partial = max(stream.full, end)
+                    stream.layers = 0
+                else:
+                    stream.partial, stream.layers = end, count
+                changed.add(stream.decode)
+        now = time.monotonic()
+        if changed and (last or now - self._last_listed >= LIST_EVERY_S):
+            self._last_listed = now
+            self._publish_to(changed)
+
+    def _publish_to(self, decodes: set[int]) -> None:
+        for dst in decodes:
+            with self.lock:
+                listed = {s.transfer_id: s.listed() for s in self.streams.values()
+                          if s.decode == dst and s.pinned}
+            self._publish(dst, listed)
+            self.num_listed += 1
+
+    def _unmatched(self, why: str) -> None:
+        """Forwards and steps no longer match: list nothing more layer by layer."""
+        if self._layerwise:
+            print(f"meshserve: streamed KV is no longer listed as it is computed ({why}); "
+                  "the rest of each prompt moves after its first token", file=sys.stderr,
+                  flush=True)
+        self._layerwise = False
+        self._running = None
+        for stream in self.streams.values():
+            stream.open = False
