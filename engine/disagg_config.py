@@ -52,12 +52,11 @@ class DisaggConfig:
     transfer_timeout_s: float = 30.0
     """Longest one KV transfer may take before it fails."""
     stream_kv: bool = True
-    """With a pulling connector (nixl): the decode replica is chosen as the prompt is sent
-    to its prefill replica, takes its blocks at once and reads each of the prompt's blocks
-    as soon as a prefill step has computed it, so only the last chunk's blocks are left to
-    move after the first token. false, or a pushing connector (torch), or a prefill replica
-    whose steps do not end in order (pp > 1, async scheduling): every block moves once the
-    prompt is done."""
+    """The decode replica is chosen as the prompt is sent to its prefill replica, takes its
+    blocks at once and reads the prompt's blocks as soon as a prefill step has computed
+    them (the last step's layer by layer), so only the last layers of the last step's
+    blocks are left to move after the first token. false, or a prefill replica whose steps do not end in order
+    (pp > 1): every block moves once the prompt is done."""
     on_failure: str = "fail"
     """A request whose KV cannot be moved (lease expired, transfer failed): fail it with an
     error, or recompute (prefill it again on the decode replica)."""

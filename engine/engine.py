@@ -251,15 +251,17 @@ class Engine:
         return list(seq.block_table[:n]), seq.num_preemptions
 
     def prompt_blocks_scheduled(self, request_id: str, out: SchedulerOutput
-                                ) -> tuple[list[int], int]:
-        """`prompt_blocks_computed` once step `out` (scheduled, not launched) has run too."""
+                                ) -> tuple[list[int], int, bool]:
+        """`prompt_blocks_computed` once step `out` (scheduled, not launched) has run too,
+        and whether that step ends the prompt."""
         seq_id = self._by_request_id.get(request_id)
         chunk = next((s for s in out.scheduled if s.seq_id == seq_id), None)
         if chunk is None:
-            return self.prompt_blocks_computed(request_id)
+            return (*self.prompt_blocks_computed(request_id), False)
         seq = self._requests[chunk.seq_id].seq
         end = min(chunk.start_pos + chunk.num_tokens, seq.num_prompt_tokens)
-        return list(chunk.block_table[:end // self.config.engine.block_size]), seq.num_preemptions
+        blocks = list(chunk.block_table[:end // self.config.engine.block_size])
+        return blocks, seq.num_preemptions, end == seq.num_prompt_tokens
 
     def give_prompt_tail(self, request_id: str, block: int) -> None:
         """Hand a request not yet admitted a block the caller holds with the KV of its

@@ -1,18 +1,21 @@
 """A streamed prompt's KV, listed layer by layer as its prefill replica computes it.
 
 A prefill replica pins the blocks a step will complete of each streamed prompt as the step
-is scheduled (`StreamLister.launched`), and after each layer of that step's forward lists
-them with the count of layers written so far (`StreamLister.layer_done`): its decode
-replica reads those layers while the later ones are computed, so the last step's KV is
-mostly across by the time the first token is out. A block is listed "full" once the
-step's last layer has run. On a GPU a layer has run once an event recorded after it has
+is scheduled (`StreamLister.launched`) and lists them "full" once the step's last layer
+has run (`StreamLister.layer_done`). The step that ends a prompt (its first token comes
+next) lists them after each layer too, with the count of layers written so far: the
+decode replica reads those layers while the later ones are computed, so the prompt's KV
+is mostly across by the time its first token is out. (Earlier steps list only at their
+end: the steps after them leave time to read, and each read costs the decode replica's
+cores a little whatever its size.) On a GPU a layer has run once an event recorded after it has
 completed, which a thread of the lister waits for; on a CPU the forward calls back after
 the layer has run.
 
 A step's forward runs (or is enqueued, on a GPU) on the thread that scheduled it, right
 after `launched`, so the hook's calls belong to the step launched last. One whose token
-count differs from that step's stops the layer-by-layer listing: the open streams close,
-and what they lack moves after the first token, as for a preempted prompt.
+count differs from that step's (when the step completes a streamed prompt's blocks) stops
+the layer-by-layer listing: the open streams close, and what they lack moves after the
+first token, as for a preempted prompt.
 """
 
 from __future__ import annotations
@@ -97,10 +100,13 @@ class Stream:
 
 @dataclass
 class _Step:
-    """A step scheduled: its token count and, by request, the blocks it completes."""
+    """A step scheduled: its token count and, by request, how many of the blocks pinned
+    it completes, and whether it ends the prompt (listed layer by layer)."""
 
     num_tokens: int
-    ends: dict[str, int]
+    ends: dict[str, tuple[int, bool]]
+    layered: bool
+    """Whether any of `ends` is listed layer by layer."""
 
 
 Publish = Callable[[int, dict[int, Listed]], None]
@@ -146,16 +152,16 @@ class StreamLister:
         return stream
 
     def launched(self, num_tokens: int,
-                 blocks_after: Callable[[str], tuple[list[int], int]],
+                 blocks_after: Callable[[str], tuple[list[int], int, bool]],
                  pin: Callable[[list[int]], None]) -> None:
         """A step is about to run: pin the blocks it completes of each open stream.
-        `blocks_after(rid)`: the prompt's full blocks once it has run, and whether it was
-        ever preempted."""
-        ends: dict[str, int] = {}
+        `blocks_after(rid)`: the prompt's full blocks once it has run, whether it was ever
+        preempted, and whether the step ends the prompt."""
+        ends: dict[str, tuple[int, bool]] = {}
         for rid, stream in self.streams.items():
             if not stream.open:
                 continue
-            blocks, preempted = blocks_after(rid)
+            blocks, preempted, last = blocks_after(rid)
             if preempted or not self._layerwise:
                 stream.open = False
                 continue
@@ -164,14 +170,15 @@ class StreamLister:
                 pin(new)
                 with self.lock:
                     stream.pinned += new
-                ends[rid] = len(stream.pinned)
-        self._running = _Step(num_tokens, ends) if self._layerwise else None
+                ends[rid] = (len(stream.pinned), last)
+        layered = any(last for _, last in ends.values())
+        self._running = _Step(num_tokens, ends, layered) if self._layerwise else None
 
     def layer_done(self, layer: int, num_tokens: int) -> None:
         """The model's hook: global `layer` of the running step's forward has run (been
         enqueued, on a GPU)."""
         step = self._running
-        if step is None:
+        if step is None or not step.ends:  # (a step of no streamed prompt's: nothing to list)
             return
         if step.num_tokens != num_tokens:
             self._unmatched(f"a forward of {num_tokens} tokens; the step launched last has "
@@ -179,7 +186,7 @@ class StreamLister:
             return
         if layer == self.last:
             self._running = None
-        if not step.ends:
+        elif not step.layered:
             return
         count = layer - self.first + 1
         if self._events is None:
@@ -206,15 +213,17 @@ class StreamLister:
         last = count == self.last - self.first + 1
         changed: set[int] = set()
         with self.lock:
-            for rid, end in step.ends.items():
+            for rid, (end, layered) in step.ends.items():
                 stream = self.streams.get(rid)
                 if stream is None:  # its read is done
                     continue
                 if last:
                     stream.full = stream.partial = max(stream.full, end)
                     stream.layers = 0
-                else:
+                elif layered:
                     stream.partial, stream.layers = end, count
+                else:
+                    continue
                 changed.add(stream.decode)
         now = time.monotonic()
         if changed and (last or now - self._last_listed >= LIST_EVERY_S):
@@ -224,8 +233,8 @@ class StreamLister:
     def _publish_to(self, decodes: set[int]) -> None:
         for dst in decodes:
             with self.lock:
-                listed = {s.transfer_id: s.listed() for s in self.streams.values()
-                          if s.decode == dst and s.pinned}
+                listed = {s.transfer_id: shown for s in self.streams.values()
+                          if s.decode == dst and (shown := s.listed()).blocks}
             self._publish(dst, listed)
             self.num_listed += 1
 

@@ -18,9 +18,9 @@ any point frees what the request holds on this side, once no thread still uses i
 
 A streamed prompt (disagg.stream_kv) is read as it is computed: its decode replica is told
 ("stream") as it is sent to its prefill replica. As each step is launched the prefill
-replica pins the blocks it completes of the prompt, and as each layer of the step has run
-it lists them in the KV store with the layers written (engine/kv_listing.py), where the
-decode replica looks: at the first listed, it takes blocks for the prompt's full blocks
+replica pins the blocks it completes of the prompt, and lists them in the KV store once
+the step has run (the step that ends the prompt after each layer too, with the layers
+written: engine/kv_listing.py), where the decode replica looks: at the first listed, it takes blocks for the prompt's full blocks
 (or refuses: nothing missing, or too little room left for its running sequences), then
 reads what is new, one part at a time (the layers each block lacks). The import that
 follows the first token then moves only what is left (the last layers of the last step's

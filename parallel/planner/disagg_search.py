@@ -13,8 +13,8 @@ The figures, for the scenario's typical request (prompt p, output o):
   - KV hop: the prompt's KV bytes over the link the two replicas share (NVLink or shared
     memory inside a node, InfiniBand across nodes when the replicas span nodes), every rank
     moving its own piece at once; what is left of it after the first token (all of it, or
-    with the prompt read as it is computed only its last prefill step's share) delays the
-    second token, so it is spread over TPOT.
+    with the prompt read layer by layer as it is computed only its last prefill step's last
+    layer) delays the second token, so it is spread over TPOT.
   - decode replica: decode-only steps at batch b (no prefill between them): TPOT = the step
     + the hop / (o - 1).
 Goodput is the highest arrival rate at which ATTAINMENT of the requests meet both SLOs
@@ -133,12 +133,13 @@ def hop_s(shape: ModelShape, cluster: ClusterConfig, scenario: ScenarioConfig, p
     """(bytes, seconds after the first token) of one request's KV hop: every rank pair
     moves its piece at once, so the bytes spread over as many links as the smaller side has
     ranks. With `step_tokens` (the prompt read as its prefill steps of that many tokens
-    compute it; a pipelined prefill side streams nothing) only the last step's KV is left
-    to move after the first token; the bytes are all of it."""
+    compute it, layer by layer; a pipelined prefill side streams nothing) only the last
+    layer of the last step's KV is left to move after the first token; the bytes are all
+    of it."""
     tokens = scenario.prompt_len - cached_tokens(scenario)
     lanes = min(prefill.tp * prefill.pp, decode.tp * decode.pp)
     nbytes = hop_bytes_s(shape, cluster, link, tokens, lanes)[0]
-    left = hop_tokens(tokens, step_tokens if prefill.pp == 1 else None)
+    left = hop_tokens(tokens, step_tokens if prefill.pp == 1 else None, shape.num_layers)
     return nbytes, hop_bytes_s(shape, cluster, link, left, lanes)[1]
 
 

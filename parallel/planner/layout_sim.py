@@ -106,25 +106,27 @@ def hop_bytes_s(shape: ModelShape, cluster: ClusterConfig, link: str, tokens: fl
     return nbytes, p2p_s(nbytes / lanes, *link_figures(cluster, link))
 
 
-def hop_tokens(tokens: int, step_tokens: int | None) -> int:
-    """Of a prompt's `tokens` uncached tokens, those whose KV moves after its first token:
-    all, or, read as its prefill steps of `step_tokens` compute it, the last step's."""
+def hop_tokens(tokens: int, step_tokens: int | None, num_layers: int = 1) -> float:
+    """Of a prompt's `tokens` uncached tokens, those whose KV moves after its first token
+    (in tokens' worth of every layer): all, or, read layer by layer as its prefill steps
+    of `step_tokens` compute it, the last layer of the last step's (the wire keeps up with
+    the layers before)."""
     if step_tokens is None or tokens <= 0:
         return tokens
-    return tokens - step_tokens * ((tokens - 1) // step_tokens)
+    return (tokens - step_tokens * ((tokens - 1) // step_tokens)) / num_layers
 
 
 def kv_hop(shape: ModelShape, cluster: ClusterConfig, prefill: Replicas, decode: Replicas,
            streamed: bool = False) -> Callable[[SimRequest], float]:
     """Seconds a request's uncached prompt KV takes from a prefill replica to a decode one
     after its first token, as many rank pairs as the smaller side has ranks moving a piece
-    each; `streamed`: only its last prefill step's (a pipelined prefill side streams
-    nothing)."""
+    each; `streamed`: only its last prefill step's last layer (a pipelined prefill side
+    streams nothing)."""
     link = hop_link(prefill.ranks * prefill.count + decode.ranks * decode.count, cluster)
     lanes = min(prefill.ranks, decode.ranks)
     step = prefill.budget if streamed and prefill.pp == 1 else None
-    return lambda r: hop_bytes_s(shape, cluster, link, hop_tokens(r.prompt - r.cached, step),
-                                 lanes)[1]
+    return lambda r: hop_bytes_s(shape, cluster, link, hop_tokens(
+        r.prompt - r.cached, step, shape.num_layers), lanes)[1]
 
 
 MAX_SEQS = 256

@@ -72,8 +72,8 @@ class PlannerOptions:
     (disagg_search.simulated_goodput) instead of the closed forms (plan.simulate)."""
     streamed_hop: bool = False
     """A split's decode replica reads each prompt's KV as its prefill steps compute it
-    (disagg.stream_kv, prefill pp = 1): only the last step's blocks move after
-    the first token."""
+    (disagg.stream_kv, prefill pp = 1), layer by layer: only the last layer of the last
+    step's blocks moves after the first token."""
 
     def __post_init__(self) -> None:
         require(0 < self.memory_utilization <= 1, "plan.memory_utilization",

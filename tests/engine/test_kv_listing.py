@@ -43,39 +43,60 @@ class _Prefill:
         self.lister = StreamLister((0, num_layers), lambda dst, listed: self.published.append(
             (dst, dict(listed))), cuda=False)
 
-    def step(self, tokens: int, after: dict[str, list[int]], preempted: bool = False) -> None:
-        self.lister.launched(tokens, lambda rid: (after.get(rid, []), int(preempted)),
-                             self.pins.extend)
+    def step(self, tokens: int, after: dict[str, list[int]], preempted: bool = False,
+             last: tuple[str, ...] = ()) -> None:
+        """A step that completes `after[rid]` of each prompt and ends those in `last`."""
+        self.lister.launched(tokens, lambda rid: (after.get(rid, []), int(preempted),
+                                                  rid in last), self.pins.extend)
+
+    def forward(self, tokens: int) -> None:
+        for layer in range(self.lister.last + 1):
+            self.lister.layer_done(layer, tokens)
 
     def last(self, dst: int = 1) -> dict[int, Listed]:
         return next(listed for d, listed in reversed(self.published) if d == dst)
 
 
-def test_a_step_lists_its_blocks_layer_by_layer_then_full(monkeypatch) -> None:
+def test_the_step_that_ends_a_prompt_lists_it_layer_by_layer(monkeypatch) -> None:
     monkeypatch.setattr("meshserve.engine.kv_listing.LIST_EVERY_S", 0.0)
     p = _Prefill()
     p.lister.add("a", transfer_id=11, decode=1)
-    p.step(16, {"a": [5, 6]})  # the step completes blocks 5 and 6
+    p.step(16, {"a": [5, 6]})  # the step completes blocks 5 and 6, the prompt goes on
     assert p.pins == [5, 6] and not p.published  # pinned before it runs, listed after
     p.lister.layer_done(0, 16)
-    assert p.last() == {11: Listed([5, 6], full=0, layers=1)}
     p.lister.layer_done(1, 16)
-    assert p.last() == {11: Listed([5, 6], full=0, layers=2)}
+    assert not p.published  # (the next steps leave time to read it)
     p.lister.layer_done(2, 16)
-    assert p.last() == {11: Listed([5, 6], full=2, layers=0)}
-    p.step(8, {"a": [5, 6, 2]})  # the next step completes block 2
-    p.lister.layer_done(0, 8)
+    assert p.published == [(1, {11: Listed([5, 6], full=2, layers=0)})]
+    p.step(12, {"a": [5, 6, 2]}, last=("a",))  # the last step: block 2, then the tail
+    p.lister.layer_done(0, 12)
     assert p.last() == {11: Listed([5, 6, 2], full=2, layers=1)}
+    p.lister.layer_done(1, 12)
+    assert p.last() == {11: Listed([5, 6, 2], full=2, layers=2)}
+    p.lister.layer_done(2, 12)
+    assert p.last() == {11: Listed([5, 6, 2], full=3, layers=0)}
     assert p.pins == [5, 6, 2]
+
+
+def test_another_prompts_last_step_lists_only_its_own_layer_by_layer(monkeypatch) -> None:
+    monkeypatch.setattr("meshserve.engine.kv_listing.LIST_EVERY_S", 0.0)
+    p = _Prefill()
+    p.lister.add("a", 11, 1)
+    p.lister.add("b", 12, 1)
+    p.step(24, {"a": [5], "b": [8]}, last=("b",))
+    p.lister.layer_done(0, 24)
+    assert p.last() == {12: Listed([8], full=0, layers=1)}  # a's block waits for the end
+    p.lister.layer_done(1, 24)
+    p.lister.layer_done(2, 24)
+    assert p.last() == {11: Listed([5], full=1, layers=0), 12: Listed([8], full=1, layers=0)}
 
 
 def test_a_step_that_completes_no_block_lists_nothing(monkeypatch) -> None:
     monkeypatch.setattr("meshserve.engine.kv_listing.LIST_EVERY_S", 0.0)
     p = _Prefill()
     p.lister.add("a", 11, 1)
-    p.step(4, {"a": []})
-    for layer in range(3):
-        p.lister.layer_done(layer, 4)
+    p.step(4, {"a": []}, last=("a",))
+    p.forward(4)
     assert not p.published and not p.pins
 
 
@@ -83,13 +104,12 @@ def test_a_forward_that_is_not_the_steps_stops_the_listing(monkeypatch, capsys) 
     monkeypatch.setattr("meshserve.engine.kv_listing.LIST_EVERY_S", 0.0)
     p = _Prefill()
     p.lister.add("a", 11, 1)
-    p.step(16, {"a": [5, 6]})
+    p.step(16, {"a": [5, 6]}, last=("a",))
     p.lister.layer_done(0, 12)  # not the step launched: its blocks are not listed
     assert not p.published
     assert "no longer listed as it is computed" in capsys.readouterr().err
-    p.step(16, {"a": [5, 6, 7]})  # nor any later
-    for layer in range(3):
-        p.lister.layer_done(layer, 16)
+    p.step(16, {"a": [5, 6, 7]}, last=("a",))  # nor any later
+    p.forward(16)
     assert not p.published and p.pins == [5, 6]
     assert not p.lister.streams["a"].open
 
@@ -99,8 +119,7 @@ def test_a_preempted_or_closed_stream_pins_no_more(why: str) -> None:
     p = _Prefill()
     p.lister.add("a", 11, 1)
     p.step(16, {"a": [5, 6]})
-    for layer in range(3):
-        p.lister.layer_done(layer, 16)
+    p.forward(16)
     if why == "closed":
         p.lister.close_stream("a")
     p.step(8, {"a": [5, 6, 2]}, preempted=why == "preempted")
@@ -113,9 +132,8 @@ def test_a_popped_stream_leaves_the_listing_and_its_steps_list_it_no_more() -> N
     p.lister.add("a", 11, 1)
     p.lister.add("b", 12, 1)
     p.step(16, {"a": [5], "b": [8]})
-    for layer in range(3):
-        p.lister.layer_done(layer, 16)
-    p.step(16, {"a": [5, 6], "b": [8, 9]})
+    p.forward(16)
+    p.step(16, {"a": [5, 6], "b": [8, 9]}, last=("a", "b"))
     p.lister.layer_done(0, 16)
     stream = p.lister.pop("a")  # its read is done (an abort) while its step runs
     assert stream is not None and stream.pinned == [5, 6]

@@ -86,8 +86,8 @@ def test_a_hop_between_nodes_is_priced_on_the_slower_link() -> None:
 
 def test_a_streamed_split_prices_only_the_last_prefill_steps_hop() -> None:
     """With the prompt read as it is computed (disagg.stream_kv, either connector), a
-    4,000-token prompt in steps of 2,048 leaves 1,952 tokens' KV for after its first token;
-    the bytes are the same. With stream_kv=false it all moves after."""
+    4,000-token prompt in steps of 2,048 leaves the last layer of 1,952 tokens' KV for after
+    its first token; the bytes are the same. With stream_kv=false it all moves after."""
     found = {}
     for extra in ("disagg.connector=nixl", "disagg.connector=torch",
                   "disagg.stream_kv=false"):

@@ -72,16 +72,17 @@ def test_the_hop_takes_the_inter_node_link_once_the_split_leaves_the_node() -> N
     assert part < whole and pairs < part
 
 
-@given(st.integers(0, 10_000), st.integers(1, 4096))
-def test_a_streamed_prompt_leaves_only_its_last_step_for_after_the_first_token(
-        tokens: int, step: int) -> None:
-    left = hop_tokens(tokens, step)
-    assert hop_tokens(tokens, None) == tokens
+@given(st.integers(0, 10_000), st.integers(1, 4096), st.integers(1, 80))
+def test_a_streamed_prompt_leaves_only_its_last_steps_last_layer_for_after_the_first_token(
+        tokens: int, step: int, layers: int) -> None:
+    left = hop_tokens(tokens, step, layers)
+    assert hop_tokens(tokens, None, layers) == tokens
     if tokens == 0:
         assert left == 0
         return
-    assert 1 <= left <= min(tokens, step)
-    assert (tokens - left) % step == 0  # whole steps went before it
+    last = round(left * layers)
+    assert 1 <= last <= min(tokens, step)
+    assert (tokens - last) % step == 0  # whole steps went before it
 
 
 def test_a_streamed_hop_prices_the_last_steps_kv_and_a_pipelined_prefill_streams_none(
@@ -90,7 +91,7 @@ def test_a_streamed_hop_prices_the_last_steps_kv_and_a_pipelined_prefill_streams
     r = SimRequest(0.0, 3000, 64, cached=500)  # 2,500 to move: steps of 1,024, 1,024, 452
     link = hop_link(2, cluster)
     streamed = kv_hop(shape, cluster, Replicas(budget=1024), Replicas(), streamed=True)(r)
-    assert streamed == hop_bytes_s(shape, cluster, link, 452, 1)[1]
+    assert streamed == hop_bytes_s(shape, cluster, link, 452 / 32, 1)[1]  # its last layer
     whole = kv_hop(shape, cluster, Replicas(budget=1024), Replicas())(r)
     assert whole == hop_bytes_s(shape, cluster, link, 2500, 1)[1] > streamed
     piped = Replicas(pp=2, budget=1024)
