@@ -126,9 +126,9 @@ class KVPeers:
             return grant_announced(self.store, transfer_id)
 
     # Streamed prompts' blocks: a prefill replica lists, for each decode replica, the
-    # blocks of every prompt it streams there computed so far, layer by layer (pinned
-    # until the read ends: engine/kv_listing.py), under one key, so a decode replica reads one key per prefill replica however
-    # many prompts it waits on.
+    # blocks of every prompt it streams there computed so far, with their layers written
+    # (pinned until the read ends: engine/kv_listing.py), under one key, so a decode
+    # replica reads one key per prefill replica however many prompts it waits on.
 
     def publish_listed(self, src: int, dst: int, listed: dict[int, Listed]) -> None:
         """Prefill replica `src`: what it lists for decode replica `dst`, by transfer id."""

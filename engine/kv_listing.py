@@ -1,15 +1,18 @@
-"""A streamed prompt's KV, listed layer by layer as its prefill replica computes it.
+"""A streamed prompt's KV, listed as its prefill replica computes it, the last step layer
+by layer.
 
 A prefill replica pins the blocks a step will complete of each streamed prompt as the step
 is scheduled (`StreamLister.launched`) and lists them "full" once the step's last layer
 has run (`StreamLister.layer_done`). The step that ends a prompt (its first token comes
 next) lists them after each layer too, with the count of layers written so far: the
 decode replica reads those layers while the later ones are computed, so the prompt's KV
-is mostly across by the time its first token is out. (Earlier steps list only at their
+is mostly across by the time its first token is out. Earlier steps list only at their
 end: the steps after them leave time to read, and each read costs the decode replica's
-cores a little whatever its size.) On a GPU a layer has run once an event recorded after it has
-completed, which a thread of the lister waits for; on a CPU the forward calls back after
-the layer has run.
+cores a little whatever its size.
+
+On a CPU the forward calls back after each layer has run. On a GPU the call comes as the
+layer is enqueued: it records an event, and a thread of the lister lists the layer once
+the event has completed.
 
 A step's forward runs (or is enqueued, on a GPU) on the thread that scheduled it, right
 after `launched`, so the hook's calls belong to the step launched last. One whose token
@@ -32,6 +35,7 @@ import torch
 LIST_EVERY_S = 0.002
 """Within a step, how often at most a prefill replica lists newly written layers (the
 step's last layer is always listed at once)."""
+
 
 @dataclass(frozen=True)
 class Listed:
@@ -114,8 +118,9 @@ Publish = Callable[[int, dict[int, Listed]], None]
 
 
 class StreamLister:
-    """A prefill replica's streamed prompts and what it lists of them (every call but
-    `layer_done` on the replica's main thread; the state they share is under a lock)."""
+    """A prefill replica's streamed prompts and what it lists of them. Every call comes on
+    the replica's main thread (the forward's too); on a GPU a thread of the lister's own
+    lists each layer once its event has completed, so their state is under a lock."""
 
     def __init__(self, layers: tuple[int, int], publish: Publish, cuda: bool) -> None:
         self.first, self.last = layers[0], layers[1] - 1
