@@ -15,10 +15,12 @@ layer is enqueued: it records an event, and a thread of the lister lists the lay
 the event has completed.
 
 A step's forward runs (or is enqueued, on a GPU) on the thread that scheduled it, right
-after `launched`, so the hook's calls belong to the step launched last. One whose token
-count differs from that step's (when the step completes a streamed prompt's blocks) stops
-the layer-by-layer listing: the open streams close, and what they lack moves after the
-first token, as for a preempted prompt.
+after `launched`, so the hook's calls belong to the step launched last. A step whose
+forward never reaches the hook's last layer (a step of one-token chunks runs through a
+fused decoder or a CUDA graph, which call no hook) is listed as the next one is launched:
+its forward has run (or been enqueued) by then. A forward whose token count differs from
+the launched step's stops the layer-by-layer listing (the hook is ignored from then on),
+and every step is then listed as the next one is launched.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ class StreamLister:
         self._publish = publish
         self.streams: dict[str, Stream] = {}
         self.lock = threading.Lock()
+        self._publishing = threading.Lock()
         self._running: _Step | None = None
         """The step launched last, until its forward's last layer."""
         self._layerwise = True
@@ -162,12 +165,14 @@ class StreamLister:
         """A step is about to run: pin the blocks it completes of each open stream.
         `blocks_after(rid)`: the prompt's full blocks once it has run, whether it was ever
         preempted, and whether the step ends the prompt."""
+        if self._running is not None:  # its forward called no hook to its end
+            self._ended(self._running)
         ends: dict[str, tuple[int, bool]] = {}
         for rid, stream in self.streams.items():
             if not stream.open:
                 continue
             blocks, preempted, last = blocks_after(rid)
-            if preempted or not self._layerwise:
+            if preempted:
                 stream.open = False
                 continue
             if len(blocks) > len(stream.pinned):
@@ -176,14 +181,14 @@ class StreamLister:
                 with self.lock:
                     stream.pinned += new
                 ends[rid] = (len(stream.pinned), last)
-        layered = any(last for _, last in ends.values())
-        self._running = _Step(num_tokens, ends, layered) if self._layerwise else None
+        layered = self._layerwise and any(last for _, last in ends.values())
+        self._running = _Step(num_tokens, ends, layered) if ends else None
 
     def layer_done(self, layer: int, num_tokens: int) -> None:
         """The model's hook: global `layer` of the running step's forward has run (been
         enqueued, on a GPU)."""
         step = self._running
-        if step is None or not step.ends:  # (a step of no streamed prompt's: nothing to list)
+        if step is None or not self._layerwise:  # (no streamed prompt's blocks to list)
             return
         if step.num_tokens != num_tokens:
             self._unmatched(f"a forward of {num_tokens} tokens; the step launched last has "
@@ -193,7 +198,16 @@ class StreamLister:
             self._running = None
         elif not step.layered:
             return
-        count = layer - self.first + 1
+        self._after(step, layer - self.first + 1)
+
+    def _ended(self, step: _Step) -> None:
+        """`step`'s forward has run (or been enqueued): list every layer of it."""
+        self._running = None
+        self._after(step, self.last - self.first + 1)
+
+    def _after(self, step: _Step, count: int) -> None:
+        """List `count` layers of `step` once they have run (on a GPU, once an event
+        recorded now has completed)."""
         if self._events is None:
             self._written(step, count)
             return
@@ -236,20 +250,19 @@ class StreamLister:
             self._publish_to(changed)
 
     def _publish_to(self, decodes: set[int]) -> None:
-        for dst in decodes:
-            with self.lock:
-                listed = {s.transfer_id: shown for s in self.streams.values()
-                          if s.decode == dst and (shown := s.listed()).blocks}
-            self._publish(dst, listed)
-            self.num_listed += 1
+        # One publisher at a time (the main thread's `pop`, the GPU's lister thread), so a
+        # listing taken earlier never overwrites a later one.
+        with self._publishing:
+            for dst in decodes:
+                with self.lock:
+                    listed = {s.transfer_id: shown for s in self.streams.values()
+                              if s.decode == dst and (shown := s.listed()).blocks}
+                self._publish(dst, listed)
+                self.num_listed += 1
 
     def _unmatched(self, why: str) -> None:
-        """Forwards and steps no longer match: list nothing more layer by layer."""
-        if self._layerwise:
-            print(f"meshserve: streamed KV is no longer listed as it is computed ({why}); "
-                  "the rest of each prompt moves after its first token", file=sys.stderr,
-                  flush=True)
+        """A forward is not the launched step's: list nothing more layer by layer (each
+        step then as the next one is launched)."""
+        print(f"meshserve: streamed KV is no longer listed layer by layer ({why}); each "
+              "step is listed as the next one is launched", file=sys.stderr, flush=True)
         self._layerwise = False
-        self._running = None
-        for stream in self.streams.values():
-            stream.open = False

@@ -226,6 +226,9 @@ class KVRole:
         self._lister = StreamLister(worker.layer_range, self._publish,
                                     engine.device.type == "cuda")
         self._listed_before = 0
+        # Rank 0's hook speaks for a tensor-parallel replica's other ranks: every layer ends
+        # in an all-reduce (models/llama.py), which no rank leaves before all have written
+        # the layer's KV.
         if worker.layer_range == (0, self._num_layers):  # (no stream on a pipeline)
             assert worker.runner is not None
             worker.runner.model.model.on_layer = (self._slow_layer if "layer" in self._delays

@@ -31,7 +31,8 @@ class Inbox:
     def __init__(self, conn: Connection, role: KVRole | None, out: Sender) -> None:
         self.conn, self.role, self.out = conn, role, out
         self.role_lock = threading.Lock()
-        """Held by whoever uses the KV role (never while the engine steps)."""
+        """Held by whoever uses the KV role's commands (never while the engine steps: its
+        step calls into the role's stream lister without it, which exports never touch)."""
         self._queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.thread = threading.Thread(target=self._read, name="meshserve-replica-inbox",
                                        daemon=True)

@@ -100,18 +100,32 @@ def test_a_step_that_completes_no_block_lists_nothing(monkeypatch) -> None:
     assert not p.published and not p.pins
 
 
-def test_a_forward_that_is_not_the_steps_stops_the_listing(monkeypatch, capsys) -> None:
+def test_a_step_whose_forward_calls_no_hook_is_listed_as_the_next_is_launched() -> None:
+    """(A step of one-token chunks runs through the fused decoder or a CUDA graph.)"""
+    p = _Prefill()
+    p.lister.add("a", 11, 1)
+    p.step(1, {"a": [5, 6]}, last=("a",))
+    assert not p.published  # its forward called nothing
+    p.step(0, {})  # the next step: the one before has run
+    assert p.last() == {11: Listed([5, 6], full=2, layers=0)}
+
+
+def test_a_forward_that_is_not_the_steps_stops_listing_layer_by_layer(monkeypatch,
+                                                                       capsys) -> None:
     monkeypatch.setattr("meshserve.engine.kv_listing.LIST_EVERY_S", 0.0)
     p = _Prefill()
     p.lister.add("a", 11, 1)
     p.step(16, {"a": [5, 6]}, last=("a",))
-    p.lister.layer_done(0, 12)  # not the step launched: its blocks are not listed
+    p.lister.layer_done(0, 12)  # not the step launched: its blocks are not listed now
     assert not p.published
-    assert "no longer listed as it is computed" in capsys.readouterr().err
-    p.step(16, {"a": [5, 6, 7]}, last=("a",))  # nor any later
-    p.forward(16)
-    assert not p.published and p.pins == [5, 6]
-    assert not p.lister.streams["a"].open
+    assert "no longer listed layer by layer" in capsys.readouterr().err
+    p.step(16, {"a": [5, 6, 7]}, last=("a",))  # but once the next step is launched
+    assert p.published == [(1, {11: Listed([5, 6], full=2, layers=0)})]
+    p.forward(16)  # and each step from then on, whatever its forward calls
+    assert len(p.published) == 1
+    p.step(0, {})
+    assert p.last() == {11: Listed([5, 6, 7], full=3, layers=0)}
+    assert p.pins == [5, 6, 7] and p.lister.streams["a"].open
 
 
 @pytest.mark.parametrize("why", ["preempted", "closed"])
