@@ -55,8 +55,8 @@ class DisaggConfig:
     """The decode replica is chosen as the prompt is sent to its prefill replica, takes its
     blocks at once and reads the prompt's blocks as soon as a prefill step has computed
     them (the last step's layer by layer), so only the last layers of the last step's
-    blocks are left to move after the first token. false, or a prefill replica whose steps do not end in order
-    (pp > 1): every block moves once the prompt is done."""
+    blocks are left to move after the first token. false, or a prefill replica whose
+    steps do not end in order (pp > 1): every block moves once the prompt is done."""
     on_failure: str = "fail"
     """A request whose KV cannot be moved (lease expired, transfer failed): fail it with an
     error, or recompute (prefill it again on the decode replica)."""

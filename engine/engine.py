@@ -239,29 +239,21 @@ class Engine:
         block = self._kept_tails.pop(request_id, None)
         return [] if block is None else [block]
 
-    def prompt_blocks_computed(self, request_id: str) -> tuple[list[int], int]:
-        """The request's full prompt blocks that launched steps compute (a step still in
-        flight counts), in order, and how often it was preempted; ([], 0) for a request not
-        here."""
-        seq_id = self._by_request_id.get(request_id)
-        if seq_id is None:
-            return [], 0
-        seq = self._requests[seq_id].seq
-        n = min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.config.engine.block_size
-        return list(seq.block_table[:n]), seq.num_preemptions
-
     def prompt_blocks_scheduled(self, request_id: str, out: SchedulerOutput
                                 ) -> tuple[list[int], int, bool]:
-        """`prompt_blocks_computed` once step `out` (scheduled, not launched) has run too,
-        and whether that step ends the prompt."""
+        """The request's full prompt blocks once step `out` (scheduled, not launched) and
+        the steps launched before it have run, in order; how often it was preempted; and
+        whether `out` ends its prompt. ([], 0, False) for a request not here."""
         seq_id = self._by_request_id.get(request_id)
+        if seq_id is None:
+            return [], 0, False
+        seq = self._requests[seq_id].seq
         chunk = next((s for s in out.scheduled if s.seq_id == seq_id), None)
-        if chunk is None:
-            return (*self.prompt_blocks_computed(request_id), False)
-        seq = self._requests[chunk.seq_id].seq
-        end = min(chunk.start_pos + chunk.num_tokens, seq.num_prompt_tokens)
-        blocks = list(chunk.block_table[:end // self.config.engine.block_size])
-        return blocks, seq.num_preemptions, end == seq.num_prompt_tokens
+        table, end = ((seq.block_table, seq.num_computed_tokens) if chunk is None
+                      else (chunk.block_table, chunk.start_pos + chunk.num_tokens))
+        end = min(end, seq.num_prompt_tokens)
+        blocks = list(table[:end // self.config.engine.block_size])
+        return blocks, seq.num_preemptions, chunk is not None and end == seq.num_prompt_tokens
 
     def give_prompt_tail(self, request_id: str, block: int) -> None:
         """Hand a request not yet admitted a block the caller holds with the KV of its
