@@ -8,6 +8,7 @@ from meshserve.validation import require
 
 MODES = ("none", "manual", "auto")
 CONNECTORS = ("auto", "nixl", "torch")
+TORCH_WIRES = ("auto", "gloo", "gloo_pairs", "nccl")
 ON_FAILURE = ("fail", "recompute")
 
 
@@ -42,7 +43,13 @@ class DisaggConfig:
     one host, else torch.distributed: gloo), auto: nixl where it is installed."""
     torch_shm: bool = True
     """The torch connector between processes on one host: through a channel in shared
-    memory per pair of ranks (false: through gloo, as between hosts)."""
+    memory per pair of ranks (false: through its wire, as between hosts)."""
+    torch_wire: str = "auto"
+    """The torch connector's torch.distributed wire: gloo (tagged messages over one group
+    of every rank; a GPU cache staged through host memory), nccl (a group per pair of
+    ranks, GPU cache to GPU cache over NVLink or InfiniBand, shared memory unused),
+    gloo_pairs (nccl's pairs and ordering over gloo), auto: nccl for a GPU cache where
+    torch has NCCL, else gloo."""
     min_prefill_tokens: int = 256
     """Prompts shorter than this (and prompts a decode replica mostly caches already)
     skip the hop and prefill on the decode replica."""
@@ -65,6 +72,8 @@ class DisaggConfig:
         require(self.mode in MODES, "disagg.mode", self.mode, f"one of {MODES}")
         require(self.connector in CONNECTORS, "disagg.connector", self.connector,
                 f"one of {CONNECTORS}")
+        require(self.torch_wire in TORCH_WIRES, "disagg.torch_wire", self.torch_wire,
+                f"one of {TORCH_WIRES}")
         require(self.on_failure in ON_FAILURE, "disagg.on_failure", self.on_failure,
                 f"one of {ON_FAILURE}")
         require(self.min_prefill_tokens >= 0, "disagg.min_prefill_tokens",

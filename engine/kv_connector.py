@@ -17,8 +17,9 @@ thread per transfer) and are bounded by disagg.transfer_timeout_s.
   layer into its cache as it lands, so packing, the wire and placing overlap (a GPU cache
   is staged through host memory). Between processes on one host a piece goes through the
   two ranks' channel in shared memory (parallel/comm/shm_channel.py: packed straight into
-  it, placed straight from it); otherwise torch.distributed point-to-point over a gloo
-  group of every rank of every replica carries it.
+  it, placed straight from it); otherwise torch.distributed point-to-point carries it:
+  over a gloo group of every rank of every replica, or over a group per pair of ranks
+  whose messages both sides issue in one order (NCCL, straight between GPU caches).
 
 Either way the decode side pulls: it reads what the prefill side was told to grant, as
 soon as it has its blocks, and the prefill side's engine takes no part.
@@ -34,6 +35,7 @@ import itertools
 import json
 import math
 import os
+import queue
 import shutil
 import sys
 import threading
@@ -42,12 +44,15 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from meshserve.engine.disagg_config import TORCH_WIRES
 from meshserve.engine.kv_handshake import KVSpec, check_handshake
 from meshserve.engine.kv_listing import Listed
 from meshserve.engine.worker.kv_blocks import KVCache
@@ -64,6 +69,7 @@ from meshserve.engine.worker.kv_pieces import (
     unpack_layer,
 )
 from meshserve.parallel.comm.nixl_kv import NixlKV, nixl_available
+from meshserve.parallel.comm.pair_groups import PairGroups, nccl_usable
 from meshserve.parallel.comm.shm_allreduce import SHM_DIR, supported
 from meshserve.parallel.comm.shm_channel import ChannelError, ShmChannel, sweep
 
@@ -226,17 +232,25 @@ class KVConnector(ABC):
 class TorchKVConnector(KVConnector):
     """The decode rank asks each source rank for its piece through the KV store; a thread
     of the source rank answers every ask, a layer at a time: through the two ranks'
-    channel in shared memory on one host, else torch.distributed point-to-point over a
-    gloo group of every replica's ranks."""
+    channel in shared memory on one host, else torch.distributed point-to-point (`wire`):
+    `gloo`, tagged messages over one gloo group of every replica's ranks (a GPU cache
+    staged through host memory); `nccl`, a group per pair of ranks (parallel/comm/
+    pair_groups.py) carrying each layer from one GPU's cache to the other's, matched in the
+    order both sides issue them (an ask's layers in turn, the asks to one rank in the
+    order they are numbered); `gloo_pairs`, the same pairs and order over gloo."""
 
     name = "torch"
 
     def __init__(self, me: RankKV, replica: int, cache: KVCache, peers: KVPeers,
-                 timeout_s: float, shm: bool = True) -> None:
+                 timeout_s: float, shm: bool = True, wire: str = "gloo") -> None:
         super().__init__(me, replica, cache, peers, timeout_s)
         if peers.open_store is None:
             raise ValueError("the torch connector answers asks on a store connection of "
                              "its own: KVPeers needs open_store")
+        self.wire = resolve_wire(wire, cache)
+        self._device = cache[0][0].device
+        if self.wire == "nccl":  # GPU to GPU, over NVLink on one host too
+            shm = False
         self._timeout = timedelta(seconds=timeout_s)
         self._prefix: str | None = None
         """Where this run's shared-memory files are named (None: no shared memory)."""
@@ -259,11 +273,18 @@ class TorchKVConnector(KVConnector):
             self._prefix = f"{SHM_DIR}/{shm_prefix(token)}"
             with open(self._marker(me.rank), "w") as f:
                 f.write(str(os.getpid()))
+        self._agree_on_wire()
         # Its rendezvous waits for every rank to load; each send and recv below is
         # bounded by disagg.transfer_timeout_s instead.
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("meshserve-kv", peers.store),
                                            me.rank, peers.world,
-                                           timedelta(seconds=KV_STARTUP_S))
+                                           timedelta(seconds=KV_STARTUP_S)
+                                           ) if self.wire == "gloo" else None
+        self.pairs = None if self.wire == "gloo" else PairGroups(
+            peers.open_store, me.rank, "nccl" if self.wire == "nccl" else "gloo", timeout_s)
+        self._in_order: dict[int, queue.SimpleQueue[bytes]] = {}
+        """Asker rank -> its asks not yet answered, answered in turn by a thread of their
+        own (pairs only: that pair's messages go in the order they were asked for)."""
         answers = peers.open_store()
         try:
             answers.queue_len(_asks_key(me.rank))
@@ -274,6 +295,20 @@ class TorchKVConnector(KVConnector):
         self._answering = threading.Thread(target=self._answer, args=(answers,),
                                            name="meshserve-kv-answer", daemon=True)
         self._answering.start()
+
+    def _agree_on_wire(self) -> None:
+        """Every rank of the KV world must use the same wire (auto may resolve differently
+        where some ranks see no GPU): an error naming them, not a group that never forms."""
+        keys = [f"meshserve-kv/wire/{r}" for r in range(self.peers.world)]
+        with self.peers.lock:
+            self.peers.store.set(keys[self.me.rank], self.wire)
+            self.peers.store.wait(keys, timedelta(seconds=KV_STARTUP_S))
+            wires = [self.peers.store.get(k).decode() for k in keys]
+        if any(w != self.wire for w in wires):
+            raise ValueError("disagg.torch_wire: the ranks of the KV world resolved it to "
+                             + ", ".join(f"rank {r}: {w}" for r, w in enumerate(wires))
+                             + "; allowed: one wire on every rank (set disagg.torch_wire "
+                             "to gloo, or to nccl where every rank has a GPU)")
 
     def _marker(self, rank: int) -> str:
         return f"{self._prefix}rank{rank}"
@@ -328,39 +363,109 @@ class TorchKVConnector(KVConnector):
         whole = self._incoming(src)
         # A piece is named to its source by its place among the whole pieces from there.
         named = [(p.within(layers) if layers else p, p) for p in whole]
-        pieces = [p for p, _ in named if p is not None]
-        dtype = self.cache[0][0].dtype
+        asked = [(p, w) for p, w in named if p is not None]
         idx = block_index(self.cache, dst_blocks)
         deadline = time.monotonic() + self.timeout_s
+        stream = self._stream()
+        landing: list[_Landing] = []
         try:
+            local = [(p, w) for p, w in asked if self._shares_memory(p.src.rank)]
+            remote = [(p, w) for p, w in asked if not self._shares_memory(p.src.rank)]
+            with self._on(stream):
+                if self.pairs is None:
+                    landing = self._post_tagged(remote, whole, transfer_id, src_blocks,
+                                                len(idx))
+                else:
+                    landing = self._post_pairs(remote, whole, transfer_id, src_blocks,
+                                               len(idx), deadline)
             asks = {id(p): self._ask(w, whole, transfer_id, src_blocks, p.layers)
-                    for p, w in named if p is not None}
-            local = [p for p in pieces if self._shares_memory(p.src.rank)]
-            landing = [(p, layer, torch.empty(layer_shape(self.cache, p, len(dst_blocks)),
-                                              dtype=dtype))
-                       for p, layer in by_layer([p for p in pieces if p not in local])]
-            works = [self.group.recv([b], p.src.rank, _tag(asks[id(p)], layer))
-                     for p, layer, b in landing]
-            n = _each(lambda p: self._pull_local(p, asks[id(p)], idx, deadline), local)
-            for w, (p, layer, b) in zip(works, landing, strict=True):
-                w.wait(self._timeout)
-                unpack_layer(self.cache, self.me, p, idx, layer, b)
+                    for p, w in local}
+            n = _each(lambda p: self._pull_local(p, asks[id(p)], idx, deadline),
+                      [p for p, _ in local])
+            for land in landing:
+                with self._on(stream):  # (NCCL: the stream waits for the layer to land)
+                    self._wait(land.work, deadline)
+                    land.done = True
+                    unpack_layer(self.cache, self.me, land.piece, idx, land.layer, land.buf)
+            if stream is not None:
+                stream.synchronize()  # in the cache before the engine may read it
         except (RuntimeError, OSError) as e:
+            if self.pairs is not None:  # a pair that may hold a stray message: never again
+                for land in landing:
+                    if not land.done:
+                        self.pairs.retire(land.piece.src.rank, self.me.rank, land.gen)
             raise RuntimeError(f"receiving {len(dst_blocks)} KV blocks from replica {src} "
                                f"failed or took over disagg.transfer_timeout_s="
-                               f"{self.timeout_s} s (torch connector): {e}") from None
-        n += sum(b.numel() * b.element_size() for _, _, b in landing)
+                               f"{self.timeout_s} s (torch connector, {self.wire}): {e}"
+                               ) from None
+        n += sum(land.buf.numel() * land.buf.element_size() for land in landing)
         self.bytes_moved += n
         return n
 
+    def _post_tagged(self, named: list[tuple[Piece, Piece]], whole: list[Piece],
+                     transfer_id: int, src_blocks: Sequence[int],
+                     num_blocks: int) -> list[_Landing]:
+        """The one gloo group: ask for every piece, then post every layer's receive under
+        its own tag (the layers of all pieces interleaved, first layers first)."""
+        assert self.group is not None
+        asks = {id(p): self._ask(w, whole, transfer_id, src_blocks, p.layers)
+                for p, w in named}
+        out = []
+        for p, layer in by_layer([p for p, _ in named]):
+            b = self._landing(p, num_blocks)
+            out.append(_Landing(p, layer, b, self.group.recv([b], p.src.rank,
+                                                             _tag(asks[id(p)], layer))))
+        return out
+
+    def _post_pairs(self, named: list[tuple[Piece, Piece]], whole: list[Piece],
+                    transfer_id: int, src_blocks: Sequence[int], num_blocks: int,
+                    deadline: float) -> list[_Landing]:
+        """Pair groups: each piece's ask and its layers' receives are issued together, in
+        the order the source answers them (asks to one rank in the order they are
+        numbered, an ask's layers in turn)."""
+        assert self.pairs is not None
+        out: list[_Landing] = []
+        for p, w in named:
+            with self.pairs.issuing(p.src.rank, self.me.rank):
+                gen = self.pairs.generation(p.src.rank, self.me.rank)
+                self._ask(w, whole, transfer_id, src_blocks, p.layers, gen)
+                group = self.pairs.group(p.src.rank, self.me.rank, gen, deadline)
+                for layer in range(p.num_layers):
+                    b = self._landing(p, num_blocks)
+                    out.append(_Landing(p, layer, b, group.recv([b], 0, 0), gen))
+        return out
+
+    def _landing(self, p: Piece, num_blocks: int) -> torch.Tensor:
+        """Where one layer of `p` lands: on the cache's GPU over NCCL, else host memory."""
+        device = self._device if self.wire == "nccl" else torch.device("cpu")
+        return torch.empty(layer_shape(self.cache, p, num_blocks),
+                           dtype=self.cache[0][0].dtype, device=device)
+
+    def _wait(self, work: dist.Work, deadline: float) -> None:
+        if self.pairs is not None:
+            self.pairs.wait(work, deadline)
+        else:
+            work.wait(self._timeout)
+
+    def _stream(self) -> torch.cuda.Stream | None:
+        """NCCL: a side stream to pack and place on, so the model's work queued on the
+        default stream does not hold them up (what is read was listed once its CUDA event
+        had passed; what is written is used once the pull has returned)."""
+        return torch.cuda.Stream(self._device) if self.wire == "nccl" else None
+
+    def _on(self, stream: torch.cuda.Stream | None) -> AbstractContextManager[object]:
+        return nullcontext() if stream is None else torch.cuda.stream(stream)
+
     def _ask(self, piece: Piece, pieces: list[Piece], transfer_id: int,
-             blocks: Sequence[int], layers: tuple[int, int]) -> int:
+             blocks: Sequence[int], layers: tuple[int, int], gen: int = 0) -> int:
         """Ask `piece`'s source rank for its global `layers` over `blocks`; the ask's
         number, which names its channel transfer and its point-to-point tags (unique
-        between the two ranks: this rank numbers its own asks)."""
+        between the two ranks: this rank numbers its own asks); `gen`: the generation of
+        the pair group it is answered on."""
         n = next(self._asked)
         k = [p for p in pieces if p.src.rank == piece.src.rank].index(piece)
-        ask = np.array([self.me.rank, n, transfer_id, k, *layers, *blocks], dtype=np.int64)
+        ask = np.array([self.me.rank, n, transfer_id, k, *layers, gen, *blocks],
+                       dtype=np.int64)
         with self.peers.lock:
             self.peers.store.queue_push(_asks_key(piece.src.rank), ask.tobytes())
         return n
@@ -401,42 +506,77 @@ class TorchKVConnector(KVConnector):
                     return
                 continue
             if ask == _STOP:
-                return
-            threading.Thread(target=self._answer_one, args=(ask,),
-                             name="meshserve-kv-answer-one", daemon=True).start()
+                break
+            asker = int(np.frombuffer(ask, dtype=np.int64)[0])
+            if self.pairs is None or self._shares_memory(asker):
+                threading.Thread(target=self._answer_one, args=(ask,),
+                                 name="meshserve-kv-answer-one", daemon=True).start()
+                continue
+            if asker not in self._in_order:
+                self._in_order[asker] = queue.SimpleQueue()
+                threading.Thread(target=self._answer_in_order, args=(self._in_order[asker],),
+                                 name="meshserve-kv-answer-pair", daemon=True).start()
+            self._in_order[asker].put(ask)
+        for asks in self._in_order.values():
+            asks.put(_STOP)
+
+    def _answer_in_order(self, asks: queue.SimpleQueue[bytes]) -> None:
+        """One asker's asks over its pair group, one after another, as they were asked."""
+        while (ask := asks.get()) != _STOP:
+            self._answer_one(ask)
 
     def _answer_one(self, ask: bytes) -> None:
-        asker, n, transfer_id, k, lo, hi, *blocks = np.frombuffer(
+        asker, n, transfer_id, k, lo, hi, gen, *blocks = np.frombuffer(
             ask, dtype=np.int64).tolist()
         deadline = time.monotonic() + self.timeout_s
+        paired = self.pairs is not None and not self._shares_memory(asker)
+        if paired and not self.pairs.adopt(self.me.rank, asker, gen):  # type: ignore[union-attr]
+            print(f"meshserve: KV transfer {transfer_id} from rank {self.me.rank} to rank "
+                  f"{asker} dropped: asked on a retired pair group (generation {gen})",
+                  file=sys.stderr, flush=True)
+            return
         try:
             dests = self.peers.ranks(self.peers.replica_of(asker))
             mine = [p for p in pieces_from(self.me, self.peers.ranks(self.replica), dests)
                     if p.dst.rank == asker]
             piece = mine[k].within((lo, hi))
             assert piece is not None, (mine[k], lo, hi)  # (the asker asks for none empty)
-            nbytes = self._send_piece(piece, n, block_index(self.cache, blocks), deadline)
+            nbytes = self._send_piece(piece, n, gen, block_index(self.cache, blocks),
+                                      deadline)
         except Exception as e:  # noqa: BLE001 - the asker fails on its side, naming this replica
+            if paired:  # its receives may be left posted: the pair starts afresh
+                self.pairs.retire(self.me.rank, asker, gen)  # type: ignore[union-attr]
             if self._closing:  # (cut short by `close`)
                 return
             print(f"meshserve: KV transfer {transfer_id} from rank {self.me.rank} to rank "
-                  f"{asker} failed (torch connector): {e}", file=sys.stderr, flush=True)
+                  f"{asker} failed (torch connector, {self.wire}): {e}", file=sys.stderr,
+                  flush=True)
             return
         with self._lock:
             self.bytes_moved += nbytes
 
-    def _send_piece(self, p: Piece, ask: int, idx: torch.Tensor, deadline: float) -> int:
+    def _send_piece(self, p: Piece, ask: int, gen: int, idx: torch.Tensor,
+                    deadline: float) -> int:
         """A piece a layer at a time: a layer goes on the wire as soon as it is packed
-        (staged to host memory from a GPU), while the next one is packed; into a shared
-        channel it is packed straight."""
+        (staged to host memory from a GPU, but for NCCL), while the next one is packed;
+        into a shared channel it is packed straight."""
         if self._shares_memory(p.dst.rank):
             return self._send_local(p, ask, idx, deadline)
         sent = []
-        for _, layer in by_layer([p]):
-            buf = pack_layer(self.cache, self.me, p, idx, layer).cpu()
-            sent.append((self.group.send([buf], p.dst.rank, _tag(ask, layer)), buf))
+        stream = self._stream()
+        with self._on(stream):
+            if self.pairs is not None:
+                group = self.pairs.group(self.me.rank, p.dst.rank, gen, deadline)
+            for _, layer in by_layer([p]):
+                buf = pack_layer(self.cache, self.me, p, idx, layer)
+                buf = buf if self.wire == "nccl" else buf.cpu()
+                if self.pairs is None:
+                    assert self.group is not None
+                    sent.append((self.group.send([buf], p.dst.rank, _tag(ask, layer)), buf))
+                else:
+                    sent.append((group.send([buf], 1, 0), buf))
         for work, _ in sent:
-            work.wait(self._timeout)
+            self._wait(work, deadline)
         return sum(b.numel() * b.element_size() for _, b in sent)
 
     def _send_local(self, p: Piece, ask: int, idx: torch.Tensor, deadline: float) -> int:
@@ -471,6 +611,8 @@ class TorchKVConnector(KVConnector):
         # Joined, so it is not inside the store's client as the process ends (a thread
         # unwound there at exit aborts the process).
         self._answering.join(timeout=CLOSE_WAIT_S)
+        if self.pairs is not None:
+            self.pairs.close()
         with self._lock:
             for channel in self._channels.values():
                 channel.unlink()  # (a receiver's, if its sender never came)
@@ -496,6 +638,33 @@ _STOP = b"stop"
 def _asks_key(rank: int) -> str:
     """The queue, in the KV store, of the asks to global rank `rank`."""
     return f"meshserve-kv/asks/{rank}"
+
+
+@dataclass
+class _Landing:
+    """One layer of a piece on its way in: its receive and the buffer it lands in."""
+
+    piece: Piece
+    layer: int
+    buf: torch.Tensor
+    work: dist.Work
+    gen: int = 0
+    """The generation of the pair group it comes over (pair groups only)."""
+    done: bool = False
+
+
+def resolve_wire(wire: str, cache: KVCache) -> str:
+    """`disagg.torch_wire` with auto resolved: nccl for a GPU cache where torch has NCCL,
+    else gloo."""
+    on_gpu = cache[0][0].device.type == "cuda"
+    if wire == "auto":
+        return "nccl" if on_gpu and nccl_usable() else "gloo"
+    if wire not in TORCH_WIRES:
+        raise ValueError(f"disagg.torch_wire={wire!r}: allowed: {TORCH_WIRES}")
+    if wire == "nccl" and not (on_gpu and nccl_usable()):
+        raise ValueError(f"disagg.torch_wire=nccl: the KV cache is on {cache[0][0].device} "
+                         "or this torch has no NCCL; allowed here: auto, gloo, gloo_pairs")
+    return wire
 
 
 def _each(move: Callable[[Piece], int], pieces: list[Piece]) -> int:
@@ -570,12 +739,13 @@ def handshake(store: dist.Store, index: int, spec: KVSpec) -> None:
 
 
 def make_connector(name: str, me: RankKV, replica: int, cache: KVCache, peers: KVPeers,
-                   timeout_s: float, shm: bool = True) -> KVConnector:
+                   timeout_s: float, shm: bool = True, wire: str = "auto") -> KVConnector:
     """This rank's connector (every rank of every replica makes its own at start-up,
-    together); `shm`: the torch connector's shared memory between processes on one host."""
+    together); `shm`: the torch connector's shared memory between processes on one host;
+    `wire`: its torch.distributed wire (`disagg.torch_wire`)."""
     peers.publish(me)
     if _connector_class(name) is TorchKVConnector:
-        return TorchKVConnector(me, replica, cache, peers, timeout_s, shm)
+        return TorchKVConnector(me, replica, cache, peers, timeout_s, shm, wire)
     return NixlKVConnector(me, replica, cache, peers, timeout_s)
 
 

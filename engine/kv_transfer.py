@@ -190,9 +190,9 @@ def kv_role(engine: Engine, run: Run, index: int, store: dist.Store,
                              "must be self-spawned or a launched replica's own world")
         ranks_store = store_opener(ranks_at)
         tell_ranks(ranks_store(), kv_world, index, d.ranks_per_replica, name,
-                   d.transfer_timeout_s, d.torch_shm)
+                   d.transfer_timeout_s, d.torch_shm, d.torch_wire)
     connector = make_connector(name, me, index, cache, peers, d.transfer_timeout_s,
-                               d.torch_shm)
+                               d.torch_shm, d.torch_wire)
     if ranks_store is not None:
         connector = FannedOut(connector, ranks_store, num_ranks)
     return KVRole(engine, connector, d.kv_lease_s)

@@ -1,14 +1,19 @@
-"""Shared fixtures: small random Hugging Face checkpoints built with transformers itself."""
+"""Shared fixtures: small random Hugging Face checkpoints built with transformers itself;
+a TCP store to connect to."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+
+from meshserve.parallel.comm.discovery import free_port
 
 FAMILIES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -111,3 +116,18 @@ def text_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # Under CI=true a skip the CI machine should not need fails the run (tests/helpers/ci_skips.py).
 from helpers.ci_skips import pytest_runtest_makereport  # noqa: E402, F401
+
+
+@pytest.fixture
+def open_store() -> Iterator[Callable[[], dist.Store]]:
+    """Connections to a fresh TCP store this test hosts (for threads that each play a
+    rank)."""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30),
+                           wait_for_workers=False)
+
+    def connect() -> dist.Store:
+        return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+
+    yield connect
+    del server

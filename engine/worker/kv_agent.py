@@ -116,12 +116,13 @@ class FannedOut(KVConnector):
 
 
 def tell_ranks(store: dist.Store, kv_world: StoreAddress, replica: int, sizes: Sequence[int],
-               connector: str, timeout_s: float, shm: bool) -> None:
+               connector: str, timeout_s: float, shm: bool, wire: str) -> None:
     """The driver: where the KV world's store is, for its other ranks' `serve_kv` threads."""
     store.set(CONNECT_KEY, json.dumps({"host": kv_world.host, "port": kv_world.port,
                                        "prefix": kv_world.prefix, "replica": replica,
                                        "sizes": list(sizes), "connector": connector,
-                                       "timeout_s": timeout_s, "shm": shm}))
+                                       "timeout_s": timeout_s, "shm": shm,
+                                       "wire": wire}))
 
 
 def serve_kv(open_store: Callable[[], dist.Store], rank: int, first_layer: int,
@@ -138,7 +139,7 @@ def serve_kv(open_store: Callable[[], dist.Store], rank: int, first_layer: int,
     me = RankKV.of(peers.offsets[replica] + rank, (first_layer, first_layer + num_layers),
                    tp_rank, tp, num_kv_heads)
     connector = make_connector(info["connector"], me, replica, cache, peers,
-                               float(info["timeout_s"]), bool(info["shm"]))
+                               float(info["timeout_s"]), bool(info["shm"]), info["wire"])
     results = StorePool(open_store)
     for seq in itertools.count():
         key = _cmd_key(rank, seq)

@@ -29,6 +29,7 @@ def test_presets_and_overrides() -> None:
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"mode": "split"}, "disagg.mode"),
     ({"connector": "rdma"}, "disagg.connector"),
+    ({"torch_wire": "mpi"}, "disagg.torch_wire"),
     ({"on_failure": "retry"}, "disagg.on_failure"),
     ({"kv_lease_s": 0}, "disagg.kv_lease_s"),
     ({"min_prefill_tokens": -1}, "disagg.min_prefill_tokens"),

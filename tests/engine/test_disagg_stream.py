@@ -70,9 +70,11 @@ def assert_all_freed(engine: DisaggEngine, within_s: float = 15.0) -> None:
 @pytest.mark.parametrize("side", [(), ("disagg.prefill.tp=2",), ("disagg.decode.tp=2",),
                                   ("engine.async_scheduling=true",),
                                   ("disagg.stream_kv=false",), ("disagg.connector=torch",),
-                                  ("disagg.connector=torch", "disagg.prefill.tp=2")],
+                                  ("disagg.connector=torch", "disagg.prefill.tp=2"),
+                                  ("disagg.connector=torch", "disagg.prefill.tp=2",
+                                   "disagg.torch_shm=false", "disagg.torch_wire=gloo_pairs")],
                          ids=["1P+1D", "prefill-tp2", "decode-tp2", "async", "off", "torch",
-                              "torch-prefill-tp2"])
+                              "torch-prefill-tp2", "torch-pairs-prefill-tp2"])
 def test_streamed_prompts_equal_transformers_and_move_each_block_once(
         make_checkpoint, prompts, expected, side: tuple[str, ...]) -> None:
     llm = streamed_llm(str(make_checkpoint("llama")), *side)
@@ -94,8 +96,10 @@ def test_streamed_prompts_equal_transformers_and_move_each_block_once(
 
 @pytest.mark.parametrize("side", [("disagg.connector=nixl",), ("disagg.connector=torch",),
                                   ("disagg.connector=torch", "disagg.prefill.tp=2"),
-                                  ("disagg.connector=nixl", "engine.async_scheduling=true")],
-                         ids=["nixl", "torch", "torch-prefill-tp2", "nixl-async"])
+                                  ("disagg.connector=nixl", "engine.async_scheduling=true"),
+                                  ("disagg.connector=torch", "disagg.torch_shm=false",
+                                   "disagg.torch_wire=gloo_pairs")],
+                         ids=["nixl", "torch", "torch-prefill-tp2", "nixl-async", "torch-pairs"])
 def test_prompts_of_one_step_are_read_layer_by_layer(make_checkpoint, prompts, expected,
                                                      monkeypatch: pytest.MonkeyPatch,
                                                      side: tuple[str, ...]) -> None:

@@ -1,0 +1,157 @@
+"""Ordered point-to-point between pairs of ranks: a process group per directed pair.
+
+NCCL's send and receive carry no tags: the n-th send from one rank to another meets the
+n-th receive posted for it, so both sides must issue their messages to each other in the
+same order, and one message skipped or abandoned shifts every later one onto the wrong
+buffer. A KV world over NCCL therefore keeps one group per (source rank, destination
+rank), made on first use by both sides (rank 0 of it the source, rank 1 the destination),
+over which each side issues its messages in an agreed order (the caller's part: the
+torch connector numbers the asks).
+
+A pair whose transfer failed or timed out is never used again: its group is retired (an
+NCCL one aborted, which also ends a receive stuck on a lost peer), and the pair starts a
+new group under the next generation. Each side learns the other's generation from the
+messages' envelope (the torch connector's ask carries it): the source adopts a newer one
+when it sees it and drops asks of an older one, whose asker then times out and moves on
+itself; so after one failure both sides meet again on a fresh group, with nothing left
+in flight that could land on the wrong buffer.
+
+The same groups over gloo (host memory; tags unused) run the ordering anywhere.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl")
+
+POLL_S = 0.0002
+"""How often an NCCL wait checks its work (it never blocks on it: a receive from a lost
+peer would block the stream that waits)."""
+
+MARGIN_S = 60.0
+"""An NCCL group's own timeout beyond a transfer's: its watchdog fires only if retiring
+it did not end a stuck message."""
+
+
+def nccl_usable() -> bool:
+    """Whether NCCL groups can be made in this process."""
+    return dist.is_nccl_available() and torch.cuda.is_available()
+
+
+class PairGroups:
+    """This rank's groups with every peer it moves messages to or from."""
+
+    def __init__(self, open_store: Callable[[], dist.Store], rank: int, backend: str,
+                 timeout_s: float) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"pair groups: backend {backend!r}; allowed: {BACKENDS}")
+        if backend == "nccl" and not nccl_usable():
+            raise ValueError("pair groups over nccl: this torch has no NCCL or sees no GPU")
+        self.open_store, self.rank, self.backend = open_store, rank, backend
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._gen: dict[tuple[int, int], int] = {}
+        self._groups: dict[tuple[int, int, int], dist.ProcessGroup] = {}
+        self._issuing: dict[tuple[int, int], threading.Lock] = {}
+        self._retired: list[dist.ProcessGroup] = []
+        """Retired gloo groups, kept until `close`: one dropped while a message of it is
+        still pending waits for it to time out first."""
+        self.retirements = 0
+
+    def generation(self, src: int, dst: int) -> int:
+        """The generation pair (src, dst) is on, as this rank knows it."""
+        with self._lock:
+            return self._gen.get((src, dst), 0)
+
+    @contextmanager
+    def issuing(self, src: int, dst: int) -> Iterator[None]:
+        """Held while one transfer's messages on pair (src, dst) are issued: another's
+        then come wholly before or after them."""
+        with self._lock:
+            lock = self._issuing.setdefault((src, dst), threading.Lock())
+        with lock:
+            yield
+
+    def adopt(self, src: int, dst: int, gen: int) -> bool:
+        """The peer is on generation `gen`: move there if it is newer (retiring the older
+        groups); False if `gen` is older than this rank's (the message is to be dropped)."""
+        with self._lock:
+            have = self._gen.get((src, dst), 0)
+            if gen < have:
+                return False
+            if gen > have:
+                self._gen[(src, dst)] = gen
+                self._retire_below(src, dst, gen)
+            return True
+
+    def retire(self, src: int, dst: int, gen: int) -> None:
+        """A transfer on generation `gen` of pair (src, dst) failed: that group is never
+        used again, and the pair's next message goes on `gen + 1` (once per generation,
+        however many of its transfers fail)."""
+        with self._lock:
+            if self._gen.get((src, dst), 0) == gen:
+                self._gen[(src, dst)] = gen + 1
+                self.retirements += 1
+            self._retire_below(src, dst, gen + 1)
+
+    def _retire_below(self, src: int, dst: int, gen: int) -> None:
+        for key in [k for k in self._groups if k[:2] == (src, dst) and k[2] < gen]:
+            group = self._groups.pop(key)
+            if self.backend == "nccl":
+                group.abort()  # ends what is stuck on it
+            else:
+                self._retired.append(group)
+
+    def group(self, src: int, dst: int, gen: int, deadline: float) -> dist.ProcessGroup:
+        """Generation `gen`'s group of pair (src, dst), made on first use (a gloo group
+        waits for the peer to make it too, until `deadline`)."""
+        key = (src, dst, gen)
+        with self._lock:
+            if key in self._groups:
+                return self._groups[key]
+            if self._gen.get((src, dst), 0) > gen:
+                raise RuntimeError(f"the group of ranks {src}->{dst} was retired")
+        store = dist.PrefixStore(f"meshserve-kv-pair/{src}-{dst}/{gen}", self.open_store())
+        me = 0 if self.rank == src else 1
+        if self.backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timedelta(seconds=self.timeout_s + MARGIN_S)
+            made = dist.ProcessGroupNCCL(store, me, 2, options)
+        else:
+            wait = max(0.001, deadline - time.monotonic())
+            made = dist.ProcessGroupGloo(store, me, 2, timedelta(seconds=wait))
+        with self._lock:
+            if self._gen.get((src, dst), 0) > gen:  # retired while it was made
+                self._retired.append(made)
+                raise RuntimeError(f"the group of ranks {src}->{dst} was retired")
+            return self._groups.setdefault(key, made)
+
+    def wait(self, work: dist.Work, deadline: float) -> None:
+        """Wait for one message until `deadline`; RuntimeError if it fails or is late."""
+        left = deadline - time.monotonic()
+        if self.backend == "gloo":
+            if not work.wait(timedelta(seconds=max(0.001, left))):
+                raise RuntimeError("the message did not complete in time")
+            return
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the message did not complete in time")
+            time.sleep(POLL_S)
+        work.wait()  # (raises its error; the stream waits on what has ended)
+
+    def close(self) -> None:
+        with self._lock:
+            groups = list(self._groups.values())
+            self._groups.clear()
+            self._retired.clear()
+        if self.backend == "nccl":
+            for group in groups:
+                group.abort()
