@@ -5,7 +5,9 @@ Sections (each on its own: a failure is recorded in the JSON and the rest still 
 kernel correctness against the references; HBM copy bandwidth; paged-decode attention
 bandwidth against it (target >= 70%); decode tok/s at batch 1 and 64 of a random-weight
 Llama-3-8B-shaped bf16 model against the roofline (batch-1 MBU target >= 75%) and
-transformers; the longtail workload against transformers peers (target >= 3x). Budget:
+transformers; the longtail workload against transformers peers (target >= 3x); one
+prompt's KV pulled between two processes over each KV wire the machine has (bench/
+device_kv.py: torch over gloo and gloo pairs, NCCL with two GPUs, NIXL). Budget:
 under 8 minutes on one H200. `--smoke` shrinks everything to seconds on a CPU, where the
 Triton kernels run in the interpreter.
 """
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-SECTIONS = ("kernels", "copy", "attention", "gemv", "decode", "longtail")
+SECTIONS = ("kernels", "copy", "attention", "gemv", "decode", "longtail", "kv")
 
 
 def sizes(smoke: bool, device: torch.device) -> Any:
@@ -46,7 +48,8 @@ def sizes(smoke: bool, device: torch.device) -> Any:
                  attn_context=40, model=tiny, decode_batches=(1, 2), decode_prompt=20,
                  decode_steps=3, longtail_checkpoint="smoke", longtail_requests=2,
                  peers=("hf-static-2",), repeats=2,
-                 decode_sweep=[DecodeConfig(tokens_per_iter=n) for n in (0, 32)])
+                 decode_sweep=[DecodeConfig(tokens_per_iter=n) for n in (0, 32)],
+                 kv_tokens=(64, 256), kv_rounds=2)
 
 
 def run_sections(s: Any, out_dir: Path, only: tuple[str, ...], cache_dir: Path,
@@ -57,6 +60,7 @@ def run_sections(s: Any, out_dir: Path, only: tuple[str, ...], cache_dir: Path,
     what it measured so far."""
     from meshserve.bench import device_decode as dd
     from meshserve.bench import device_gemv as dg
+    from meshserve.bench import device_kv as dk
     from meshserve.bench import device_sections as ds
 
     results: dict[str, Any] = {}
@@ -72,6 +76,7 @@ def run_sections(s: Any, out_dir: Path, only: tuple[str, ...], cache_dir: Path,
         "gemv": lambda: dg.gemv_sweep(s, copy_gbs()),
         "decode": lambda: dd.decode_throughput(s, copy_gbs()),
         "longtail": lambda: dd.longtail_throughput(s, str(cache_dir)),
+        "kv": lambda: dk.kv_section(s),
     }
     for name in only:
         t0 = time.perf_counter()
@@ -146,6 +151,16 @@ def table(results: dict[str, Any]) -> str:
     if "speedup_vs_best_peer" in lt:
         add("  longtail speedup", lt["speedup_vs_best_peer"], ">= 3",
             lt["speedup_vs_best_peer"] >= 3.0)
+    kv = results.get("kv", {})
+    for wire, d in kv.items():
+        if not isinstance(d, dict):
+            continue
+        if "skipped" in d:
+            rows.append((f"KV pull {wire}", "skipped", "", d["skipped"][:60]))
+        for tokens in kv.get("tokens", []):
+            if f"{tokens}_gbs" in d:
+                add(f"KV pull {wire}, {tokens} tokens GB/s", d[f"{tokens}_gbs"], "", None)
+                add(f"  {wire}, {tokens} tokens ms", d[f"{tokens}_ms"], "", None)
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 

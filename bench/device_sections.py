@@ -42,6 +42,9 @@ class Sizes:
     repeats: int
     decode_sweep: list[Any] = field(default_factory=list)
     """DecodeConfigs the attention section tries (Triton kernel); the fastest is kept."""
+    kv_tokens: tuple[int, ...] = (1000, 4000)
+    """Prompt lengths whose KV the kv section pulls from one process to another."""
+    kv_rounds: int = 10
 
 
 def sync(device: torch.device) -> None:

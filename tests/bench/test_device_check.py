@@ -30,6 +30,10 @@ def test_smoke_run_writes_every_section(tmp_path: Path) -> None:
     assert results["decode"]["batch1"]["meshserve_tok_s"] > 0
     assert results["longtail"]["meshserve_tok_s"] > 0
     assert "HBM copy GB/s" in proc.stdout and "longtail speedup" in proc.stdout
+    kv = results["kv"]  # every wire a CPU has, the KV checked on arrival
+    assert kv["torch-gloo"]["256_gbs"] > 0 and kv["torch-gloo_pairs"]["256_gbs"] > 0
+    assert kv["torch-nccl"] == {"skipped": "needs GPUs"}
+    assert "KV pull torch-gloo_pairs, 256 tokens GB/s" in proc.stdout
 
 
 FAILING_SECTION = """
