@@ -155,8 +155,9 @@ def table(results: dict[str, Any]) -> str:
     for wire, d in kv.items():
         if not isinstance(d, dict):
             continue
-        if "skipped" in d:
-            rows.append((f"KV pull {wire}", "skipped", "", d["skipped"][:60]))
+        if "skipped" in d or "error" in d:
+            rows.append((f"KV pull {wire}", "skipped" if "skipped" in d else "ERROR", "",
+                         d.get("skipped", d.get("error", ""))[:60]))
         for tokens in kv.get("tokens", []):
             if f"{tokens}_gbs" in d:
                 add(f"KV pull {wire}, {tokens} tokens GB/s", d[f"{tokens}_gbs"], "", None)

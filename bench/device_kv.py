@@ -16,6 +16,7 @@ from __future__ import annotations
 import queue
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 BLOCK = 16
-WAIT_S = 240.0
+WAIT_S = 90.0
 
 
 def kv_section(s: Any) -> dict[str, Any]:
@@ -45,7 +46,10 @@ def kv_section(s: Any) -> dict[str, Any]:
         if skipped is not None:
             out[wire] = {"skipped": skipped}
             continue
-        out[wire] = _run_pair(s, wire, gpus)
+        try:
+            out[wire] = _run_pair(s, wire, gpus)
+        except Exception as e:  # noqa: BLE001 - recorded; the next wire still runs
+            out[wire] = {"error": f"{type(e).__name__}: {e}"}
     return out
 
 
@@ -86,9 +90,9 @@ def _layer(s: Any, device: torch.device, layer: int, which: int,
            num_blocks: int) -> torch.Tensor:
     """The source cache's layer `layer`, K (0) or V (1): the same on every rank that asks."""
     _, bs, heads, dim = _shape(s)
-    g = torch.Generator(device=device).manual_seed(1000 + 2 * layer + which)
-    return torch.randn(num_blocks, bs, heads, dim, generator=g, device=device,
-                       dtype=torch.float32).to(s.dtype)
+    g = torch.Generator().manual_seed(1000 + 2 * layer + which)  # (on the host: the same
+    return torch.randn(num_blocks, bs, heads, dim, generator=g,  # on any GPU)
+                       dtype=torch.float32).to(device=device, dtype=s.dtype)
 
 
 def _rank(rank: int, port: int, wire: str, gpus: int, s: Any, results: Any) -> None:
@@ -147,6 +151,27 @@ def _rank(rank: int, port: int, wire: str, gpus: int, s: Any, results: Any) -> N
             out[f"{tokens}_ms"] = med * 1e3
             out[f"{tokens}_gbs"] = nbytes / med / 1e9
             out[f"{tokens}_mb"] = nbytes / 1e6
+
+        perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(-1)).tolist()
+        n = s.kv_tokens[0] // BLOCK
+
+        def pull_checked(transfer: int, slot: int,
+                         layers: tuple[int, int] | None = None) -> None:
+            src, dst = perm[-n:], perm[slot * n:(slot + 1) * n]  # (slots' blocks apart)
+            conn.pull(0, transfer, src, dst, layers)
+            if layers is None or layers[0] == 0:
+                assert torch.equal(cache[0][0][dst], first_k[src]), (wire, "check", slot)
+            if layers is None or layers[1] == len(cache):
+                assert torch.equal(cache[-1][1][dst], last_v[src]), (wire, "check", slot)
+
+        # a streamed prompt's last step: its first layer, then the rest
+        pull_checked(transfer + 1, 0, (0, 1))
+        pull_checked(transfer + 2, 0, (1, layers))
+        # pulls from two threads at once (each pair's messages in one order)
+        with ThreadPoolExecutor(2) as pool:
+            for f in [pool.submit(pull_checked, transfer + 3 + i, 1 + i) for i in range(2)]:
+                f.result()
+        out["checked"] = "timed pulls, a layered pull, two pulls at once"
         results.put(out)
         talk.set("done", "1")
         conn.close()

@@ -249,8 +249,13 @@ class TorchKVConnector(KVConnector):
                              "its own: KVPeers needs open_store")
         self.wire = resolve_wire(wire, cache)
         self._device = cache[0][0].device
+        self._side: torch.cuda.Stream | None = None
+        """NCCL: the stream this rank packs and places on, so the model's work queued on
+        the default stream does not hold them up (what is read was listed once its CUDA
+        event had passed; what is written is used once the pull has returned)."""
         if self.wire == "nccl":  # GPU to GPU, over NVLink on one host too
             shm = False
+            self._side = torch.cuda.Stream(self._device)
         self._timeout = timedelta(seconds=timeout_s)
         self._prefix: str | None = None
         """Where this run's shared-memory files are named (None: no shared memory)."""
@@ -300,15 +305,24 @@ class TorchKVConnector(KVConnector):
         """Every rank of the KV world must use the same wire (auto may resolve differently
         where some ranks see no GPU): an error naming them, not a group that never forms."""
         keys = [f"meshserve-kv/wire/{r}" for r in range(self.peers.world)]
+        gpu = ""
+        if self.wire == "nccl":  # which GPU: NCCL takes one a rank
+            gpu = str(getattr(torch.cuda.get_device_properties(self._device), "uuid", ""))
         with self.peers.lock:
-            self.peers.store.set(keys[self.me.rank], self.wire)
+            self.peers.store.set(keys[self.me.rank], json.dumps([self.wire, gpu]))
             self.peers.store.wait(keys, timedelta(seconds=KV_STARTUP_S))
-            wires = [self.peers.store.get(k).decode() for k in keys]
+            found = [json.loads(self.peers.store.get(k)) for k in keys]
+        wires = [w for w, _ in found]
         if any(w != self.wire for w in wires):
             raise ValueError("disagg.torch_wire: the ranks of the KV world resolved it to "
                              + ", ".join(f"rank {r}: {w}" for r, w in enumerate(wires))
                              + "; allowed: one wire on every rank (set disagg.torch_wire "
                              "to gloo, or to nccl where every rank has a GPU)")
+        gpus = [g for _, g in found]
+        shared = [r for r, g in enumerate(gpus) if g and gpus.count(g) > 1]
+        if shared:
+            raise ValueError(f"disagg.torch_wire=nccl: ranks {shared} share a GPU, and NCCL "
+                             "takes one GPU a rank; allowed there: gloo")
 
     def _marker(self, rank: int) -> str:
         return f"{self._prefix}rank{rank}"
@@ -366,8 +380,9 @@ class TorchKVConnector(KVConnector):
         asked = [(p, w) for p, w in named if p is not None]
         idx = block_index(self.cache, dst_blocks)
         deadline = time.monotonic() + self.timeout_s
-        stream = self._stream()
+        stream = self._side
         landing: list[_Landing] = []
+        placed = False
         try:
             local = [(p, w) for p, w in asked if self._shares_memory(p.src.rank)]
             remote = [(p, w) for p, w in asked if not self._shares_memory(p.src.rank)]
@@ -375,9 +390,9 @@ class TorchKVConnector(KVConnector):
                 if self.pairs is None:
                     landing = self._post_tagged(remote, whole, transfer_id, src_blocks,
                                                 len(idx))
-                else:
-                    landing = self._post_pairs(remote, whole, transfer_id, src_blocks,
-                                               len(idx), deadline)
+                else:  # (into `landing` as it goes: what was posted before a failure too)
+                    self._post_pairs(remote, whole, transfer_id, src_blocks, len(idx),
+                                     deadline, landing)
             asks = {id(p): self._ask(w, whole, transfer_id, src_blocks, p.layers)
                     for p, w in local}
             n = _each(lambda p: self._pull_local(p, asks[id(p)], idx, deadline),
@@ -387,17 +402,17 @@ class TorchKVConnector(KVConnector):
                     self._wait(land.work, deadline)
                     land.done = True
                     unpack_layer(self.cache, self.me, land.piece, idx, land.layer, land.buf)
-            if stream is not None:
-                stream.synchronize()  # in the cache before the engine may read it
+            placed = True
         except (RuntimeError, OSError) as e:
-            if self.pairs is not None:  # a pair that may hold a stray message: never again
-                for land in landing:
-                    if not land.done:
-                        self.pairs.retire(land.piece.src.rank, self.me.rank, land.gen)
             raise RuntimeError(f"receiving {len(dst_blocks)} KV blocks from replica {src} "
                                f"failed or took over disagg.transfer_timeout_s="
                                f"{self.timeout_s} s (torch connector, {self.wire}): {e}"
                                ) from None
+        finally:
+            if not placed and self.pairs is not None:
+                self._settle(landing, deadline)
+            if stream is not None:  # in the cache (or done writing) before the blocks
+                stream.synchronize()  # are read or freed
         n += sum(land.buf.numel() * land.buf.element_size() for land in landing)
         self.bytes_moved += n
         return n
@@ -419,21 +434,46 @@ class TorchKVConnector(KVConnector):
 
     def _post_pairs(self, named: list[tuple[Piece, Piece]], whole: list[Piece],
                     transfer_id: int, src_blocks: Sequence[int], num_blocks: int,
-                    deadline: float) -> list[_Landing]:
+                    deadline: float, out: list[_Landing]) -> None:
         """Pair groups: each piece's ask and its layers' receives are issued together, in
         the order the source answers them (asks to one rank in the order they are
-        numbered, an ask's layers in turn)."""
+        numbered, an ask's layers in turn), into `out`. A pair whose issuing fails
+        half-way (an ask without its receives) is retired."""
         assert self.pairs is not None
-        out: list[_Landing] = []
         for p, w in named:
-            with self.pairs.issuing(p.src.rank, self.me.rank):
-                gen = self.pairs.generation(p.src.rank, self.me.rank)
-                self._ask(w, whole, transfer_id, src_blocks, p.layers, gen)
-                group = self.pairs.group(p.src.rank, self.me.rank, gen, deadline)
-                for layer in range(p.num_layers):
-                    b = self._landing(p, num_blocks)
-                    out.append(_Landing(p, layer, b, group.recv([b], 0, 0), gen))
-        return out
+            src = p.src.rank
+            # (allocated before the ask: a pair is never left with an ask half received)
+            bufs = [self._landing(p, num_blocks) for _ in range(p.num_layers)]
+            with self.pairs.issuing(src, self.me.rank, deadline):
+                gen = self.pairs.generation(src, self.me.rank)
+                try:
+                    self._ask(w, whole, transfer_id, src_blocks, p.layers, gen)
+                    group = self.pairs.group(src, self.me.rank, gen, deadline)
+                    for layer, b in enumerate(bufs):
+                        out.append(_Landing(p, layer, b, group.recv([b], 0, 0), gen))
+                except BaseException:
+                    self.pairs.retire(src, self.me.rank, gen)
+                    raise
+
+    def _settle(self, landing: list[_Landing], deadline: float) -> None:
+        """A pull that failed: a pair that failed, or whose receives are still posted when
+        the deadline has passed, may hold a stray message and is never used again; the
+        other pairs' layers are let land first (their answers are on the way)."""
+        assert self.pairs is not None
+        failed = {(land.piece.src.rank, land.gen) for land in landing
+                  if land.work.is_completed() and not land.done and not _ok(land.work)}
+        for land in landing:
+            key = (land.piece.src.rank, land.gen)
+            if land.done or key in failed:
+                continue
+            try:
+                self.pairs.wait(land.work, deadline)
+                land.done = True
+            except RuntimeError:
+                failed.add(key)
+        failed |= {(land.piece.src.rank, land.gen) for land in landing if not land.done}
+        for src_rank, gen in failed:
+            self.pairs.retire(src_rank, self.me.rank, gen)
 
     def _landing(self, p: Piece, num_blocks: int) -> torch.Tensor:
         """Where one layer of `p` lands: on the cache's GPU over NCCL, else host memory."""
@@ -446,12 +486,6 @@ class TorchKVConnector(KVConnector):
             self.pairs.wait(work, deadline)
         else:
             work.wait(self._timeout)
-
-    def _stream(self) -> torch.cuda.Stream | None:
-        """NCCL: a side stream to pack and place on, so the model's work queued on the
-        default stream does not hold them up (what is read was listed once its CUDA event
-        had passed; what is written is used once the pull has returned)."""
-        return torch.cuda.Stream(self._device) if self.wire == "nccl" else None
 
     def _on(self, stream: torch.cuda.Stream | None) -> AbstractContextManager[object]:
         return nullcontext() if stream is None else torch.cuda.stream(stream)
@@ -498,6 +532,13 @@ class TorchKVConnector(KVConnector):
         """Answer this rank's asks as they come, each in a thread of its own (a stuck one
         holds up no other), until `close` (or the store is gone)."""
         store.set_timeout(timedelta(seconds=ASK_WAIT_S))
+        try:
+            self._take_asks(store)
+        finally:
+            for asks in self._in_order.values():
+                asks.put(_STOP)
+
+    def _take_asks(self, store: dist.Store) -> None:
         while True:
             try:
                 ask = store.queue_pop(_asks_key(self.me.rank))
@@ -506,7 +547,7 @@ class TorchKVConnector(KVConnector):
                     return
                 continue
             if ask == _STOP:
-                break
+                return
             asker = int(np.frombuffer(ask, dtype=np.int64)[0])
             if self.pairs is None or self._shares_memory(asker):
                 threading.Thread(target=self._answer_one, args=(ask,),
@@ -517,12 +558,10 @@ class TorchKVConnector(KVConnector):
                 threading.Thread(target=self._answer_in_order, args=(self._in_order[asker],),
                                  name="meshserve-kv-answer-pair", daemon=True).start()
             self._in_order[asker].put(ask)
-        for asks in self._in_order.values():
-            asks.put(_STOP)
 
     def _answer_in_order(self, asks: queue.SimpleQueue[bytes]) -> None:
         """One asker's asks over its pair group, one after another, as they were asked."""
-        while (ask := asks.get()) != _STOP:
+        while (ask := asks.get()) != _STOP and not self._closing:
             self._answer_one(ask)
 
     def _answer_one(self, ask: bytes) -> None:
@@ -563,8 +602,7 @@ class TorchKVConnector(KVConnector):
         if self._shares_memory(p.dst.rank):
             return self._send_local(p, ask, idx, deadline)
         sent = []
-        stream = self._stream()
-        with self._on(stream):
+        with self._on(self._side):
             if self.pairs is not None:
                 group = self.pairs.group(self.me.rank, p.dst.rank, gen, deadline)
             for _, layer in by_layer([p]):
@@ -654,17 +692,26 @@ class _Landing:
 
 
 def resolve_wire(wire: str, cache: KVCache) -> str:
-    """`disagg.torch_wire` with auto resolved: nccl for a GPU cache where torch has NCCL,
-    else gloo."""
+    """`disagg.torch_wire` with auto resolved: gloo (nccl, not yet run on GPUs, is asked
+    for by name)."""
     on_gpu = cache[0][0].device.type == "cuda"
     if wire == "auto":
-        return "nccl" if on_gpu and nccl_usable() else "gloo"
+        return "gloo"
     if wire not in TORCH_WIRES:
         raise ValueError(f"disagg.torch_wire={wire!r}: allowed: {TORCH_WIRES}")
     if wire == "nccl" and not (on_gpu and nccl_usable()):
         raise ValueError(f"disagg.torch_wire=nccl: the KV cache is on {cache[0][0].device} "
                          "or this torch has no NCCL; allowed here: auto, gloo, gloo_pairs")
     return wire
+
+
+def _ok(work: dist.Work) -> bool:
+    """Whether a completed message completed without an error."""
+    try:
+        work.wait()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _each(move: Callable[[Piece], int], pieces: list[Piece]) -> int:

@@ -65,6 +65,7 @@ class PairGroups:
         """Retired gloo groups, kept until `close`: one dropped while a message of it is
         still pending waits for it to time out first."""
         self.retirements = 0
+        self._closed = False
 
     def generation(self, src: int, dst: int) -> int:
         """The generation pair (src, dst) is on, as this rank knows it."""
@@ -72,13 +73,19 @@ class PairGroups:
             return self._gen.get((src, dst), 0)
 
     @contextmanager
-    def issuing(self, src: int, dst: int) -> Iterator[None]:
+    def issuing(self, src: int, dst: int, deadline: float) -> Iterator[None]:
         """Held while one transfer's messages on pair (src, dst) are issued: another's
-        then come wholly before or after them."""
+        then come wholly before or after them. RuntimeError if another holds it past
+        `deadline`."""
         with self._lock:
             lock = self._issuing.setdefault((src, dst), threading.Lock())
-        with lock:
+        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise RuntimeError(f"ranks {src}->{dst}: another transfer was still being "
+                               "issued at the deadline")
+        try:
             yield
+        finally:
+            lock.release()
 
     def adopt(self, src: int, dst: int, gen: int) -> bool:
         """The peer is on generation `gen`: move there if it is newer (retiring the older
@@ -89,8 +96,10 @@ class PairGroups:
                 return False
             if gen > have:
                 self._gen[(src, dst)] = gen
-                self._retire_below(src, dst, gen)
-            return True
+                old = self._retire_below(src, dst, gen)
+        if gen > have:
+            self._end(old)
+        return True
 
     def retire(self, src: int, dst: int, gen: int) -> None:
         """A transfer on generation `gen` of pair (src, dst) failed: that group is never
@@ -100,39 +109,64 @@ class PairGroups:
             if self._gen.get((src, dst), 0) == gen:
                 self._gen[(src, dst)] = gen + 1
                 self.retirements += 1
-            self._retire_below(src, dst, gen + 1)
+            old = self._retire_below(src, dst, gen + 1)
+        self._end(old)
 
-    def _retire_below(self, src: int, dst: int, gen: int) -> None:
-        for key in [k for k in self._groups if k[:2] == (src, dst) and k[2] < gen]:
-            group = self._groups.pop(key)
-            if self.backend == "nccl":
-                group.abort()  # ends what is stuck on it
-            else:
-                self._retired.append(group)
+    def _retire_below(self, src: int, dst: int, gen: int) -> list[dist.ProcessGroup]:
+        """Under the lock: pair (src, dst)'s groups older than `gen`, no longer handed out
+        (kept, so none is destroyed while a message of it may be pending)."""
+        old = [self._groups.pop(k) for k in list(self._groups)
+               if k[:2] == (src, dst) and k[2] < gen]
+        self._retired.extend(old)
+        return old
+
+    def _end(self, groups: list[dist.ProcessGroup]) -> None:
+        """NCCL: abort retired groups, which ends what is stuck on them (outside the lock:
+        an abort may wait on the GPU); gloo's end as their messages time out."""
+        if self.backend != "nccl":
+            return
+        for group in groups:
+            for name in ("abort", "_abort", "_shutdown"):  # (named so as torch grew)
+                end = getattr(group, name, None)
+                if end is not None:
+                    try:
+                        end()
+                    except RuntimeError:
+                        pass
+                    break
 
     def group(self, src: int, dst: int, gen: int, deadline: float) -> dist.ProcessGroup:
         """Generation `gen`'s group of pair (src, dst), made on first use (a gloo group
         waits for the peer to make it too, until `deadline`)."""
         key = (src, dst, gen)
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the KV connector is closed")
             if key in self._groups:
                 return self._groups[key]
             if self._gen.get((src, dst), 0) > gen:
                 raise RuntimeError(f"the group of ranks {src}->{dst} was retired")
-        store = dist.PrefixStore(f"meshserve-kv-pair/{src}-{dst}/{gen}", self.open_store())
+        # Its own connection, whose waits (the peer joining; NCCL's id) are bounded by a
+        # transfer's timeout; NCCL then sets its communicator up with the first message.
+        conn = self.open_store()
+        conn.set_timeout(timedelta(seconds=self.timeout_s))
+        store = dist.PrefixStore(f"meshserve-kv-pair/{src}-{dst}/{gen}", conn)
         me = 0 if self.rank == src else 1
         if self.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timedelta(seconds=self.timeout_s + MARGIN_S)
             made = dist.ProcessGroupNCCL(store, me, 2, options)
         else:
-            wait = max(0.001, deadline - time.monotonic())
-            made = dist.ProcessGroupGloo(store, me, 2, timedelta(seconds=wait))
+            made = dist.ProcessGroupGloo(store, me, 2, timedelta(seconds=self.timeout_s))
         with self._lock:
-            if self._gen.get((src, dst), 0) > gen:  # retired while it was made
+            if self._gen.get((src, dst), 0) > gen or self._closed:  # retired meanwhile
                 self._retired.append(made)
-                raise RuntimeError(f"the group of ranks {src}->{dst} was retired")
-            return self._groups.setdefault(key, made)
+                stale = True
+            else:
+                return self._groups.setdefault(key, made)
+        if stale:
+            self._end([made])
+        raise RuntimeError(f"the group of ranks {src}->{dst} was retired")
 
     def wait(self, work: dist.Work, deadline: float) -> None:
         """Wait for one message until `deadline`; RuntimeError if it fails or is late."""
@@ -149,9 +183,8 @@ class PairGroups:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             groups = list(self._groups.values())
             self._groups.clear()
             self._retired.clear()
-        if self.backend == "nccl":
-            for group in groups:
-                group.abort()
+        self._end(groups)
