@@ -448,7 +448,7 @@ class TorchKVConnector(KVConnector):
                 gen = self.pairs.generation(src, self.me.rank)
                 try:
                     self._ask(w, whole, transfer_id, src_blocks, p.layers, gen)
-                    group = self.pairs.group(src, self.me.rank, gen, deadline)
+                    group = self.pairs.group(src, self.me.rank, gen)
                     for layer, b in enumerate(bufs):
                         out.append(_Landing(p, layer, b, group.recv([b], 0, 0), gen))
                 except BaseException:
@@ -604,7 +604,7 @@ class TorchKVConnector(KVConnector):
         sent = []
         with self._on(self._side):
             if self.pairs is not None:
-                group = self.pairs.group(self.me.rank, p.dst.rank, gen, deadline)
+                group = self.pairs.group(self.me.rank, p.dst.rank, gen)
             for _, layer in by_layer([p]):
                 buf = pack_layer(self.cache, self.me, p, idx, layer)
                 buf = buf if self.wire == "nccl" else buf.cpu()

@@ -62,8 +62,8 @@ class PairGroups:
         self._groups: dict[tuple[int, int, int], dist.ProcessGroup] = {}
         self._issuing: dict[tuple[int, int], threading.Lock] = {}
         self._retired: list[dist.ProcessGroup] = []
-        """Retired gloo groups, kept until `close`: one dropped while a message of it is
-        still pending waits for it to time out first."""
+        """Retired groups, kept until `close` (NCCL's aborted): a gloo group dropped while
+        a message of it is still pending would wait for it to time out first."""
         self.retirements = 0
         self._closed = False
 
@@ -135,9 +135,9 @@ class PairGroups:
                         pass
                     break
 
-    def group(self, src: int, dst: int, gen: int, deadline: float) -> dist.ProcessGroup:
+    def group(self, src: int, dst: int, gen: int) -> dist.ProcessGroup:
         """Generation `gen`'s group of pair (src, dst), made on first use (a gloo group
-        waits for the peer to make it too, until `deadline`)."""
+        waits for the peer to make it too, up to a transfer's timeout)."""
         key = (src, dst, gen)
         with self._lock:
             if self._closed:
@@ -159,13 +159,10 @@ class PairGroups:
         else:
             made = dist.ProcessGroupGloo(store, me, 2, timedelta(seconds=self.timeout_s))
         with self._lock:
-            if self._gen.get((src, dst), 0) > gen or self._closed:  # retired meanwhile
-                self._retired.append(made)
-                stale = True
-            else:
+            if self._gen.get((src, dst), 0) <= gen and not self._closed:
                 return self._groups.setdefault(key, made)
-        if stale:
-            self._end([made])
+            self._retired.append(made)  # (retired while it was made)
+        self._end([made])
         raise RuntimeError(f"the group of ranks {src}->{dst} was retired")
 
     def wait(self, work: dist.Work, deadline: float) -> None:

@@ -45,7 +45,7 @@ def test_messages_of_a_pair_arrive_in_order_and_a_retired_pair_starts_afresh(
 
     def send(gen: int, values: list[float]) -> None:
         try:
-            group = src.group(0, 1, gen, time.monotonic() + 10)
+            group = src.group(0, 1, gen)
             works = [group.send([torch.full((4,), v)], 1, 0) for v in values]
             for w in works:
                 src.wait(w, time.monotonic() + 10)
@@ -53,7 +53,7 @@ def test_messages_of_a_pair_arrive_in_order_and_a_retired_pair_starts_afresh(
             errors.append(e)
 
     def receive(gen: int, n: int) -> None:
-        group = dst.group(0, 1, gen, time.monotonic() + 10)
+        group = dst.group(0, 1, gen)
         bufs = [torch.empty(4) for _ in range(n)]
         works = [group.recv([b], 0, 0) for b in bufs]
         for w in works:
@@ -67,7 +67,7 @@ def test_messages_of_a_pair_arrive_in_order_and_a_retired_pair_starts_afresh(
     assert [float(b[0]) for b in got] == [1.0, 2.0, 3.0] and not errors
 
     # the receiver gives up on a message that never comes: the pair's next group
-    group = dst.group(0, 1, 0, time.monotonic() + 10)
+    group = dst.group(0, 1, 0)
     work = group.recv([torch.empty(4)], 0, 0)
     with pytest.raises(RuntimeError):
         dst.wait(work, time.monotonic() + 0.2)
@@ -81,6 +81,6 @@ def test_messages_of_a_pair_arrive_in_order_and_a_retired_pair_starts_afresh(
     sender.join()
     assert [float(b[0]) for b in got] == [7.0, 8.0] and not errors
     with pytest.raises(RuntimeError, match="retired"):  # too late for the old one
-        src.group(0, 1, 0, time.monotonic() + 1)
+        src.group(0, 1, 0)
     src.close()
     dst.close()
