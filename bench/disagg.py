@@ -231,7 +231,7 @@ def best_colocated(rows: dict[str, dict[str, Any]]) -> str:
 def split_overrides(args: argparse.Namespace) -> list[str]:
     """1P+1D's own settings: how KV moves, and its prefill steps."""
     return [f"disagg.connector={args.connector}", f"disagg.stream_kv={args.stream_kv}",
-            f"disagg.torch_shm={args.torch_shm}",
+            f"disagg.torch_shm={args.torch_shm}", f"disagg.torch_wire={args.torch_wire}",
             f"engine.max_num_batched_tokens={args.prefill_step_tokens}"]
 
 
@@ -278,7 +278,11 @@ def main() -> None:
                          "computed, or all after its first token")
     ap.add_argument("--torch-shm", default="true", choices=["true", "false"],
                     help="1P+1D's disagg.torch_shm: the torch connector through shared "
-                         "memory on one host, or through gloo")
+                         "memory on one host, or through its wire")
+    ap.add_argument("--torch-wire", default="auto",
+                    choices=["auto", "gloo", "gloo_pairs", "nccl"],
+                    help="1P+1D's disagg.torch_wire: the torch connector's torch.distributed "
+                         "wire")
     ap.add_argument("--prefill-step-tokens", type=int, default=None,
                     help="1P+1D's engine.max_num_batched_tokens (default: the engine's, as "
                          "the colocated layouts run)")
