@@ -48,8 +48,8 @@ class DisaggConfig:
     """The torch connector's torch.distributed wire: gloo (tagged messages over one group
     of every rank; a GPU cache staged through host memory), nccl (a group per pair of
     ranks, GPU cache to GPU cache over NVLink or InfiniBand, shared memory unused),
-    gloo_pairs (nccl's pairs and ordering over gloo), auto: gloo (nccl has not yet run on
-    GPUs: it is asked for by name)."""
+    gloo_pairs (nccl's pairs and ordering over gloo), auto: gloo_pairs (nccl has not yet
+    run on GPUs: it is asked for by name)."""
     min_prefill_tokens: int = 256
     """Prompts shorter than this (and prompts a decode replica mostly caches already)
     skip the hop and prefill on the decode replica."""

@@ -98,8 +98,9 @@ def test_streamed_prompts_equal_transformers_and_move_each_block_once(
                                   ("disagg.connector=torch", "disagg.prefill.tp=2"),
                                   ("disagg.connector=nixl", "engine.async_scheduling=true"),
                                   ("disagg.connector=torch", "disagg.torch_shm=false",
-                                   "disagg.torch_wire=gloo_pairs")],
-                         ids=["nixl", "torch", "torch-prefill-tp2", "nixl-async", "torch-pairs"])
+                                   "disagg.torch_wire=gloo")],
+                         ids=["nixl", "torch", "torch-prefill-tp2", "nixl-async",
+                              "torch-tagged-gloo"])
 def test_prompts_of_one_step_are_read_layer_by_layer(make_checkpoint, prompts, expected,
                                                      monkeypatch: pytest.MonkeyPatch,
                                                      side: tuple[str, ...]) -> None:

@@ -1,4 +1,4 @@
-"""The torch connector's wire: auto resolved to gloo, a wire this rank
+"""The torch connector's wire: auto resolved to gloo_pairs, a wire this rank
 cannot use refused naming the field, and ranks that resolved it differently stopped at
 start-up with an error naming each one's, not left waiting for a group that never forms."""
 
@@ -17,8 +17,9 @@ from meshserve.engine.worker.kv_pieces import RankKV
 CPU_CACHE = [(torch.zeros(4, 2, 1, 2), torch.zeros(4, 2, 1, 2))]
 
 
-def test_auto_is_gloo_and_nccl_needs_a_gpu() -> None:
-    assert resolve_wire("auto", CPU_CACHE) == "gloo"
+def test_auto_is_gloo_pairs_and_nccl_needs_a_gpu() -> None:
+    assert resolve_wire("auto", CPU_CACHE) == "gloo_pairs"
+    assert resolve_wire("gloo", CPU_CACHE) == "gloo"
     assert resolve_wire("gloo_pairs", CPU_CACHE) == "gloo_pairs"
     with pytest.raises(ValueError, match=r"disagg.torch_wire=nccl: the KV cache is on cpu"):
         resolve_wire("nccl", CPU_CACHE)
