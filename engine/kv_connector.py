@@ -242,7 +242,7 @@ class TorchKVConnector(KVConnector):
     name = "torch"
 
     def __init__(self, me: RankKV, replica: int, cache: KVCache, peers: KVPeers,
-                 timeout_s: float, shm: bool = True, wire: str = "gloo") -> None:
+                 timeout_s: float, shm: bool = True, wire: str = "auto") -> None:
         super().__init__(me, replica, cache, peers, timeout_s)
         if peers.open_store is None:
             raise ValueError("the torch connector answers asks on a store connection of "
