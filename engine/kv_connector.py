@@ -460,8 +460,9 @@ class TorchKVConnector(KVConnector):
         the deadline has passed, may hold a stray message and is never used again; the
         other pairs' layers are let land first (their answers are on the way)."""
         assert self.pairs is not None
-        failed = {(land.piece.src.rank, land.gen) for land in landing
-                  if land.work.is_completed() and not land.done and not _ok(land.work)}
+        # A pair's layers come in order, so the one that failed is the first of its pair
+        # not done, and fails again at once; the pair's later layers are not waited for.
+        failed: set[tuple[int, int]] = set()
         for land in landing:
             key = (land.piece.src.rank, land.gen)
             if land.done or key in failed:
@@ -471,8 +472,8 @@ class TorchKVConnector(KVConnector):
                 land.done = True
             except RuntimeError:
                 failed.add(key)
-        failed |= {(land.piece.src.rank, land.gen) for land in landing if not land.done}
-        for src_rank, gen in failed:
+        for src_rank, gen in {(land.piece.src.rank, land.gen) for land in landing
+                              if not land.done}:
             self.pairs.retire(src_rank, self.me.rank, gen)
 
     def _landing(self, p: Piece, num_blocks: int) -> torch.Tensor:
@@ -568,8 +569,8 @@ class TorchKVConnector(KVConnector):
         asker, n, transfer_id, k, lo, hi, gen, *blocks = np.frombuffer(
             ask, dtype=np.int64).tolist()
         deadline = time.monotonic() + self.timeout_s
-        paired = self.pairs is not None and not self._shares_memory(asker)
-        if paired and not self.pairs.adopt(self.me.rank, asker, gen):  # type: ignore[union-attr]
+        pairs = None if self._shares_memory(asker) else self.pairs  # (None: no pair group)
+        if pairs is not None and not pairs.adopt(self.me.rank, asker, gen):
             print(f"meshserve: KV transfer {transfer_id} from rank {self.me.rank} to rank "
                   f"{asker} dropped: asked on a retired pair group (generation {gen})",
                   file=sys.stderr, flush=True)
@@ -583,8 +584,8 @@ class TorchKVConnector(KVConnector):
             nbytes = self._send_piece(piece, n, gen, block_index(self.cache, blocks),
                                       deadline)
         except Exception as e:  # noqa: BLE001 - the asker fails on its side, naming this replica
-            if paired:  # its receives may be left posted: the pair starts afresh
-                self.pairs.retire(self.me.rank, asker, gen)  # type: ignore[union-attr]
+            if pairs is not None:  # its receives may be left posted: the pair starts afresh
+                pairs.retire(self.me.rank, asker, gen)
             if self._closing:  # (cut short by `close`)
                 return
             print(f"meshserve: KV transfer {transfer_id} from rank {self.me.rank} to rank "
@@ -704,15 +705,6 @@ def resolve_wire(wire: str, cache: KVCache) -> str:
         raise ValueError(f"disagg.torch_wire=nccl: the KV cache is on {cache[0][0].device} "
                          "or this torch has no NCCL; allowed here: auto, gloo, gloo_pairs")
     return wire
-
-
-def _ok(work: dist.Work) -> bool:
-    """Whether a completed message completed without an error."""
-    try:
-        work.wait()
-    except RuntimeError:
-        return False
-    return True
 
 
 def _each(move: Callable[[Piece], int], pieces: list[Piece]) -> int:
