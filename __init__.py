@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from meshserve.engine.core.sampling_params import SamplingParams
     from meshserve.engine.llm import LLM
-    from meshserve.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
@@ -20,7 +20,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from meshserve.engine.sampling_params import SamplingParams
+        from meshserve.engine.core.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'meshserve' has no attribute {name!r}")

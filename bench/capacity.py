@@ -21,10 +21,10 @@ from dataclasses import replace
 import torch
 
 from meshserve.bench.layout_check import load_cluster
+from meshserve.engine.config.runtime_config import load_runtime_config
+from meshserve.engine.core.sampling_params import SamplingParams
 from meshserve.engine.llm import LLM
-from meshserve.engine.sampling_params import SamplingParams
-from meshserve.launch.config import load_config
-from meshserve.launch.plan import resolve_arch
+from meshserve.models.bundled import resolve_arch
 from meshserve.parallel.planner.layout_sim import step_time
 from meshserve.parallel.planner.model_shape import ModelShape
 from meshserve.parallel.planner.search import options_for, sized
@@ -48,7 +48,7 @@ def measure(model: str, prompt: int, output: int, max_seqs: int, budget: int) ->
 def simulated(model: str, cluster_path: str, prompt: int, output: int, max_seqs: int,
               budget: int) -> float:
     """The same burst on the planner's cost model for the cluster preset."""
-    cfg = load_config([f"model={model}"])
+    cfg = load_runtime_config([f"model={model}"])
     cluster = load_cluster(cluster_path)
     shape = ModelShape.from_arch(resolve_arch(cfg.model), "float32")
     scenario = replace(cfg.scenario, prompt_len=prompt, output_len=output,

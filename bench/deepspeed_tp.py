@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from meshserve.bench.peers import PAD_TOKEN_ID, StepClock, load_hf_model
+from meshserve.bench.peers import PAD_TOKEN_ID, TokenStamps, load_hf_model
 from meshserve.bench.tp_cases import (
     CASE_NAMES,
     Case,
@@ -37,7 +37,7 @@ from meshserve.bench.tp_cases import (
 def run_case(model: torch.nn.Module, case: Case) -> tuple[float, list[list[int]]]:
     """One generate over the case's prompts (all the same length): its metric and the ids."""
     ids = torch.tensor(case.prompts, dtype=torch.long)
-    stamps = StepClock()
+    stamps = TokenStamps()
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,

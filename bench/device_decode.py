@@ -6,8 +6,9 @@ import gc
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -42,11 +43,11 @@ def _meshserve_decode(arch: ModelArch, s: Sizes, batch: int,
     one-GPU run has them) over a random model: `batch` requests of `decode_prompt` random
     tokens, timed from when every request has its first token to when all have
     `decode_steps` more."""
+    from meshserve.engine.config.run import resolve_run
+    from meshserve.engine.config.runtime_config import load_runtime_config
+    from meshserve.engine.core.sampling_params import SamplingParams
     from meshserve.engine.engine import Engine
-    from meshserve.engine.run import resolve_run
-    from meshserve.engine.sampling_params import SamplingParams
-    from meshserve.engine.worker.executor import InProcessExecutor
-    from meshserve.launch.config import load_config
+    from meshserve.engine.executor.executor import InProcessExecutor
 
     bs = 16
     max_len = -(-(s.decode_prompt + s.decode_steps + 2) // 256) * 256
@@ -61,7 +62,7 @@ def _meshserve_decode(arch: ModelArch, s: Sizes, batch: int,
                      + {None: "null", True: "true", False: "false"}[async_scheduling]]
         if s.device.type == "cpu":
             overrides.append("threads=1")
-        config = load_config(overrides)
+        config = load_runtime_config(overrides)
         run_ = resolve_run(config, env=None)
         executor = InProcessExecutor(run_, progress=False, model=_random_model(arch, s))
         engine = Engine(run_, progress=False, executor=executor)
@@ -228,7 +229,8 @@ class _InputsToDevice:
     def generate(self, **kwargs: Any) -> torch.Tensor:
         moved = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
                  for k, v in kwargs.items()}
-        return self.model.generate(**moved)  # type: ignore[operator]
+        generate = cast(Callable[..., torch.Tensor], self.model.generate)
+        return generate(**moved)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
@@ -242,7 +244,7 @@ def longtail_throughput(s: Sizes, cache_dir: str) -> dict[str, Any]:
     from meshserve.bench.harness import MeshserveRunner
     from meshserve.bench.peer_names import HF_CONTINUOUS
     from meshserve.bench.peers import load_hf_model, make_peer
-    from meshserve.launch.config import load_config
+    from meshserve.engine.config.runtime_config import load_runtime_config
 
     path = Path(cache_dir) / s.longtail_checkpoint
     if s.longtail_checkpoint in checkpoints.SPECS:
@@ -254,7 +256,7 @@ def longtail_throughput(s: Sizes, cache_dir: str) -> dict[str, Any]:
     overrides = [f"model.path='{path}'", f"device={s.device.type}", f"model.dtype={dtype}"]
     if s.device.type == "cpu":
         overrides += ["threads=1", "engine.kv_cache_memory=67108864"]
-    ours = MeshserveRunner(load_config(overrides))
+    ours = MeshserveRunner(load_runtime_config(overrides))
     arch = ours.llm.engine.arch
     reqs = workloads.resolve("longtail", arch.vocab_size, num_requests=s.longtail_requests)
     warm = reqs[:4]  # Triton compiles, cuBLAS picks its kernels: outside the timed run

@@ -30,7 +30,7 @@ WAIT_S = 90.0
 
 def kv_section(s: Any) -> dict[str, Any]:
     """Every wire's pull medians (ms) and GB/s by prompt length, or why it was skipped."""
-    from meshserve.parallel.comm.nixl_kv import nixl_available
+    from meshserve.engine.kv_transfer.nixl_agent import nixl_available
 
     gpus = torch.cuda.device_count() if s.device.type == "cuda" else 0
     wires: dict[str, str | None] = {"torch-gloo": None, "torch-gloo_pairs": None,
@@ -96,8 +96,9 @@ def _layer(s: Any, device: torch.device, layer: int, which: int,
 
 
 def _rank(rank: int, port: int, wire: str, gpus: int, s: Any, results: Any) -> None:
-    from meshserve.engine.kv_connector import KVPeers, make_connector
-    from meshserve.engine.worker.kv_pieces import RankKV
+    from meshserve.engine.kv_transfer.factory import make_connector
+    from meshserve.engine.kv_transfer.peers import KVPeers
+    from meshserve.engine.kv_transfer.pieces import RankKV
 
     device = s.device
     if device.type == "cuda":

@@ -52,8 +52,8 @@ from meshserve.bench import checkpoints, workloads
 from meshserve.bench.harness import MeshserveRunner
 from meshserve.bench.layout_check import load_cluster
 from meshserve.bench.metrics import summarize
-from meshserve.engine.disagg import DisaggEngine, TransferStats
-from meshserve.engine.runtime_config import load_runtime_config
+from meshserve.engine.config.runtime_config import load_runtime_config
+from meshserve.engine.disagg.front import DisaggEngine, TransferStats
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.disagg_search import splits
@@ -253,14 +253,14 @@ def handoff_gaps(records: list[Any]) -> dict[str, float]:
 
 def since(now: TransferStats, before: TransferStats) -> TransferStats:
     """The KV transfers counted after `before` was taken (the measured run's alone)."""
-    def minus(a: object, b: object) -> object:
+    def minus(a: Any, b: Any) -> Any:
         if isinstance(a, list) and isinstance(b, list):
             return [x - y for x, y in zip(a, b, strict=True)]
-        return a - b  # type: ignore[operator]
+        return a - b
 
-    counts = {f.name: minus(getattr(now, f.name), getattr(before, f.name))
-              for f in fields(TransferStats) if f.name != "recent"}
-    return TransferStats(**counts,  # type: ignore[arg-type]
+    counts: dict[str, Any] = {f.name: minus(getattr(now, f.name), getattr(before, f.name))
+                              for f in fields(TransferStats) if f.name != "recent"}
+    return TransferStats(**counts,
                          recent=deque(list(now.recent)[len(before.recent):], maxlen=4096))
 
 

@@ -12,13 +12,13 @@ from meshserve.bench.metrics import RequestRecord, RunResult
 from meshserve.bench.peer_names import MESHSERVE
 from meshserve.bench.roofline import kv_bytes_per_token, weight_bytes_read
 from meshserve.bench.workloads import BenchRequest
+from meshserve.engine.config.run import compute_dtype
+from meshserve.engine.config.runtime_config import RuntimeConfig
+from meshserve.engine.core.outputs import RequestOutput
+from meshserve.engine.core.sampling_params import SamplingParams
 from meshserve.engine.engine import Engine
+from meshserve.engine.executor.distributed_executor import DistributedExecutor
 from meshserve.engine.llm import LLM
-from meshserve.engine.outputs import RequestOutput
-from meshserve.engine.run import compute_dtype
-from meshserve.engine.runtime_config import RuntimeConfig
-from meshserve.engine.sampling_params import SamplingParams
-from meshserve.engine.worker.distributed_executor import DistributedExecutor
 from meshserve.engine.worker.worker import StageStats
 
 OnFinish = Callable[[], None]
@@ -107,7 +107,10 @@ class MeshserveRunner:
 
     def _stage_stats(self) -> list[StageStats] | None:
         """Each rank's busy time so far (multi-rank runs), else None."""
-        executor = self.llm.engine.executor
+        engine = self.llm.engine
+        if not isinstance(engine, Engine):  # replicas: their ranks' times stay with them
+            return None
+        executor = engine.executor
         return executor.stage_stats() if isinstance(executor, DistributedExecutor) else None
 
     def _submit_due(self, state: _RunState) -> None:

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from meshserve.bench import checkpoints
-from meshserve.engine.runtime_config import RuntimeConfig
-from meshserve.launch.config import CONF_DIR, load_config
+from meshserve.compose import CONF_DIR
+from meshserve.engine.config.runtime_config import RuntimeConfig, load_runtime_config
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.cost_model import CostModel, StepWork
@@ -70,7 +70,7 @@ def load_cluster(name_or_file: str) -> ClusterConfig:
         if not (CONF_DIR / "cluster" / f"{name_or_file}.yaml").is_file():
             raise ValueError(f"--cluster {name_or_file!r}: neither a preset in "
                              f"{CONF_DIR / 'cluster'} nor a YAML file")
-        return load_config([f"cluster={name_or_file}"]).cluster
+        return load_runtime_config([f"cluster={name_or_file}"]).cluster
     from omegaconf import OmegaConf
 
     raw = OmegaConf.to_container(OmegaConf.load(path))
@@ -101,8 +101,8 @@ def layout_config(base: RuntimeConfig, model_dir: Path, tp: int, pp: int, step_l
 
 def measure(config: RuntimeConfig, work: Workload) -> list[StepRecord]:
     """Warm up, then run the workload once; its step records (in a fresh process)."""
+    from meshserve.engine.core.sampling_params import SamplingParams
     from meshserve.engine.llm import LLM
-    from meshserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=work.max_tokens, ignore_eos=True)
     vocab = ModelArch.from_dir(Path(config.model.path)).vocab_size
@@ -183,7 +183,7 @@ def check(model: str, cluster: str, layouts: list[tuple[int, int]], work: Worklo
     """Measure and predict every layout; the result document (also written to `out`)."""
     model_dir = checkpoints.resolve(model)
     arch = ModelArch.from_dir(model_dir)
-    base = dataclasses.replace(load_config([]), cluster=load_cluster(cluster))
+    base = dataclasses.replace(load_runtime_config([]), cluster=load_cluster(cluster))
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="meshserve-layout-check-") as tmp:

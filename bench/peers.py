@@ -49,7 +49,7 @@ def make_peer(name: str, model: torch.nn.Module, *, max_batch_tokens: int,
     return HFStaticRunner(model, batch_size)
 
 
-class StepClock:
+class TokenStamps:
     """A generate() streamer that stamps each put: the prompt, then one per new token."""
 
     def __init__(self) -> None:
@@ -100,7 +100,7 @@ class HFStaticRunner:
         for row, r in enumerate(batch):  # left padding: prompts end at the same column
             input_ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
             mask[row, width - len(r.prompt_token_ids):] = 1
-        clock = StepClock()
+        clock = TokenStamps()
         out = self.model.generate(input_ids=input_ids, attention_mask=mask, streamer=clock,
                                   max_new_tokens=max(r.max_new_tokens for r in batch),
                                   do_sample=False)

@@ -22,7 +22,7 @@ import torch
 from meshserve.bench import checkpoints, workloads
 from meshserve.bench.harness import MeshserveRunner
 from meshserve.bench.metrics import summarize
-from meshserve.engine.runtime_config import load_runtime_config
+from meshserve.engine.config.runtime_config import load_runtime_config
 from meshserve.models.arch import ModelArch
 
 ROUTERS = ("cache_aware", "least_loaded", "round_robin")

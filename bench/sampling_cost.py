@@ -16,12 +16,13 @@ import argparse
 import json
 import statistics
 import time
+from typing import Any
 
 import torch
 
+from meshserve.engine.core.sampling_params import SamplingParams, StructuredOutputs
 from meshserve.engine.llm import LLM
-from meshserve.engine.sampling_params import SamplingParams, StructuredOutputs
-from meshserve.engine.worker.grammar import make_grammars
+from meshserve.engine.worker.sampling.grammar import make_grammars
 
 SCHEMA = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 2000},
@@ -30,7 +31,7 @@ SCHEMA = {"type": "object", "properties": {
 PROMPT = "record = "
 
 
-PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
+PENALTIES: dict[str, Any] = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
                  logit_bias={7: 2.0, 11: -5.0})
 
 
@@ -38,7 +39,7 @@ def step_ms(llm: LLM, batch: int, tokens: int, kind: str) -> float:
     so = StructuredOutputs(json=SCHEMA) if kind == "constrained" else None
     extra = PENALTIES if kind == "penalized" else {}
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True,
-                            structured_outputs=so, **extra)  # type: ignore[arg-type]
+                            structured_outputs=so, **extra)
     t0 = time.perf_counter()
     outs = llm.generate([PROMPT] * batch, params)
     elapsed = time.perf_counter() - t0

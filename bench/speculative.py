@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
+from meshserve.engine.core.sampling_params import SamplingParams
 from meshserve.engine.llm import LLM
-from meshserve.engine.sampling_params import SamplingParams
 from meshserve.models.bundled import BUNDLED_DIR
 
 SOURCES = ("textwrap.dedent", "json.decoder.py_scanstring", "shutil.copyfileobj",

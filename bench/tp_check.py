@@ -36,14 +36,14 @@ from meshserve.bench.tp_cases import (
     warmup_case,
 )
 from meshserve.bench.workloads import BenchRequest
+from meshserve.engine.config.runtime_config import load_runtime_config
 from meshserve.engine.llm import model_overrides
-from meshserve.launch.config import load_config
 
 
 def run_meshserve(model_dir: Path, overrides: list[str], cases: list[Case],
                   repeats: int) -> list[CaseResult]:
     """The cases on meshserve's engine; decode cases time the decode-only steps."""
-    config = load_config(model_overrides(str(model_dir)) + overrides)
+    config = load_runtime_config(model_overrides(str(model_dir)) + overrides)
     runner = MeshserveRunner(config)
     try:
         results = []

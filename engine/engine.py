@@ -9,30 +9,30 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
 
-from meshserve.engine.micro_batch import micro_batch_budget, micro_batch_cap
-from meshserve.engine.outputs import RequestMetrics, RequestOutput
-from meshserve.engine.replica_state import COLOCATED, ReplicaState
-from meshserve.engine.run import Run, async_scheduling, resolve_run
-from meshserve.engine.runtime_config import RuntimeConfig
-from meshserve.engine.sampling_params import SamplingParams, SequenceSampling
-from meshserve.engine.scheduler import Scheduler
-from meshserve.engine.scheduler_output import SchedulerOutput, SchedulerStats
-from meshserve.engine.sequence import Sequence, SequenceStatus
-from meshserve.engine.speculation_prior import speculation_prior
-from meshserve.engine.step_budget import StepBudget
-from meshserve.engine.step_budget_prior import step_time_prior
-from meshserve.engine.step_clock import StepClock, StepRecorder, StepTiming
-from meshserve.engine.step_log import StepLog
-from meshserve.engine.stop_strings import StopStrings
-from meshserve.engine.worker.executor import (
+from meshserve.engine.client import COLOCATED, ReplicaState
+from meshserve.engine.config.run import Run, async_scheduling, resolve_run
+from meshserve.engine.config.runtime_config import RuntimeConfig
+from meshserve.engine.core.micro_batch import micro_batch_budget, micro_batch_cap
+from meshserve.engine.core.outputs import RequestMetrics, RequestOutput
+from meshserve.engine.core.sampling_params import SamplingParams, SequenceSampling
+from meshserve.engine.core.scheduler import Scheduler
+from meshserve.engine.core.scheduler_output import SchedulerOutput, SchedulerStats
+from meshserve.engine.core.sequence import Sequence, SequenceStatus
+from meshserve.engine.core.step_budget import StepBudget
+from meshserve.engine.core.stop_strings import StopStrings
+from meshserve.engine.executor.executor import (
     AsyncExecutor,
     Executor,
     InProcessExecutor,
     PipelinedExecutor,
 )
-from meshserve.engine.worker.grammar import compiler_for
-from meshserve.engine.worker.sampled_tokens import Logprob, SampledTokens
-from meshserve.engine.worker.step_sampler import StepResult
+from meshserve.engine.timing.speculation_prior import speculation_prior
+from meshserve.engine.timing.step_budget_prior import step_time_prior
+from meshserve.engine.timing.step_clock import StepClock, StepRecorder, StepTiming
+from meshserve.engine.timing.step_log import StepLog
+from meshserve.engine.worker.sampling.grammar import compiler_for
+from meshserve.engine.worker.sampling.sampled_tokens import Logprob, SampledTokens
+from meshserve.engine.worker.sampling.step_sampler import StepResult
 from meshserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from meshserve.parallel.comm.tp_group import CommCounters
 from meshserve.parallel.planner.diagnosis import chunk_counts
@@ -84,12 +84,13 @@ class Engine:
         budget = (StepBudget(config.scenario.tpot_slo_ms / 1e3, config.engine.step_token_cap,
                              step_time_prior(self.run))
                   if config.engine.auto_step_budget else None)
-        self.scheduler = Scheduler(config.engine, self.num_blocks, self.max_model_len,
-                                   self.arch.sliding_window, config.speculative, budget)
-        if self.scheduler.switch is not None:
-            self.scheduler.switch.prior = speculation_prior(self.run)
-            if self._max_in_flight > 1:  # a pipeline times a probe only among its kind
-                self.scheduler.switch.probe_length = self._max_in_flight + 1
+        spec = config.speculative
+        switched = spec.enabled and spec.max_batch_size is None
+        self.scheduler = Scheduler(
+            config.engine, self.num_blocks, self.max_model_len, self.arch.sliding_window,
+            spec, budget, switch_prior=speculation_prior(self.run) if switched else None,
+            # a pipeline times a probe only among its kind
+            switch_probe_length=self._max_in_flight + 1 if self._max_in_flight > 1 else 1)
         self._new_seqs: dict[int, SequenceSampling] = {}
         self.recorder = StepRecorder(self.step_log)
         self.timing = self.recorder.timing
@@ -99,15 +100,12 @@ class Engine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._requests: dict[int, _Request] = {}
         self._by_request_id: dict[str, int] = {}
-        self._kept_tails: dict[str, int] = {}
-        """Finished requests -> the block `keep_prompt_tail` kept, until taken."""
-        self.on_launch: Callable[[SchedulerOutput], None] | None = None
+        self._launch_hooks: list[Callable[[SchedulerOutput], None]] = []
         """Called with each step as it is scheduled, before it runs (not on a pipeline): a
         prefill replica pins the blocks a streamed prompt's step completes."""
         self._seq_ids = itertools.count()
         if self.step_log is not None:
-            self.step_log.comm = self._measured_comm()
-            self.step_log.write_run(self._run_header())
+            self.step_log.write_run(self._run_header(), self._measured_comm())
 
     def _async_scheduling(self, wanted: bool) -> bool:
         """async_scheduling(run) where the executor can launch a step without waiting and
@@ -186,7 +184,7 @@ class Engine:
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(ids)
         vocab = self.arch.vocab_size
-        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        bad = [t for t, _ in params.logit_bias_items if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary; allowed "
                              f"are ints in [0, {vocab})")
@@ -222,46 +220,24 @@ class Engine:
         """Cut short a step() waiting for other replicas: this engine steps in the caller's
         thread and never waits, so there is nothing to cut short."""
 
+    def observe_launches(self, hook: Callable[[SchedulerOutput], None]) -> None:
+        """Call `hook` with each step as it is scheduled, before it runs (not on a
+        pipeline, whose steps run elsewhere)."""
+        self._launch_hooks.append(hook)
+
+    def check_health(self) -> None:
+        """Raise RankFailure if a rank has died (an idle engine sees it without a step)."""
+        self.executor.check_health()
+
     def reset_prefix_cache(self) -> int:
         """Uncache every unused cached KV block (e.g. between benchmark runs); return how many."""
         return self.scheduler.reset_prefix_cache()
 
-    # --- a prompt's partial last block, moved between replicas (engine/kv_transfer.py) ---
-
-    def keep_prompt_tail(self, request_id: str) -> None:
-        """When the request finishes for its length, keep the block holding its prompt's
-        partial last block for `take_prompt_tail` instead of freeing it."""
-        self._requests[self._by_request_id[request_id]].seq.keep_tail = True
-
-    def take_prompt_tail(self, request_id: str) -> list[int]:
-        """The block kept for a finished request, if one was (now the caller's: it
-        releases it with the block manager's `unpin`)."""
-        block = self._kept_tails.pop(request_id, None)
-        return [] if block is None else [block]
-
-    def prompt_blocks_scheduled(self, request_id: str, out: SchedulerOutput
-                                ) -> tuple[list[int], int, bool]:
-        """The request's full prompt blocks once step `out` (scheduled, not launched) and
-        the steps launched before it have run, in order; how often it was preempted; and
-        whether `out` ends its prompt. ([], 0, False) for a request not here."""
+    def sequence(self, request_id: str) -> Sequence | None:
+        """The request's sequence while it is here (a replica's KV hand-off reads its
+        blocks and marks its prompt's partial last block: engine/replicas/kv_handoff.py)."""
         seq_id = self._by_request_id.get(request_id)
-        if seq_id is None:
-            return [], 0, False
-        seq = self._requests[seq_id].seq
-        chunk = next((s for s in out.scheduled if s.seq_id == seq_id), None)
-        table, end = ((seq.block_table, seq.num_computed_tokens) if chunk is None
-                      else (chunk.block_table, chunk.start_pos + chunk.num_tokens))
-        end = min(end, seq.num_prompt_tokens)
-        blocks = list(table[:end // self.config.engine.block_size])
-        return blocks, seq.num_preemptions, chunk is not None and end == seq.num_prompt_tokens
-
-    def give_prompt_tail(self, request_id: str, block: int) -> None:
-        """Hand a request not yet admitted a block the caller holds with the KV of its
-        prompt's tokens after the last full block, all but the last token: its admission
-        takes it into the block table, or frees it if the cached prefix before it is gone."""
-        seq = self._requests[self._by_request_id[request_id]].seq
-        assert seq.kv_tail is None and not seq.block_table, seq.seq_id
-        seq.kv_tail = block
+        return None if seq_id is None else self._requests[seq_id].seq
 
     def _forget(self, seq_id: int) -> None:
         """Tell the executor (at the next step) that this sequence's state can go."""
@@ -298,8 +274,8 @@ class Engine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        if self.on_launch is not None:
-            self.on_launch(out)
+        for hook in self._launch_hooks:
+            hook(out)
         new = self._admit_to_executor(out)
         clock.scheduled()
         result = self.executor.execute(out, new, self._take_finished())
@@ -351,8 +327,8 @@ class Engine:
         clock.scheduled()
         launched = None
         if out.scheduled:
-            if self.on_launch is not None:
-                self.on_launch(out)
+            for hook in self._launch_hooks:
+                hook(out)
             launched = executor.launch(out, self._admit_to_executor(out), self._take_finished())
             clock.executed()
         outputs = self._resolve_launched(call)
@@ -517,8 +493,6 @@ class Engine:
         m.num_accepted_tokens = seq.num_accepted_tokens
         if seq.is_finished:
             m.finish_time = now
-            if seq.kv_tail is not None:
-                self._kept_tails[req.request_id], seq.kv_tail = seq.kv_tail, None
             self._requests.pop(seq.seq_id, None)
             self._by_request_id.pop(req.request_id, None)
             self._forget(seq.seq_id)
@@ -564,6 +538,6 @@ def make_executor(run: Run, *, progress: bool = True) -> Executor:
     env = run.env
     if run.world_size == 1 and (env is None or env.world_size == 1):
         return InProcessExecutor(run, progress=progress)
-    from meshserve.engine.worker.distributed_executor import DistributedExecutor
+    from meshserve.engine.executor.distributed_executor import DistributedExecutor
 
     return DistributedExecutor(run, progress=progress)

@@ -9,15 +9,10 @@ from typing import Any
 from tqdm import tqdm
 
 from meshserve.compose import presets
-from meshserve.engine.data_parallel import make_engine, with_step_log_of
-from meshserve.engine.launched_replicas import launched_replica_run, launched_role
-from meshserve.engine.outputs import RequestOutput
-from meshserve.engine.replica import serve_launched_replica
-from meshserve.engine.run import resolve_run
-from meshserve.engine.runtime_config import RuntimeConfig, load_runtime_config
-from meshserve.engine.sampling_params import SamplingParams
-from meshserve.engine.worker.rank import run_worker_rank
-from meshserve.parallel.comm.discovery import discover
+from meshserve.engine.bootstrap import start_client
+from meshserve.engine.config.runtime_config import RuntimeConfig, load_runtime_config
+from meshserve.engine.core.outputs import RequestOutput
+from meshserve.engine.core.sampling_params import SamplingParams
 from meshserve.parallel.comm.ranks import RankFailure
 
 
@@ -61,19 +56,7 @@ class LLM:
                             "config alone, or model / overrides / keyword arguments")
         if config is None:
             config = load_runtime_config(model_overrides(model) + list(overrides), **kwargs)
-        env = discover()
-        run = resolve_run(config, env=env, max_dp=None)  # parallel=auto may plan replicas
-        if env is not None and run.config.parallel.dp > 1:  # launched replicas
-            role = launched_role(run)
-            mine = launched_replica_run(run, role)
-            if not role.is_driver:
-                raise SystemExit(run_worker_rank(mine))
-            if not role.is_front:
-                raise SystemExit(serve_launched_replica(with_step_log_of(mine, role.replica),
-                                                        role.replica))
-        elif env is not None and env.is_worker:
-            raise SystemExit(run_worker_rank(run))
-        self.engine = make_engine(run, progress=progress, min_replicas=min_replicas)
+        self.engine = start_client(config, progress=progress, min_replicas=min_replicas)
         self.config = self.engine.config  # the layout it runs: parallel=auto resolved
         self.progress = progress
 
@@ -100,7 +83,7 @@ class LLM:
         A prompt that the engine rejects raises ValueError before any work starts.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [prompts]
         params = self._params_list(len(prompts), sampling_params)
         ids = []
         try:

@@ -25,7 +25,7 @@ from meshserve.bench.peers import load_hf_model, make_peer
 from meshserve.bench.plot import plot
 from meshserve.bench.report import build_result, table, write_json
 from meshserve.bench.rounds import check_outputs, run_rounds
-from meshserve.launch.config import load_config
+from meshserve.launch.cli_config import load_config
 from meshserve.launch.options import CliConfig
 from meshserve.models.arch import ModelArch
 from meshserve.models.bundled import resolve_model_dir

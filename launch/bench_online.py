@@ -25,7 +25,7 @@ from meshserve.launch.options import CliConfig
 from meshserve.models.arch import ModelArch
 from meshserve.models.bundled import resolve_model_dir
 from meshserve.models.tokenizer import Tokenizer
-from meshserve.serve.config import API_KEY_ENV
+from meshserve.serve.serve_config import API_KEY_ENV
 
 
 def run_online(cfg: CliConfig) -> int:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from meshserve.engine.run import resolve_device
-from meshserve.launch.config import CONF_DIR, load_config
+from meshserve.engine.config.run import resolve_device
+from meshserve.launch.cli_config import CONF_DIR, load_config
 from meshserve.launch.runtime_overhead import runtime_overhead_us
 from meshserve.parallel.planner.calibration import calibrate, preset_yaml, sig
 

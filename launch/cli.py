@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from meshserve.launch.config import GROUPS, ConfigError, presets
+from meshserve.launch.cli_config import GROUPS, ConfigError, presets
 
 VERBS: dict[str, tuple[str, str]] = {
     "generate": ("meshserve.launch.generate", "complete the configured prompts and print speed"),

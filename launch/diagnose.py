@@ -15,8 +15,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from meshserve.launch.config import load_config, presets
-from meshserve.launch.plan import resolve_arch, shorthand
+from meshserve.launch.cli_config import load_config, presets
+from meshserve.launch.plan import shorthand
+from meshserve.models.bundled import resolve_arch
 from meshserve.parallel.planner.cost_model import CostModel
 from meshserve.parallel.planner.diagnosis import StepRecord, diagnose
 from meshserve.parallel.planner.placement import layout_for

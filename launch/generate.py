@@ -6,10 +6,10 @@ import statistics
 import sys
 import time
 
+from meshserve.engine.core.outputs import RequestOutput
+from meshserve.engine.core.sampling_params import SamplingParams
 from meshserve.engine.llm import LLM
-from meshserve.engine.outputs import RequestOutput
-from meshserve.engine.sampling_params import SamplingParams
-from meshserve.launch.config import load_config
+from meshserve.launch.cli_config import load_config
 from meshserve.parallel.comm.ranks import RankFailure
 
 

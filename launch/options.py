@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 from meshserve.bench.checkpoints import DEFAULT_CACHE_DIR, SPECS
 from meshserve.bench.peer_names import DEFAULT_PEERS, is_peer
-from meshserve.engine.runtime_config import RuntimeConfig
+from meshserve.engine.config.runtime_config import RuntimeConfig
 from meshserve.launch.analysis_config import CalibrateConfig, DiagnoseConfig, PlanConfig
-from meshserve.serve.config import ServeConfig
+from meshserve.serve.serve_config import ServeConfig
 from meshserve.validation import require
 
 

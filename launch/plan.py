@@ -15,11 +15,9 @@ import textwrap
 from dataclasses import asdict
 from typing import Any
 
-from meshserve.launch.config import load_config
+from meshserve.launch.cli_config import load_config
 from meshserve.launch.options import CliConfig
-from meshserve.models.arch import ModelArch
-from meshserve.models.bundled import resolve_model_dir
-from meshserve.models.config import ModelConfig
+from meshserve.models.bundled import resolve_arch
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.disagg_search import (
     KindChoice,
@@ -44,13 +42,6 @@ from meshserve.parallel.planner.topology import detect_cluster
 def shorthand(overrides: list[str], verb: str) -> list[str]:
     """Let `format=json` stand for `<verb>.format=json`."""
     return [f"{verb}.{ov}" if ov.startswith("format=") else ov for ov in overrides]
-
-
-def resolve_arch(model: ModelConfig) -> ModelArch:
-    """The model's shape: the preset's `arch` dict, else config.json of its directory."""
-    if model.arch:
-        return ModelArch.from_hf_dict(dict(model.arch), source=f"model.arch of {model.name}")
-    return ModelArch.from_dir(resolve_model_dir(model.name, model.path))
 
 
 def model_shape(cfg: CliConfig, cluster: ClusterConfig) -> ModelShape:

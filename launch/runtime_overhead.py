@@ -31,8 +31,8 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import save_file
 
+from meshserve.engine.core.sampling_params import SamplingParams
 from meshserve.engine.llm import LLM
-from meshserve.engine.sampling_params import SamplingParams
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.cost_model import CostModel, StepWork

@@ -19,12 +19,12 @@ import sys
 import uvicorn
 
 from meshserve.engine.llm import LLM
-from meshserve.launch.config import load_config
+from meshserve.launch.cli_config import load_config
 from meshserve.parallel.comm.ranks import RankFailure
 from meshserve.serve.app import create_app
 from meshserve.serve.async_engine import SHUTTING_DOWN, AsyncEngine
-from meshserve.serve.config import API_KEY_ENV
 from meshserve.serve.metrics import ServerMetrics
+from meshserve.serve.serve_config import API_KEY_ENV
 
 GRACEFUL_SHUTDOWN_S = 5.0
 """How long open connections may finish once the server stops."""

@@ -24,7 +24,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
 from meshserve.bench.peer_names import MESHSERVE
-from meshserve.launch.config import ConfigError, load_config
+from meshserve.launch.cli_config import ConfigError, load_config
 
 SUMMARY_METRICS = (("throughput_tok_s", "tok/s"), ("requests_per_s", "req/s"),
                    ("goodput_req_s", "goodput req/s"), ("ttft_s.p50", "TTFT p50 s"),

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshserve.models.arch import ModelArch
+from meshserve.models.model_config import ModelConfig
+
 BUNDLED_DIR = Path(__file__).resolve().parent / "bundled"
 
 
@@ -49,3 +52,10 @@ def resolve_draft_dir(draft_model: str | None, model_name: str, model_path: str 
                      "directory with a config.json; allowed: a bundled model "
                      f"({', '.join(bundled_models()) or 'none'}) or a local Hugging Face "
                      "directory")
+
+
+def resolve_arch(model: ModelConfig) -> ModelArch:
+    """The model's shape: the preset's `arch` dict, else config.json of its directory."""
+    if model.arch:
+        return ModelArch.from_hf_dict(dict(model.arch), source=f"model.arch of {model.name}")
+    return ModelArch.from_dir(resolve_model_dir(model.name, model.path))

@@ -119,9 +119,14 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(arch, tp, dtype)
                                      for i in range(layer_start, layer_end)})
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype) if is_last else None
-        self.on_layer: LayerHook | None = None
+        self._layer_hooks: list[LayerHook] = []
         """Called after each layer with its global index and the step's token count (a
-        prefill replica lists a streamed prompt's KV layer by layer: engine/kv_listing.py)."""
+        prefill replica lists a streamed prompt's KV layer by layer:
+        engine/kv_transfer/listing.py)."""
+
+    def observe_layers(self, hook: LayerHook) -> None:
+        """Call `hook` after each layer of every forward from now on."""
+        self._layer_hooks.append(hook)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 meta: AttentionMetadata, hidden: torch.Tensor | None = None,
@@ -132,10 +137,10 @@ class LlamaModel(nn.Module):
             hidden = self.embed_tokens(input_ids)
         assert hidden is not None
         cos_sin = self.rotary.lookup(positions)
-        hook = self.on_layer
+        hooks = self._layer_hooks
         for i, layer in enumerate(self.layers.values(), self.layer_start):
             hidden, residual = layer(cos_sin, hidden, residual, meta)
-            if hook is not None:
+            for hook in hooks:
                 hook(i, hidden.shape[0])
         if self.norm is not None:
             hidden, _ = self.norm(hidden, residual)
@@ -181,6 +186,10 @@ class LlamaForCausalLM(nn.Module):
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states [T, hidden] (final-normed on the last stage) and the residual."""
         return self.model(input_ids, positions, meta, hidden, residual)
+
+    def observe_layers(self, hook: LayerHook) -> None:
+        """Call `hook(global layer index, tokens in the step)` after each layer runs."""
+        self.model.observe_layers(hook)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [N, vocab] for the rows that sample (with a split head: this stage's part of

@@ -17,13 +17,13 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from meshserve.engine.replica_state import ReplicaState
+from meshserve.engine.client import ReplicaState
 from meshserve.serve.async_engine import AsyncEngine, EngineDeadError
-from meshserve.serve.config import ServeConfig
 from meshserve.serve.errors import APIError, error_body, install
 from meshserve.serve.metrics import ServerMetrics
 from meshserve.serve.openai_serving import OpenAIServing
 from meshserve.serve.protocol import ChatCompletionRequest, CompletionRequest
+from meshserve.serve.serve_config import ServeConfig
 
 MAX_BODY_BYTES = 8 << 20
 log = logging.getLogger("meshserve.serve")

@@ -20,11 +20,10 @@ from typing import Any
 
 import torch
 
-from meshserve.engine.engine import Engine
-from meshserve.engine.outputs import RequestOutput
-from meshserve.engine.replica_state import ReplicaState
-from meshserve.engine.sampling_params import SamplingParams
-from meshserve.engine.scheduler_output import SchedulerStats
+from meshserve.engine.client import EngineClient, ReplicaState
+from meshserve.engine.core.outputs import RequestOutput
+from meshserve.engine.core.sampling_params import SamplingParams
+from meshserve.engine.core.scheduler_output import SchedulerStats
 from meshserve.parallel.comm.ranks import failure_reason
 
 SHUTTING_DOWN = "the server is shutting down"
@@ -105,7 +104,7 @@ OutputHook = Callable[[list[RequestOutput]], None]
 class AsyncEngine:
     """Runs `engine` on a thread of its own; coroutines add, stream and abort requests."""
 
-    def __init__(self, engine: Engine, *, max_pending: int = 4096, health_interval_s: float = 0.5,
+    def __init__(self, engine: EngineClient, *, max_pending: int = 4096, health_interval_s: float = 0.5,
                  on_outputs: OutputHook | None = None,
                  on_failure: Callable[[str], None] | None = None) -> None:
         self.engine = engine
@@ -199,7 +198,7 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     self._step()
                 else:
-                    self.engine.executor.check_health()
+                    self.engine.check_health()
                     self.replicas = self.engine.replica_states()
         except Exception as e:  # noqa: BLE001 - any step error kills the engine; say why
             self._fail(f"engine failed: {failure_reason(e)}", notify=True)

@@ -20,10 +20,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from meshserve.engine.disagg import TRANSFER_BUCKETS, TransferStats
-from meshserve.engine.outputs import RequestOutput
-from meshserve.engine.replica_state import COLOCATED, ReplicaState
-from meshserve.engine.scheduler_output import SchedulerStats
+from meshserve.engine.client import COLOCATED, ReplicaState
+from meshserve.engine.core.outputs import RequestOutput
+from meshserve.engine.core.scheduler_output import SchedulerStats
+from meshserve.engine.disagg.front import TRANSFER_BUCKETS, TransferStats
 
 PREFIX = "meshserve"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,

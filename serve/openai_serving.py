@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from meshserve.engine.outputs import RequestOutput
+from meshserve.engine.core.outputs import RequestOutput
 from meshserve.models.tokenizer import Tokenizer
 from meshserve.serve.async_engine import (
     AsyncEngine,
@@ -30,7 +30,6 @@ from meshserve.serve.async_engine import (
     OverloadedError,
     StreamItem,
 )
-from meshserve.serve.config import ServeConfig
 from meshserve.serve.errors import APIError, error_body, from_value_error
 from meshserve.serve.metrics import ServerMetrics
 from meshserve.serve.protocol import (
@@ -41,6 +40,7 @@ from meshserve.serve.protocol import (
     SamplingBody,
 )
 from meshserve.serve.responses import LogprobFormatter, ResponseBuilder, ResponseMeta, sse
+from meshserve.serve.serve_config import ServeConfig
 from meshserve.serve.tool_calls import OPEN
 from meshserve.serve.tool_choice import ToolPlan
 
@@ -168,7 +168,8 @@ class OpenAIServing:
         if any(isinstance(p, str) for p in prompt) and self.tokenizer is None:
             raise APIError(400, "prompt: this model has no tokenizer; allowed are token ids",
                            "prompt")
-        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p)  # type: ignore[union-attr]
+        tok = self.tokenizer
+        return [tok.encode(p) if isinstance(p, str) and tok is not None else list(p)
                 for p in prompt]
 
     def _choices(self, body: SamplingBody, prompts: list[list[int]], field: str,

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-from meshserve.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputs
+from meshserve.engine.core.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputs
 
 MAX_SEED = 2**63 - 1
 MAX_STOP = 4

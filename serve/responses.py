@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from meshserve.engine.outputs import RequestOutput
+from meshserve.engine.core.outputs import RequestOutput
 from meshserve.models.tokenizer import Tokenizer
 from meshserve.serve.tool_calls import ToolCallStream
 from meshserve.serve.tool_choice import ToolPlan

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from meshserve.engine.sampling_params import StructuredOutputs
+from meshserve.engine.core.sampling_params import StructuredOutputs
 from meshserve.serve.tool_calls import ToolCall
 from meshserve.serve.tool_calls import parse as parse_hermes
 

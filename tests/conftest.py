@@ -4,6 +4,7 @@ a TCP store to connect to."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -12,8 +13,19 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.run_ranks import RunRanks, ranks_runner
 
 from meshserve.parallel.comm.discovery import free_port
+from meshserve.parallel.comm.shm_names import PREFIX_ENV
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist each worker names its shared-memory files apart (the ranks it
+    starts inherit the prefix), so a test that counts what is left counts its own. Ports
+    come from the OS (free_port) and folders from tmp_path, both apart per worker already."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        os.environ[PREFIX_ENV] = f"meshserve-{worker}"
 
 FAMILIES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -64,6 +76,13 @@ def hf_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+@pytest.fixture
+def run_ranks(tmp_path: Path) -> RunRanks:
+    """run_ranks(program, n, timeout_s): `program` as n rank processes (argv: rank, a file
+    store path); each must exit 0 printing 'ok <rank>'. Returns their stderr."""
+    return ranks_runner(tmp_path)
 
 
 @pytest.fixture

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from meshserve.engine.run import Run, kv_cache_dtype
-from meshserve.engine.sampling_params import SamplingParams, SequenceSampling
-from meshserve.engine.scheduler_output import ScheduledSeq
+from meshserve.engine.config.run import Run, kv_cache_dtype
+from meshserve.engine.core.sampling_params import SamplingParams, SequenceSampling
+from meshserve.engine.core.scheduler_output import ScheduledSeq
 from meshserve.engine.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from meshserve.engine.worker.model_runner import ModelRunner
-from meshserve.engine.worker.sampler import Sampler
+from meshserve.engine.worker.sampling.sampler import Sampler
 from meshserve.engine.worker.step_inputs import to_device
 from meshserve.kernels import dispatch
 from meshserve.models.attention import AttentionMetadata
@@ -154,6 +154,7 @@ class DraftProposer:
         self.num_forwards += 1
         if not spec:
             return Drafts(scheduled, {}, {})
+        assert logits is not None  # (the draft runs whole on the rank that samples)
         last = [i for i, seq_id in enumerate(seq_ids)  # a feed of decode rows: its last
                 if i + 1 == len(seq_ids) or seq_ids[i + 1] != seq_id]
         if len(last) < len(seq_ids):
@@ -240,8 +241,8 @@ class DraftProposer:
             if j:  # feed draft j - 1 at position base + j, for the rows that want draft j
                 keep = [r for r, i in enumerate(rows) if n[i] > j]
                 if len(keep) < len(rows):
-                    at = to_device(keep, dev)
-                    base, tables, prev = (t.index_select(0, at) for t in (base, tables, prev))
+                    kept = to_device(keep, dev)
+                    base, tables, prev = (t.index_select(0, kept) for t in (base, tables, prev))
                     rows = [rows[r] for r in keep]
                 pos = base + j
                 slot = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs
@@ -250,11 +251,13 @@ class DraftProposer:
                                          decode_context_lens=pos + 1, prefills=[])
                 hidden = runner.forward_tokens(prev, pos, meta)
                 self.num_forwards += 1
-                logits = self.model.compute_logits(hidden)
-                assert logits is not None
+                drafted_logits = self.model.compute_logits(hidden)
+                assert drafted_logits is not None
+                logits = drafted_logits
             prev, dist, conf = self._pick(logits.float(), [params[i] for i in rows],
                                           [gens[i] for i in rows])
-            at = slice(None) if len(rows) == len(seqs) else to_device(rows, dev)
+            at: slice | torch.Tensor = (slice(None) if len(rows) == len(seqs)
+                                        else to_device(rows, dev))
             drafted[at, j] = prev
             if q is not None and dist is not None:
                 q[at, j] = dist

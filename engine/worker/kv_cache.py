@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from meshserve.engine.config import EngineConfig
+from meshserve.engine.config.engine_config import EngineConfig
 from meshserve.kernels.host_memory import huge_page_empty
 
 

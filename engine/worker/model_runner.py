@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from meshserve.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from meshserve.engine.worker.sampled_tokens import SampledTokens, feed_placeholders
+from meshserve.engine.worker.sampling.sampled_tokens import SampledTokens, feed_placeholders
 from meshserve.engine.worker.step_inputs import ScheduledLike, StepInputs, build_step_inputs
 from meshserve.models.attention import AttentionMetadata
 from meshserve.models.fused_decoder import FusedDecoder
@@ -44,8 +44,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: Sequence[ScheduledLike], previous: SampledTokens | None = None
-                ) -> tuple[torch.Tensor, list[int]]:
-        """Logits [N, vocab] for the N sequences that sample, and their seq ids.
+                ) -> tuple[torch.Tensor | None, list[int]]:
+        """Logits [N, vocab] for the N sequences that sample (None on a rank without the
+        LM head: another TP rank, an earlier stage), and their seq ids.
 
         A decode token that is PLACEHOLDER_TOKEN (async scheduling) is fed from `previous`,
         the step before, whose tokens may still be on the device only."""
@@ -58,11 +59,10 @@ class ModelRunner:
         hidden = self.forward(inputs)
         if not inputs.sample_seq_ids:
             return hidden.new_empty(0, 0), []
-        logits = self.model.compute_logits(inputs.sampled_rows(hidden))
-        return logits, inputs.sample_seq_ids
+        return self.model.compute_logits(inputs.sampled_rows(hidden)), inputs.sample_seq_ids
 
     def _execute_graph(self, seqs: Sequence[ScheduledLike], previous: SampledTokens | None
-                       ) -> tuple[torch.Tensor, list[int]]:
+                       ) -> tuple[torch.Tensor | None, list[int]]:
         """A decode-only step under a captured graph, its inputs packed in one copy."""
         assert self.graphs is not None
         hidden = self.graphs.run_scheduled(

@@ -4,7 +4,7 @@ bundled model's first request waited 1.0 s for it)."""
 
 from __future__ import annotations
 
-from meshserve.engine.scheduler_output import ScheduledSeq
+from meshserve.engine.core.scheduler_output import ScheduledSeq
 from meshserve.engine.worker.model_runner import ModelRunner
 
 

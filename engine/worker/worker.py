@@ -16,19 +16,19 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from meshserve.engine.run import Run, async_scheduling, compute_dtype, kv_cache_dtype
-from meshserve.engine.sampling_params import SequenceSampling
-from meshserve.engine.scheduler_output import PLACEHOLDER_TOKEN, ScheduledSeq
+from meshserve.engine.config.run import Run, async_scheduling, compute_dtype, kv_cache_dtype
+from meshserve.engine.core.sampling_params import SequenceSampling
+from meshserve.engine.core.scheduler_output import PLACEHOLDER_TOKEN, ScheduledSeq
 from meshserve.engine.worker.draft_proposer import DraftProposer
-from meshserve.engine.worker.grammar import make_grammars
 from meshserve.engine.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from meshserve.engine.worker.model_runner import ModelRunner
-from meshserve.engine.worker.sampled_tokens import SampledTokens
+from meshserve.engine.worker.sampling.grammar import make_grammars
+from meshserve.engine.worker.sampling.sampled_tokens import SampledTokens
+from meshserve.engine.worker.sampling.step_sampler import StepResult, StepSampler, step_result
 from meshserve.engine.worker.step_inputs import build_step_inputs
-from meshserve.engine.worker.step_sampler import StepResult, StepSampler, step_result
 from meshserve.engine.worker.warmup import warm_up
 from meshserve.kernels import dispatch
-from meshserve.models.llama import LlamaForCausalLM
+from meshserve.models.llama import LayerHook, LlamaForCausalLM
 from meshserve.models.loader import load_model
 from meshserve.parallel.comm.mesh import ProcessGroups
 from meshserve.parallel.comm.p2p import StageLink, TensorChannel
@@ -189,6 +189,11 @@ class Worker:
         return StageStats(rank, pp_rank, tp_rank, self._busy_s, self._input_wait_s,
                           self._num_micro_batches)
 
+    def observe_layers(self, hook: LayerHook) -> None:
+        """Call `hook(global layer index, tokens in the step)` after each of this rank's
+        layers runs (enqueued, on a GPU)."""
+        self.model.observe_layers(hook)
+
     def local_num_blocks(self) -> int:
         """KV blocks this rank's memory budget holds for its layers."""
         layers = self.model.attention_layers()
@@ -281,6 +286,7 @@ class Worker:
             scheduled = self._shared_drafts(msg.scheduled, scheduled)
         logits, seq_ids = runner.execute(scheduled, self._previous)
         if self.sampler is not None:
+            assert logits is not None  # (a sampler lives where the LM head is)
             drafts = _drafts_of(scheduled)
             sampled: SampledTokens | None = self.sampler.launch(logits, seq_ids, drafts,
                                                                 draft_probs)
@@ -415,6 +421,7 @@ class Worker:
         assert self.head_split is not None
         t0 = time.perf_counter()
         n = len(seq_ids)
+        assert self.logits is not None and self.sampler is not None
         rows = self.logits.recv((n, self.hidden_size), self.dtype, self.device)
         t1 = time.perf_counter()
         first = self.model.compute_logits(rows)

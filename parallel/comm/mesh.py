@@ -21,7 +21,7 @@ from meshserve.parallel.comm.shm_allreduce import ShmAllReduce
 from meshserve.parallel.comm.shm_allreduce import supported as shm_supported
 from meshserve.parallel.comm.shm_ring import RingKey, ShmRing, connect_rings
 from meshserve.parallel.comm.tp_group import TensorParallelGroup
-from meshserve.parallel.config import ParallelConfig
+from meshserve.parallel.parallel_config import ParallelConfig
 from meshserve.validation import require
 
 MESH_AXES = ("dp", "pp", "tp")
@@ -103,7 +103,7 @@ class ParallelDims:
                              "every stage needs at least one layer")
 
 
-def place_ranks(node_ids: Sequence[str], dims: ParallelDims) -> list[int]:
+def mesh_order(node_ids: Sequence[str], dims: ParallelDims) -> list[int]:
     """Global ranks in mesh order (dp, pp, tp): each TP group on one node, PP neighbours
     free to cross nodes. `node_ids[r]` is the node the launcher put rank r on.
 
@@ -129,7 +129,7 @@ def place_ranks(node_ids: Sequence[str], dims: ParallelDims) -> list[int]:
 def place_replicas(node_ids: Sequence[str], layouts: Sequence[tuple[int, int]]
                    ) -> list[list[int]]:
     """Each replica's global ranks in its mesh order (pp, tp), for replicas of their own
-    (tp, pp) each: the ranks in `place_ranks`' order (by node) cut into consecutive
+    (tp, pp) each: the ranks in `mesh_order`' order (by node) cut into consecutive
     replicas, so replica 0 starts at rank 0 and each TP group stays on one node."""
     require(len(node_ids) == sum(tp * pp for tp, pp in layouts), "node_ids", len(node_ids),
             f"one per rank of the replicas ({sum(tp * pp for tp, pp in layouts)})")
@@ -264,7 +264,7 @@ class ProcessGroups:
         neighbours on one host pass activations, and the sampling rank its results, through
         shared-memory rings of `p2p_slots` messages (cpu_p2p auto) or through gloo.
         `split_head`: the driver samples (the LM head is split between first and last stage)."""
-        order = place_ranks(node_ids, dims)
+        order = mesh_order(node_ids, dims)
         mesh = DeviceMesh(device_type, torch.tensor(order).view(dims.mesh_shape),
                           mesh_dim_names=MESH_AXES)
         coords = mesh.get_coordinate()
@@ -316,7 +316,7 @@ class ProcessGroups:
                      last_stage_rank=int(grid[dp_rank, -1, 0]), op_timeout=op_timeout,
                      rings=rings, local_pids=local_pids)
         if tp.shm is not None:  # a dead TP peer fails the next sum at once, not at its timeout
-            tp.shm.alive = groups.watch_all([int(r) for r in grid[dp_rank, pp_rank]])
+            tp.shm.watch_peers(groups.watch_all([int(r) for r in grid[dp_rank, pp_rank]]))
         return groups
 
     def stage_rank(self, pp_rank: int) -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import mmap
 import os
 import platform
-import uuid
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from meshserve.parallel.comm.shm_names import SHM_DIR, shm_path
 from meshserve.parallel.comm.spin_wait import spin_until
 
 SLOT_BYTES = 4 << 20
@@ -41,10 +41,6 @@ MAX_CACHED_VIEWS = 512
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-
-
-SHM_DIR = "/dev/shm"
-"""Where the segment's file lives (Linux's memory-backed file system)."""
 
 
 def supported() -> bool:
@@ -65,10 +61,11 @@ class ShmAllReduce:
         self.timeout_s = timeout.total_seconds() if timeout is not None else None
         self.seq = 0
         self.alive: Callable[[], None] = lambda: None
-        """Called while waiting; may raise (a peer died). Set once the peers' pids are known."""
+        """Called while waiting; may raise (a peer died). `watch_peers` gives it once the
+        peers' pids are known."""
         header = 8 * size
         total = header + 2 * size * slot_bytes
-        paths = [f"{SHM_DIR}/meshserve-ar-{uuid.uuid4().hex[:16]}" if rank == 0 else None]
+        paths = [shm_path("ar") if rank == 0 else None]
         if rank == 0:
             fd = os.open(paths[0], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.ftruncate(fd, total)
@@ -85,6 +82,11 @@ class ShmAllReduce:
         self._bytes = torch.frombuffer(self.buf, dtype=torch.uint8, count=total - header,
                                        offset=header)
         self._views: dict[tuple[int, int, torch.dtype, torch.Size], torch.Tensor] = {}
+
+    def watch_peers(self, alive: Callable[[], None]) -> None:
+        """Call `alive` while waiting on the peers; it raises once one has died, so a dead
+        peer fails the next sum at once rather than at its timeout."""
+        self.alive = alive
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether `x` can go through shared memory (CPU, contiguous, float); a gather's

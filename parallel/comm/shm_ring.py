@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import mmap
 import os
-import uuid
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from meshserve.parallel.comm.shm_allreduce import SHM_DIR
+from meshserve.parallel.comm.shm_names import shm_path
 from meshserve.parallel.comm.spin_wait import spin_until
 
 _LINE = 64
@@ -77,7 +76,7 @@ class ShmRing:
     @classmethod
     def new_path(cls) -> str:
         """A fresh file name under SHM_DIR."""
-        return f"{SHM_DIR}/meshserve-p2p-{uuid.uuid4().hex[:16]}"
+        return shm_path("p2p")
 
     def unlink(self) -> None:
         """Remove the file name (both sides keep their mappings)."""

@@ -17,16 +17,31 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class ArchLike(Protocol):
-    """What `ModelShape.from_arch` reads (models.arch.ModelArch has all of it)."""
+    """What `ModelShape.from_arch` reads (models.arch.ModelArch has all of it, frozen)."""
 
-    num_hidden_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    tie_word_embeddings: bool
+    @property
+    def num_hidden_layers(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def intermediate_size(self) -> int: ...
+
+    @property
+    def num_attention_heads(self) -> int: ...
+
+    @property
+    def num_key_value_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def tie_word_embeddings(self) -> bool: ...
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,7 @@ from meshserve.bench.metrics import RunResult
 from meshserve.bench.peers import load_hf_model, make_peer
 from meshserve.bench.rounds import compare_outputs
 from meshserve.bench.workloads import BenchRequest
-from meshserve.launch.config import load_config
+from meshserve.launch.cli_config import load_config
 
 REQS = [BenchRequest(list(range(3, 40)), 6), BenchRequest([7, 8, 9], 2),
         BenchRequest(list(range(50, 70)), 9), BenchRequest(list(range(100, 133)), 4)]

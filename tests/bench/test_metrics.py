@@ -17,7 +17,7 @@ from meshserve.bench.roofline import (
     weight_bytes_read,
 )
 from meshserve.bench.rounds import compare_outputs, round_order
-from meshserve.launch.config import load_config
+from meshserve.launch.cli_config import load_config
 from meshserve.models.arch import ModelArch
 
 

@@ -13,9 +13,9 @@ import torch
 from helpers.hf_greedy import hf_greedy
 
 from meshserve import LLM, SamplingParams
-from meshserve.engine.config import EngineConfig
-from meshserve.engine.run import kv_cache_dtype, resolve_run
-from meshserve.engine.runtime_config import load_runtime_config
+from meshserve.engine.config.engine_config import EngineConfig
+from meshserve.engine.config.run import kv_cache_dtype, resolve_run
+from meshserve.engine.config.runtime_config import load_runtime_config
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
 ONE_RANK = ["parallel=single"]

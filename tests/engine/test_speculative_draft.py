@@ -22,9 +22,9 @@ from helpers.speculation import (
 )
 
 from meshserve import LLM, SamplingParams
-from meshserve.engine.sampling_params import SequenceSampling
-from meshserve.engine.worker.sampler import Sampler
-from meshserve.engine.worker.step_sampler import StepSampler
+from meshserve.engine.core.sampling_params import SequenceSampling
+from meshserve.engine.worker.sampling.sampler import Sampler
+from meshserve.engine.worker.sampling.step_sampler import StepSampler
 from meshserve.models.bundled import BUNDLED_DIR
 
 DRAFT = ["speculative=draft", "speculative.max_batch_size=64"]

@@ -17,14 +17,14 @@ from helpers.speculation import (
 )
 
 from meshserve import LLM, SamplingParams
-from meshserve.engine.config import EngineConfig
+from meshserve.engine.config.engine_config import EngineConfig
+from meshserve.engine.config.run import resolve_run
+from meshserve.engine.config.speculative_config import SpeculativeConfig
+from meshserve.engine.core.scheduler import Scheduler
+from meshserve.engine.core.sequence import Sequence
 from meshserve.engine.engine import Engine
-from meshserve.engine.run import resolve_run
-from meshserve.engine.scheduler import Scheduler
-from meshserve.engine.sequence import Sequence
-from meshserve.engine.speculative_config import SpeculativeConfig
-from meshserve.engine.worker.executor import InProcessExecutor
-from meshserve.launch.config import load_config
+from meshserve.engine.executor.executor import InProcessExecutor
+from meshserve.launch.cli_config import load_config
 
 EVERY_STEP = ["speculative.max_batch_size=64"]
 """Every step drafts (no run-time switch)."""

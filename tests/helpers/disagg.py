@@ -9,10 +9,10 @@ import signal
 import time
 from collections.abc import Callable
 
-from meshserve.engine.disagg import DisaggEngine
-from meshserve.engine.kv_connector import shm_prefix
-from meshserve.engine.outputs import RequestOutput
-from meshserve.parallel.comm.shm_allreduce import SHM_DIR
+from meshserve.engine.core.outputs import RequestOutput
+from meshserve.engine.disagg.front import DisaggEngine
+from meshserve.engine.kv_transfer.peers import shm_prefix
+from meshserve.parallel.comm.shm_names import SHM_DIR
 
 
 def run_until(engine: DisaggEngine, done: Callable[[list[RequestOutput]], bool],

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 
-from meshserve.engine.sampling_params import SequenceSampling
-from meshserve.engine.scheduler_output import SchedulerOutput
-from meshserve.engine.worker.executor import InProcessExecutor
-from meshserve.engine.worker.step_sampler import StepResult
+from meshserve.engine.core.sampling_params import SequenceSampling
+from meshserve.engine.core.scheduler_output import SchedulerOutput
+from meshserve.engine.executor.executor import InProcessExecutor
+from meshserve.engine.worker.sampling.step_sampler import StepResult
 
 
 class InOrderPipeline:

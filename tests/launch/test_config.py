@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.launch.config import ConfigError, load_config, presets
+from meshserve.launch.cli_config import ConfigError, load_config, presets
 
 
 def test_defaults_compose_into_frozen_dataclasses() -> None:

@@ -9,7 +9,7 @@ import sys
 
 PROGRAM = r'''
 import os, time
-from meshserve.engine.worker.rank import _exit_now
+from meshserve.engine.executor.rank import _exit_now
 from meshserve.parallel.comm.ranks import watch_parent
 
 watch_parent(os.getppid() + 10**7, lambda: _exit_now("meshserve rank 1: the driver is gone", 3))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshserve.launch.config import ConfigError
+from meshserve.launch.cli_config import ConfigError
 from meshserve.launch.sweep import expand
 
 CLI = [sys.executable, "-m", "meshserve.launch.cli"]

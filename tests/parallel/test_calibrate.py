@@ -143,7 +143,7 @@ def test_runtime_overheads_fit_per_step_layer_and_sequence() -> None:
 
 
 def test_priced_math_of_the_wide_calibration_models(tmp_path) -> None:
-    from meshserve.launch.config import load_config
+    from meshserve.launch.cli_config import load_config
     from meshserve.launch.runtime_overhead import WIDE, math_s, tiny_checkpoint
 
     cluster = load_config(["cluster=local-cpu"]).cluster

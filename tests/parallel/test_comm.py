@@ -17,6 +17,7 @@ import torch.distributed as dist
 from meshserve.parallel.comm.broadcast import BroadcastInbox, ObjectBroadcaster
 from meshserve.parallel.comm.mesh import ParallelDims, ProcessGroups
 from meshserve.parallel.comm.p2p import ObjectChannel, StageLink
+from meshserve.parallel.comm.shm_names import SHM_DIR, shm_prefix
 
 rank, store_path = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
@@ -62,7 +63,7 @@ one = ProcessGroups.build(ParallelDims(pp=2, world_size=2), rank=rank, node_ids=
 assert sorted(one.rings) == [("act", 0, 1), ("result", 1, 0), ("step", 0, 1)], one.rings
 assert set(one.local_pids) == {1 - rank} and (one.step_rings() is not None) == (rank == 0)
 dist.barrier()
-assert not glob.glob("/dev/shm/meshserve-p2p-*")  # unlinked once both sides mapped them
+assert not glob.glob(f"{SHM_DIR}/{shm_prefix()}-p2p-*")  # unlinked once both sides mapped them
 act_ring = one.rings[("act", 0, 1)]
 big_n = act_ring.slot_bytes // (2 * 4 * 4) + 1  # 2 x big_n x 4 floats: one slot too many
 sizes = [3, big_n, 1, 2, big_n, 4]  # more small ones than slots: the sender waits for room

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from meshserve.launch.config import load_config
+from meshserve.launch.cli_config import load_config
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.cost_model import (

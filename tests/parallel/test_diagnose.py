@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.launch.config import load_config
+from meshserve.launch.cli_config import load_config
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.planner.cost_model import CostModel, Layout, StepWork
 from meshserve.parallel.planner.diagnosis import (

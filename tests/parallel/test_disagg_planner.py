@@ -8,7 +8,7 @@ import dataclasses
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshserve.launch.config import load_config
+from meshserve.launch.cli_config import load_config
 from meshserve.launch.plan import model_shape
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.disagg_search import (

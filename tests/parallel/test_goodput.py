@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from meshserve.launch.config import load_config
+from meshserve.launch.cli_config import load_config
 from meshserve.launch.plan import model_shape
 from meshserve.parallel.planner.disagg_search import simulated_goodput, splits
 from meshserve.parallel.planner.goodput import DecodeTail, attained_rate, colocated_goodput

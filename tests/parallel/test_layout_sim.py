@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshserve.launch.config import load_config
+from meshserve.launch.cli_config import load_config
 from meshserve.launch.plan import model_shape
 from meshserve.parallel.planner.layout_sim import (
     Replicas,

@@ -7,8 +7,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from meshserve.parallel.comm.mesh import ParallelDims, ProcessGroups, place_ranks, place_replicas
-from meshserve.parallel.config import ParallelConfig
+from meshserve.parallel.comm.mesh import ParallelDims, ProcessGroups, mesh_order, place_replicas
+from meshserve.parallel.parallel_config import ParallelConfig
 
 LLAMA = dict(num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=5,
              intermediate_size=112)
@@ -47,18 +47,18 @@ def test_kv_heads_divide_or_replicate() -> None:
 
 def test_placement_keeps_tp_groups_on_one_node() -> None:
     dims = ParallelDims(tp=2, pp=2, world_size=4)
-    assert place_ranks(["a", "a", "b", "b"], dims) == [0, 1, 2, 3]  # one stage per node
+    assert mesh_order(["a", "a", "b", "b"], dims) == [0, 1, 2, 3]  # one stage per node
     # Ranks dealt round-robin over nodes (srun --distribution=cyclic): TP pairs stay on-node.
-    assert place_ranks(["a", "b", "a", "b"], dims) == [0, 2, 1, 3]
+    assert mesh_order(["a", "b", "a", "b"], dims) == [0, 2, 1, 3]
     dims = ParallelDims(tp=2, pp=4, world_size=8)
-    order = place_ranks(["n0"] * 4 + ["n1"] * 4, dims)
+    order = mesh_order(["n0"] * 4 + ["n1"] * 4, dims)
     assert order == list(range(8))  # stages 0-1 on n0, 2-3 on n1: one PP hop crosses nodes
 
 
 def test_placement_rejects_tp_groups_that_would_span_nodes() -> None:
     with pytest.raises(ValueError, match=r"parallel.tp=4: node 'a' has 2 ranks, so a "
                                          r"tensor-parallel group would span nodes"):
-        place_ranks(["a", "a", "b", "b"], ParallelDims(tp=4, world_size=4))
+        mesh_order(["a", "a", "b", "b"], ParallelDims(tp=4, world_size=4))
 
 
 def test_replicas_of_their_own_layouts_are_cut_in_rank_order() -> None:
@@ -66,9 +66,9 @@ def test_replicas_of_their_own_layouts_are_cut_in_rank_order() -> None:
     assert place_replicas(["a"] * 3, [(2, 1), (1, 1)]) == [[0, 1], [2]]
     # Ranks dealt cyclically over two nodes: the TP pair is found on node a.
     assert place_replicas(["a", "b", "a", "b"], [(2, 1), (1, 1), (1, 1)]) == [[0, 2], [1], [3]]
-    # Alike layouts cut place_ranks' order, as data-parallel replicas are.
+    # Alike layouts cut mesh_order' order, as data-parallel replicas are.
     nodes = ["a", "b", "a", "b"]
-    order = place_ranks(nodes, ParallelDims(tp=2, dp=2, world_size=4))
+    order = mesh_order(nodes, ParallelDims(tp=2, dp=2, world_size=4))
     assert sum(place_replicas(nodes, [(2, 1), (2, 1)]), []) == order
     assert place_replicas(["a"] * 4, [(1, 2), (2, 1)]) == [[0, 1], [2, 3]]
 

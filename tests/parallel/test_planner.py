@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshserve.launch.config import load_config
+from meshserve.launch.cli_config import load_config
 from meshserve.models.arch import ModelArch
-from meshserve.parallel.config import ParallelConfig
+from meshserve.parallel.parallel_config import ParallelConfig
 from meshserve.parallel.planner.cluster import ClusterConfig
 from meshserve.parallel.planner.model_shape import ModelShape
 from meshserve.parallel.planner.placement import place_ranks

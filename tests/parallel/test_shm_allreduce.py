@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from meshserve.parallel.comm import shm_allreduce
+from meshserve.parallel.comm.shm_names import SHM_DIR, shm_prefix
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not shm_allreduce.supported(), reason="x86-64 only")]
@@ -64,7 +65,8 @@ print("ok", rank)
 
 
 def test_three_ranks_sum_like_gloo_and_leave_nothing(run_ranks) -> None:
-    before = set(Path("/dev/shm").glob("meshserve-ar-*"))
+    mine = f"{shm_prefix()}-ar-*"  # (this test worker's: the others' come and go)
+    before = set(Path(SHM_DIR).glob(mine))
     for err in run_ranks(RANK_PROGRAM, 3, 180):
         assert "leaked" not in err, err[-2000:]
-    assert set(Path("/dev/shm").glob("meshserve-ar-*")) == before
+    assert set(Path(SHM_DIR).glob(mine)) == before

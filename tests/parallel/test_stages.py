@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from meshserve.launch.config import load_config
+from meshserve.launch.cli_config import load_config
 from meshserve.models.arch import ModelArch
 from meshserve.parallel.planner.model_shape import ModelShape
 from meshserve.parallel.planner.search import plan_for, runtime_stage_ranges, stage_ranges

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from meshserve.engine.core.sampling_params import SamplingParams
 from meshserve.engine.llm import LLM
-from meshserve.engine.sampling_params import SamplingParams
 from meshserve.serve.app import create_app
 from meshserve.serve.async_engine import AsyncEngine, Choice, EngineDeadError, EngineFailure
-from meshserve.serve.config import ServeConfig
 from meshserve.serve.metrics import ServerMetrics
+from meshserve.serve.serve_config import ServeConfig
 
 KEY = "test-key"
 
@@ -68,7 +68,9 @@ class _StubEngine:
         self.requests: set[str] = set()
         self.error: Exception | None = None
         self.stats = SimpleNamespace()
-        self.executor = SimpleNamespace(check_health=lambda: None)
+
+    def check_health(self) -> None:
+        pass
 
     def replica_states(self) -> list:
         return []

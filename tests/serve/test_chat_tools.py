@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from meshserve.engine.outputs import RequestOutput
+from meshserve.engine.core.outputs import RequestOutput
 from meshserve.models.bundled import BUNDLED_DIR
 from meshserve.models.tokenizer import Tokenizer
 from meshserve.serve.responses import LogprobFormatter, ResponseBuilder, ResponseMeta

@@ -22,7 +22,7 @@ def worker_ranks(pgid: int, process_group) -> list[int]:  # noqa: ANN001 - conft
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"meshserve.engine.worker.rank" in cmd:
+        if b"meshserve.engine.executor.rank" in cmd:
             pids.append(pid)
     return pids
 

@@ -7,8 +7,8 @@ import random
 import openai
 import pytest
 
+from meshserve.engine.core.sampling_params import SamplingParams
 from meshserve.engine.llm import LLM
-from meshserve.engine.sampling_params import SamplingParams
 
 MODEL = "meshcoder"
 PROMPTS = ["def fibonacci(n):", "import os\n\nclass ", "    def __init__(self,"]

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from meshserve.launch.cli import model_argument
-from meshserve.launch.config import ConfigError, load_config
+from meshserve.launch.cli_config import ConfigError, load_config
 from meshserve.models.bundled import BUNDLED_DIR
-from meshserve.serve.config import ServeConfig
+from meshserve.serve.serve_config import ServeConfig
 
 from .conftest import ENGINE_OVERRIDES
 
