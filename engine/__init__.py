@@ -17,4 +17,10 @@ pyproject.toml checks it):
     core/           pure Python: sequences, block manager, prefix cache, scheduler, outputs
     spec/           speculative decoding's scheduling side: proposers and the switch
     config/         every engine-side configuration, and the run resolved from them
+
+Where what comes next lands: a mixture-of-experts layer and its expert dispatch in
+models/ over parallel/comm (the worker runs it like any layer); quantized linear methods
+in parallel/layers/; KV cache groups per attention kind in core/ (the block manager) and
+worker/kv_cache.py; KV tiers (host memory, disk) as a room of their own beside
+kv_transfer/, below the worker.
 """
