@@ -91,8 +91,8 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, cfg: ServeConfig,
             ticker.cancel()
             await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="meshserve", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible completions and chat over meshserve's engine.")
+    app = _App(model_names, cfg, title="meshserve", version="0.1.0", lifespan=lifespan,
+               description="OpenAI-compatible completions and chat over meshserve's engine.")
     install(app, lambda status: metrics.errors.labels(str(status)).inc())
     serving = OpenAIServing(engine, model_names, cfg, metrics)
     v1 = APIRouter(prefix="/v1", route_class=_CheckedBodyRoute, dependencies=_auth(api_key))
@@ -138,23 +138,29 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, cfg: ServeConfig,
         """Prometheus text format."""
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    app.openapi = lambda: _openapi(app, model_names, cfg)  # type: ignore[method-assign]
     return app
 
 
-def _openapi(app: FastAPI, model_names: list[str], cfg: ServeConfig) -> dict[str, Any]:
-    """FastAPI's schema with this server's limits: the model's names, n <= serve.max_n."""
-    if app.openapi_schema:
-        return app.openapi_schema
-    schema = get_openapi(title=app.title, version=app.version, description=app.description,
-                         routes=app.routes)
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
-        props = schema["components"]["schemas"][name]["properties"]
-        props["model"]["anyOf"] = [{"type": "string", "enum": list(model_names)},
-                                   {"type": "null"}]
-        props["n"]["maximum"] = cfg.max_n
-    app.openapi_schema = schema
-    return schema
+class _App(FastAPI):
+    """FastAPI whose OpenAPI schema carries this server's limits: the model's names, and
+    n <= serve.max_n."""
+
+    def __init__(self, model_names: list[str], cfg: ServeConfig, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.model_names, self.cfg = model_names, cfg
+
+    def openapi(self) -> dict[str, Any]:
+        if self.openapi_schema:
+            return self.openapi_schema
+        schema = get_openapi(title=self.title, version=self.version,
+                             description=self.description, routes=self.routes)
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            props = schema["components"]["schemas"][name]["properties"]
+            props["model"]["anyOf"] = [{"type": "string", "enum": list(self.model_names)},
+                                       {"type": "null"}]
+            props["n"]["maximum"] = self.cfg.max_n
+        self.openapi_schema = schema
+        return schema
 
 
 def health_body(replicas: list[ReplicaState]) -> dict[str, Any]:
