@@ -41,20 +41,22 @@ def run(overrides: list[str]) -> int:
         print(f"meshserve serve: {e}", file=sys.stderr)
         return 1
     engine = llm.engine
-    async_engine = AsyncEngine(engine, max_pending=sc.max_pending_requests,
-                               health_interval_s=sc.health_interval_s)
+    # (its callbacks look `metrics` and `server` up when called: the engine thread starts
+    # with the server, once both exist)
+    async_engine = AsyncEngine(
+        engine, max_pending=sc.max_pending_requests, health_interval_s=sc.health_interval_s,
+        on_outputs=lambda outs: metrics.on_outputs(outs),
+        on_failure=lambda message: _exit_soon(async_engine, server, message,
+                                              sc.failure_exit_s))
     metrics = ServerMetrics(lambda: async_engine.stats, lambda: async_engine.replicas,
                             lambda: async_engine.num_routes,
                             lambda: getattr(engine, "transfers", None))
-    async_engine.on_outputs = metrics.on_outputs
     model_names = sc.model_names(cfg.model.label)
     app = create_app(async_engine, metrics, sc, model_names,
                      api_key=sc.api_key or os.environ.get(API_KEY_ENV) or None)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=sc.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         access_log=sc.log_level in ("info", "debug", "trace")))
-    async_engine.on_failure = lambda message: _exit_soon(async_engine, server, message,
-                                                         sc.failure_exit_s)
     try:
         sock = _bind(sc.host, sc.port)
     except OSError as e:

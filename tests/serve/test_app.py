@@ -19,10 +19,9 @@ KEY = "test-key"
 
 
 async def with_app(offline: LLM, cfg: ServeConfig, api_key: str | None, check) -> None:  # noqa: ANN001
-    engine = AsyncEngine(offline.engine)
+    engine = AsyncEngine(offline.engine, on_outputs=lambda outs: metrics.on_outputs(outs))
     metrics = ServerMetrics(lambda: engine.stats, lambda: engine.replicas,
                             lambda: engine.num_routes)
-    engine.on_outputs = metrics.on_outputs
     app = create_app(engine, metrics, cfg, ["meshcoder"], api_key=api_key)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
