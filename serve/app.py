@@ -65,9 +65,10 @@ class _APIKeyCheck:
     ) -> None:
         if creds is None:
             raise APIError(401, "authorization: missing; allowed is 'Bearer <api key>'",
-                           "authorization")
+                           "authorization", "invalid_api_key")
         if not hmac.compare_digest(creds.credentials.encode(), self.api_key):
-            raise APIError(401, "authorization: wrong API key", "authorization")
+            raise APIError(401, "authorization: wrong API key", "authorization",
+                           "invalid_api_key")
 
 
 def _auth(api_key: str | None) -> list[Any]:
@@ -107,13 +108,25 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, cfg: ServeConfig,
         """Answer a conversation, rendered with the model's chat template."""
         return await serving.chat(body, request)
 
+    created = int(time.time())
+
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "meshserve",
+                "max_model_len": serving.max_model_len}
+
     @v1.get("/models")
     async def models() -> dict[str, Any]:
         """The served model, once under each of its names."""
-        created = int(time.time())
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": created, "owned_by": "meshserve",
-            "max_model_len": serving.max_model_len} for name in model_names]}
+        return {"object": "list", "data": [model_card(name) for name in model_names]}
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        """One of the served model's names (the openai client's models.retrieve)."""
+        if model_id not in model_names:
+            allowed = ", ".join(repr(n) for n in model_names)
+            raise APIError(404, f"model: {model_id!r} is not served; allowed: {allowed}",
+                           "model", "model_not_found")
+        return model_card(model_id)
 
     app.include_router(v1)
 

@@ -20,17 +20,21 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 class APIError(Exception):
     """An error answer: HTTP status, message (naming the field) and that field."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.code = code
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """{"error": {message, type, param, code}} as OpenAI sends it."""
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """{"error": {message, type, param, code}} as OpenAI sends it: `code` a short string
+    where OpenAI has one (model_not_found, invalid_api_key), else null."""
     kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def from_value_error(e: ValueError) -> APIError:
@@ -55,14 +59,17 @@ def _describe(errors: list[Any]) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"body: malformed JSON ({first.get('ctx', {}).get('error', 'parse error')})", \
             "body"
-    param = _where(first).split(".")[0] or "body"
-    same = [e for e in errors if (_where(e).split(".")[0] or "body") == param] or [first]
+    fields = list(dict.fromkeys(_where(e).split(".")[0] or "body" for e in errors))
+    return "; ".join(_field_message(f, errors) for f in fields), fields[0]
+
+
+def _field_message(field: str, errors: list[Any]) -> str:
+    """The most telling of one field's errors, as 'where: what (got value)'."""
+    same = [e for e in errors if (_where(e).split(".")[0] or "body") == field]
     best = max(same, key=lambda e: (not str(e.get("type", "")).endswith(TYPE_MISMATCH),
                                     len(e.get("loc", ()))))
     got = f" (got {best['input']!r})" if "input" in best and _short(best["input"]) else ""
-    others = len({_where(e).split(".")[0] for e in errors} - {param})
-    extra = f" ({others} more field{'s' * (others > 1)})" if others else ""
-    return f"{_where(best) or param}: {best.get('msg', 'invalid')}{got}{extra}", param
+    return f"{_where(best) or field}: {best.get('msg', 'invalid')}{got}"
 
 
 def _where(error: Any) -> str:
@@ -80,9 +87,10 @@ def install(app: FastAPI, on_error: Callable[[int], None]) -> None:
     """Answer validation errors, APIError and HTTP errors with OpenAI error bodies."""
 
     def respond(status: int, message: str, param: str | None,
-                headers: dict[str, str] | None = None) -> JSONResponse:
+                headers: dict[str, str] | None = None, code: str | None = None
+                ) -> JSONResponse:
         on_error(status)
-        return JSONResponse(error_body(status, message, param), status_code=status,
+        return JSONResponse(error_body(status, message, param, code), status_code=status,
                             headers=headers)
 
     @app.exception_handler(RequestValidationError)
@@ -93,7 +101,7 @@ def install(app: FastAPI, on_error: Callable[[int], None]) -> None:
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        return respond(exc.status, exc.message, exc.param, headers)
+        return respond(exc.status, exc.message, exc.param, headers, exc.code)
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:

@@ -38,6 +38,7 @@ from meshserve.serve.protocol import (
     CompletionRequest,
     NamedToolChoice,
     SamplingBody,
+    TextPart,
 )
 from meshserve.serve.responses import LogprobFormatter, ResponseBuilder, ResponseMeta, sse
 from meshserve.serve.serve_config import ServeConfig
@@ -111,6 +112,12 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise APIError(400, "messages: this model has no tokenizer; allowed is "
                                 "/v1/completions with token ids", "messages")
+        for i, m in enumerate(body.messages):
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                if not isinstance(part, TextPart):
+                    raise APIError(400, f"messages.{i}.content.{j}: a {part.type} part; this "
+                                        "model takes text only: allowed are text parts",
+                                   "messages")
         plan = self._tool_plan(body)
         messages = [m.for_template() for m in body.messages]
         try:
@@ -181,7 +188,10 @@ class OpenAIServing:
         if body.model is not None and body.model not in self.model_names:
             allowed = ", ".join(repr(n) for n in self.model_names)
             raise APIError(404, f"model: {body.model!r} is not served; allowed: {allowed}",
-                           "model")
+                           "model", "model_not_found")
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options: given without stream; allowed only with "
+                                "stream=true", "stream_options")
         count = _candidates(body)
         if count > self.cfg.max_n:
             field = "best_of" if count > body.n else "n"

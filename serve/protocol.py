@@ -211,6 +211,14 @@ class TextPart(_Body):
     text: str
 
 
+class MediaPart(_Body):
+    """An image, audio, video or file part: parsed so the answer can say this model takes
+    text only, rather than that the part lacks `text`."""
+
+    type: Literal["image_url", "image", "input_image", "input_audio", "audio_url",
+                  "video_url", "file"]
+
+
 class FunctionCall(_Body):
     """A call an assistant message made: the function's name and its arguments as JSON."""
 
@@ -230,8 +238,8 @@ class ChatMessage(_Body):
     """One message of a conversation."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    """Text, or text parts (joined)."""
+    content: str | list[TextPart | MediaPart] | None = None
+    """Text, or text parts (joined); other parts are refused (the model takes text)."""
     name: str | None = None
     tool_calls: list[ToolCallBody] | None = None
     """The calls an assistant message made."""
@@ -242,7 +250,7 @@ class ChatMessage(_Body):
     def text(self) -> str | None:
         """The content as one string (None when absent)."""
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text for p in self.content if isinstance(p, TextPart))
         return self.content
 
     def for_template(self) -> dict[str, Any]:

@@ -30,6 +30,21 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_models_retrieve_finds_the_served_model_and_not_another(client: openai.OpenAI) -> None:
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-9")
+    assert e.value.code == "model_not_found" and "'gpt-9' is not served" in e.value.message
+
+
+def test_openai_errors_carry_string_or_null_codes(client: openai.OpenAI) -> None:
+    """stream_options without a stream is a 400 naming it, as OpenAI answers."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                  stream_options={"include_usage": True})
+    assert e.value.param == "stream_options" and e.value.code is None
+
+
 def test_completions_match_offline_tokens(client: openai.OpenAI, offline: LLM) -> None:
     want = offline.generate(PROMPTS, greedy(12, ignore_eos=True))
     got = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0,
