@@ -132,8 +132,10 @@ class OpenAIServing:
         limit = (TokenLimit(body.max_completion_tokens, "max_completion_tokens", None)
                  if body.max_completion_tokens is not None
                  else TokenLimit(body.max_tokens, "max_tokens", None))
-        return await self._serve(body, request, [self.tokenizer.encode(text)], "messages",
-                                 logprobs, limit, True, plan)
+        # The template writes the special tokens it wants (a BOS among them): encoding adds
+        # none, as transformers' apply_chat_template(tokenize=True) and vLLM do.
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return await self._serve(body, request, [ids], "messages", logprobs, limit, True, plan)
 
     def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan | None:
         """The tools offered and how calls are found (None: no tools, or tool_choice=none);

@@ -56,7 +56,8 @@ def hf_prompt_tokens(model_dir: Path, messages: list[dict], tools: list[dict] | 
         c["function"]["arguments"])}} for c in m["tool_calls"]]) if m.get("tool_calls") else m
         for m in messages]
     text = hf.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=False)
-    return len(Tokenizer(model_dir).encode(text))
+    # (as apply_chat_template(tokenize=True) encodes it: no special tokens added)
+    return len(Tokenizer(model_dir).encode(text, add_special_tokens=False))
 
 
 def chat(url: str, **body: object) -> httpx.Response:
