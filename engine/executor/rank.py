@@ -152,6 +152,9 @@ def serve_steps(groups: ProcessGroups, worker: Worker, num_in_flight: int,
     inbox.join()
 
 
+KV_STOP_WAIT_S = 10.0
+"""Longest a rank's exit waits for its KV thread to close its connector."""
+
 _exit_lock = threading.Lock()
 
 
@@ -181,6 +184,7 @@ def run_worker_rank(run: Run) -> int:
         watch_parent(int(os.environ[SPAWNED_BY]),
                      lambda: _exit_now(f"{label}: stopping: the driver (rank 0) is gone", 1))
     store = None
+    kv_thread = None
     try:
         # A layout these ranks cannot hold fails here on every rank, before any rank waits
         # for another (the driver checks the same before it serves the rendezvous).
@@ -190,10 +194,10 @@ def run_worker_rank(run: Run) -> int:
         label = f"meshserve {groups.describe()}"
         if run.config.disagg.enabled:  # this rank's share of the replica's KV transfers
             assert worker.runner is not None
-            start_kv_thread(replica_store_address(env), env.rank,
-                            worker.layer_range[0], len(worker.runner.kv_cache),
-                            groups.tp_rank, groups.dims.tp, run.arch.num_key_value_heads,
-                            worker.runner.kv_cache)
+            kv_thread = start_kv_thread(
+                replica_store_address(env), env.rank, worker.layer_range[0],
+                len(worker.runner.kv_cache), groups.tp_rank, groups.dims.tp,
+                run.arch.num_key_value_heads, worker.runner.kv_cache)
         serve_steps(groups, worker, max_in_flight(run), store)
     except Exception as e:  # noqa: BLE001 - every failure ends the rank
         reason = failure_reason(e)
@@ -202,6 +206,8 @@ def run_worker_rank(run: Run) -> int:
         if isinstance(e, ValueError):  # a configuration the run cannot have
             _exit_now(f"{label}: {reason}", 2)
         _exit_now(f"{label}: stopping after a failure: {reason}", 1)
+    if kv_thread is not None:  # told to stop before the steps were (it closes its connector)
+        kv_thread.join(KV_STOP_WAIT_S)
     groups.destroy()
     return 0
 

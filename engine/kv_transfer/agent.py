@@ -203,12 +203,18 @@ def _run(results: StorePool, rank: int, seq: int, connector: KVConnector, cmd: P
 
 
 def start_kv_thread(replica_store: StoreAddress, rank: int, first_layer: int, num_layers: int,
-                    tp_rank: int, tp: int, num_kv_heads: int, cache: KVCache) -> None:
+                    tp_rank: int, tp: int, num_kv_heads: int, cache: KVCache
+                    ) -> threading.Thread:
     """Start `serve_kv` on connections of its own to the replica's store (its waits then
-    never hold up the rank's other uses of the store)."""
-    threading.Thread(target=serve_kv, args=(store_opener(replica_store), rank, first_layer,
-                                            num_layers, tp_rank, tp, num_kv_heads, cache),
-                     name="meshserve-kv-rank", daemon=True).start()
+    never hold up the rank's other uses of the store). The driver tells it to stop
+    (StopServing) before it stops the rank's steps: join it before the process exits, so
+    no store wait is cut off mid-call at interpreter shutdown."""
+    thread = threading.Thread(target=serve_kv, args=(store_opener(replica_store), rank,
+                                                     first_layer, num_layers, tp_rank, tp,
+                                                     num_kv_heads, cache),
+                              name="meshserve-kv-rank", daemon=True)
+    thread.start()
+    return thread
 
 
 def replica_store_address(env: LaunchEnv) -> StoreAddress:
