@@ -36,12 +36,19 @@ batch-1 latency."""
 FIGURES = (("throughput_tok_s", "tok/s"), ("tpot_p50_ms", "TPOT p50 ms"))
 
 
-def bench_once(pythonpath: str | None, args: list[str], out: Path) -> dict[str, float]:
-    """One `meshserve bench` run; its throughput and TPOT p50."""
+def side_env(pythonpath: str | None) -> dict[str, str]:
+    """One side's environment: one OpenMP thread, and the base's worktree first on the
+    path (None: this checkout, as installed)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
+    return env
+
+
+def bench_once(pythonpath: str | None, args: list[str], out: Path) -> dict[str, float]:
+    """One `meshserve bench` run; its throughput and TPOT p50."""
+    env = side_env(pythonpath)
     cmd = [sys.executable, "-m", "meshserve.launch.cli", "bench", *COMMON, *args,
            f"bench.out={out}"]
     done = subprocess.run(cmd, cwd=tempfile.gettempdir(), env=env, capture_output=True,

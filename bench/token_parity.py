@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from meshserve.bench.against_commit import ROOT, base_package
+from meshserve.bench.against_commit import ROOT, base_package, side_env
 
 LAYOUTS: dict[str, list[str]] = {
     "single": ["parallel=single"],
@@ -86,10 +85,7 @@ def build_shape(path: Path, family: str, config: dict[str, Any]) -> Path:
 def generate(pythonpath: str | None, model: str, overrides: list[str],
              prompts: list[Any]) -> list[list[int]]:
     """One side's greedy tokens for `prompts`, in a process of its own."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("PYTHONPATH", None)
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
+    env = side_env(pythonpath)
     arg = json.dumps([model, ["threads=1", *overrides], prompts, MAX_TOKENS])
     done = subprocess.run([sys.executable, "-c", GENERATE, arg], cwd=tempfile.gettempdir(),
                           env=env, capture_output=True, text=True)
