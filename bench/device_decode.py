@@ -24,6 +24,7 @@ class _Seq:
                  block_table: list[int]) -> None:
         self.seq_id, self.token_ids, self.start_pos = seq_id, token_ids, start_pos
         self.block_table, self.sample, self.num_drafts = block_table, True, 0
+        self.prompt_targets: list[int] | None = None
 
 
 def _random_model(arch: ModelArch, s: Sizes) -> torch.nn.Module:

@@ -31,9 +31,11 @@ from meshserve.engine.timing.step_budget_prior import step_time_prior
 from meshserve.engine.timing.step_clock import StepClock, StepRecorder, StepTiming
 from meshserve.engine.timing.step_log import StepLog
 from meshserve.engine.worker.sampling.grammar import compiler_for
+from meshserve.engine.worker.sampling.prompt_logprobs import PromptChunk
 from meshserve.engine.worker.sampling.sampled_tokens import Logprob, SampledTokens
 from meshserve.engine.worker.sampling.step_sampler import StepResult
 from meshserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from meshserve.parallel.comm.ranks import RankFailure
 from meshserve.parallel.comm.tp_group import CommCounters
 from meshserve.parallel.planner.diagnosis import chunk_counts
 
@@ -49,6 +51,8 @@ class _Request:
     detok: IncrementalDetokenizer | None
     stops: StopStrings
     logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """Asked for: per prompt token (None for the first) its log-prob and the top k's."""
     num_emitted: int = 0
     """Output tokens already returned in a RequestOutput."""
 
@@ -92,7 +96,9 @@ class Engine:
             # a pipeline times a probe only among its kind
             switch_probe_length=self._max_in_flight + 1 if self._max_in_flight > 1 else 1)
         self._new_seqs: dict[int, SequenceSampling] = {}
-        self.recorder = StepRecorder(self.step_log)
+        stages = getattr(self.executor, "stage_stats", None)  # a pipeline's stage times
+        self.recorder = StepRecorder(self.step_log,
+                                     stages if self.run.config.parallel.pp > 1 else None)
         self.timing = self.recorder.timing
         self._finished: list[int] = []
         self.eos_token_ids = set(self.arch.eos_token_ids)
@@ -106,6 +112,7 @@ class Engine:
         self._seq_ids = itertools.count()
         if self.step_log is not None:
             self.step_log.write_run(self._run_header(), self._measured_comm())
+            self.recorder.write_stages()
 
     def _async_scheduling(self, wanted: bool) -> bool:
         """async_scheduling(run) where the executor can launch a step without waiting and
@@ -163,13 +170,16 @@ class Engine:
         seq = Sequence(seq_id, ids, max_tokens=params.max_tokens, stop_token_ids=stop_ids,
                        min_tokens=params.min_tokens, arrival_time=now)
         seq.speculate = self.config.speculative.enabled and _may_speculate(params)
+        seq.scores_prompt = params.prompt_logprobs is not None
         self.scheduler.add(seq)
         self._new_seqs[seq_id] = SequenceSampling(
             params, tuple(ids) if params.repetition_penalty != 1.0 else ())
         detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
         self._requests[seq_id] = _Request(request_id, seq, params,
                                           RequestMetrics(now, num_prompt_tokens=len(ids)), detok,
-                                          StopStrings(params.stop))
+                                          StopStrings(params.stop),
+                                          prompt_logprobs=[None] * len(ids)
+                                          if seq.scores_prompt else None)
         self._by_request_id[request_id] = seq_id
         return request_id
 
@@ -252,6 +262,10 @@ class Engine:
     def shutdown(self) -> None:
         """Release the executor's ranks, process groups and ports; close the step log."""
         if self.step_log is not None:
+            try:
+                self.recorder.write_stages()  # the run's last stage times
+            except RankFailure:
+                pass  # a rank is gone: the last line written stands
             self.step_log.close()
         self.executor.shutdown()
 
@@ -415,6 +429,9 @@ class Engine:
         """The outputs of a step's tokens (a request that ended meanwhile is gone)."""
         now = time.monotonic()
         requests = self._requests
+        for seq_id, chunk in result.prompt_logprobs.items():
+            if seq_id in requests:
+                _record_prompt_logprobs(requests[seq_id], chunk)
         return [self._advance(requests[i], t, result.logprobs.get(i), now)
                 for i, t in result.tokens.items() if i in requests]
 
@@ -500,7 +517,8 @@ class Engine:
             request_id=req.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids), text=req.stops.released, new_token_ids=new,
             new_text=delta, finished=seq.is_finished, finish_reason=seq.finish_reason,
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None, metrics=m)
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs, metrics=m)
 
     @property
     def stats(self) -> SchedulerStats:
@@ -510,6 +528,19 @@ class Engine:
     def replica_states(self) -> list[ReplicaState]:
         """This engine as the one replica of its run (for /health and metrics)."""
         return [ReplicaState(0, COLOCATED, self.num_blocks, self.stats)]
+
+
+def _record_prompt_logprobs(req: _Request, chunk: PromptChunk) -> None:
+    """Keep a scored chunk's entries: each prompt token's log-prob first, then the top k's
+    at its position (a recompute writes the same positions again)."""
+    assert req.prompt_logprobs is not None, req.request_id
+    start, entries = chunk
+    prompt = req.seq.prompt_token_ids
+    for pos, (lp, top) in enumerate(entries, start):
+        mapping = {prompt[pos]: lp}
+        for token, value in top:
+            mapping.setdefault(token, value)
+        req.prompt_logprobs[pos] = mapping
 
 
 def _drafted(out: SchedulerOutput) -> bool:

@@ -19,7 +19,7 @@ from meshserve.launch.cli_config import load_config, presets
 from meshserve.launch.plan import shorthand
 from meshserve.models.bundled import resolve_arch
 from meshserve.parallel.planner.cost_model import CostModel
-from meshserve.parallel.planner.diagnosis import StepRecord, diagnose
+from meshserve.parallel.planner.diagnosis import StepRecord, diagnose, measured_bubble_s
 from meshserve.parallel.planner.placement import layout_for
 from meshserve.parallel.planner.search import plan_for, shape_for
 from meshserve.parallel.planner.stages import head_first_fraction
@@ -38,6 +38,8 @@ class Records:
     run: dict[str, Any] | None = None
     """The last run's header (None in files written before engines wrote headers)."""
     notes: list[str] = field(default_factory=list)
+    stages: list[list[dict[str, Any]]] = field(default_factory=list)
+    """A pipeline's snapshots of its ranks' cumulative stage times, in order."""
 
 
 def read_records(path: str | None) -> Records:
@@ -68,7 +70,10 @@ def read_records(path: str | None) -> Records:
             raise ValueError(f"{path}:{i}: not JSON ({e})") from None
         if "run" in row:  # a new run starts: diagnose from here on
             earlier += 1 if out.steps or out.run is not None else 0
-            out.steps, out.run = [], dict(row["run"])
+            out.steps, out.run, out.stages = [], dict(row["run"]), []
+            continue
+        if "stages" in row:
+            out.stages.append(list(row["stages"]))
             continue
         unknown = set(row) - names
         if unknown:
@@ -125,7 +130,10 @@ def run(overrides: list[str]) -> int:
     cost = CostModel(shape, cfg.cluster, layout_for(plan.tp, list(plan.stage_layers),
                                                     plan.num_micro_batches, cfg.cluster, split))
     target = (records.run or {}).get("tpot_slo_ms", cfg.scenario.tpot_slo_ms)
-    d = diagnose(records.steps, cost, cfg.scenario.name, float(target) / 1e3)
+    bubble = (measured_bubble_s(records.stages[0], records.stages[-1],
+                                sum(r.scheduler_s for r in records.steps))
+              if len(records.stages) >= 2 else None)
+    d = diagnose(records.steps, cost, cfg.scenario.name, float(target) / 1e3, bubble)
     if cfg.diagnose.format == "json":
         print(json.dumps({"model": cfg.model.label, "cluster": cfg.cluster.name, "tp": plan.tp,
                           "pp": plan.pp, "dp": plan.dp, **d.as_dict()}, indent=1))
@@ -133,7 +141,8 @@ def run(overrides: list[str]) -> int:
     print(f"{d.num_steps} steps, {d.total_s:.3f} s: {cfg.model.label} ({shape.dtype}) on "
           f"{cfg.cluster.name}, tp={plan.tp} pp={plan.pp} dp={plan.dp}")
     for cause, secs in d.seconds.items():
-        print(f"  {cause.replace('_', ' '):18s} {secs:10.4f} s  {d.shares[cause]:6.1%}")
+        print(f"  {cause.replace('_', ' '):18s} {secs:10.4f} s  {d.shares[cause]:6.1%}  "
+              f"({d.sources[cause]})")
     executor = d.total_s - d.seconds["scheduler"]
     print(f"the cost model predicts {d.predicted_s:.4f} s of the {executor:.4f} s the "
           f"executor took ({d.model_accuracy:.0%})")

@@ -40,7 +40,7 @@ from meshserve.serve.protocol import (
     SamplingBody,
     TextPart,
 )
-from meshserve.serve.responses import LogprobFormatter, ResponseBuilder, ResponseMeta, sse
+from meshserve.serve.responses import Echo, LogprobFormatter, ResponseBuilder, ResponseMeta, sse
 from meshserve.serve.serve_config import ServeConfig
 from meshserve.serve.tool_calls import OPEN
 from meshserve.serve.tool_choice import ToolPlan
@@ -104,8 +104,25 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         """POST /v1/completions."""
         prompts = self._prompts(body.prompt)
-        limit = TokenLimit(body.max_tokens, "max_tokens", DEFAULT_COMPLETION_TOKENS)
-        return await self._serve(body, request, prompts, "prompt", body.logprobs, limit, False)
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens: 0 without echo; allowed is an int >= 1, or 0 "
+                                "with echo=true (the prompt alone, scored)", "max_tokens")
+        # max_tokens=0: one token is generated and dropped (the prompt's log-probs come
+        # from the same prefill).
+        limit = TokenLimit(body.max_tokens or (1 if body.max_tokens == 0 else None),
+                           "max_tokens", DEFAULT_COMPLETION_TOKENS)
+        echo = None
+        if body.echo:
+            texts = [p for p in (body.prompt if isinstance(body.prompt, list)
+                                 and isinstance(body.prompt[0], (str, list))
+                                 else [body.prompt])]
+            echo = Echo([t if isinstance(t, str) else self._decode(ids)
+                         for t, ids in zip(texts, prompts)], body.n, body.max_tokens == 0)
+        return await self._serve(body, request, prompts, "prompt", body.logprobs, limit, False,
+                                 echo=echo)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         """POST /v1/chat/completions."""
@@ -234,7 +251,8 @@ class OpenAIServing:
 
     async def _serve(self, body: SamplingBody, request: Request, prompts: list[list[int]],
                      field: str, logprobs: int | None, limit: TokenLimit,
-                     chat: bool, plan: ToolPlan | None = None) -> Response:
+                     chat: bool, plan: ToolPlan | None = None,
+                     echo: Echo | None = None) -> Response:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             choices = self._choices(body, prompts, field, logprobs, limit, request_id, plan)
@@ -244,7 +262,7 @@ class OpenAIServing:
         except (OverloadedError, EngineDeadError) as e:
             raise APIError(503, str(e)) from None
         meta = ResponseMeta(request_id, int(time.time()), body.model or self.model_names[0], chat,
-                            body.return_token_ids, plan)
+                            body.return_token_ids, plan, echo)
         builder = ResponseBuilder(meta, self.formatter)
         ids = [c.request_id for c in choices]
         prompt_lens = [len(p) for p in prompts]

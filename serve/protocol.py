@@ -12,6 +12,7 @@ ignored (as vLLM does), except meshserve's extensions: `ignore_eos`, `top_k`, `m
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -200,8 +201,20 @@ class CompletionRequest(SamplingBody):
     best_of: Annotated[int, Field(ge=1)] | None = None
     """Generate this many candidates per prompt (at least n) and return the n with the
     highest cumulative logprob; not with stream."""
-    echo: unsupported("echoing the prompt", (False,)) = False
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    """Most tokens to generate; null leaves room up to the model's context; 0 (with echo)
+    scores the prompt and generates nothing."""
+    echo: bool = False
+    """Return the prompt before the completion; with logprobs, each prompt token's too
+    (None for the first), as evaluation harnesses read them to score text."""
     suffix: unsupported("insertion after a suffix") = None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """SamplingBody's, scoring the prompt where echo asks for logprobs."""
+        params = super().sampling_params(max_tokens, logprobs)
+        if self.echo and self.logprobs is not None:
+            params = replace(params, prompt_logprobs=self.logprobs)
+        return params
 
 
 class TextPart(_Body):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from meshserve.engine.core.outputs import RequestOutput
@@ -25,6 +25,28 @@ class ResponseMeta:
     return_token_ids: bool
     tools: ToolPlan | None = None
     """A chat request's tools: calls in the output become the message's tool_calls."""
+    echo: Echo | None = None
+    """A completions request with echo=true."""
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completions request's echo: the prompts come back before their completions."""
+
+    texts: list[str]
+    """Each prompt's text (a token-id prompt decoded)."""
+    n: int
+    """Choices per prompt: choice i echoes prompt i // n."""
+    score_only: bool
+    """max_tokens=0: the prompt alone, nothing generated (the one token the engine made
+    to finish the prefill is dropped)."""
+
+
+def generated_nothing(out: RequestOutput) -> RequestOutput:
+    """`out` without its generated tokens (echo with max_tokens=0)."""
+    return replace(out, token_ids=[], text="", new_token_ids=[], new_text="",
+                   logprobs=[] if out.logprobs is not None else None,
+                   finish_reason="length" if out.finished else None)
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -63,6 +85,24 @@ class LogprobFormatter:
                 "top_logprobs": [{self.token(t): v for t, v in top} for _, top in lps],
                 "text_offset": offsets}
 
+    def prompt(self, token_ids: list[int], lps: list[dict[int, float] | None] | None
+               ) -> dict[str, Any]:
+        """An echoed prompt's {tokens, token_logprobs, top_logprobs, text_offset}: null
+        for the first token (nothing predicts it), then the token's log-prob and the top
+        ones at its position, the token among them (vLLM's layout)."""
+        tokens = [self.token(t) for t in token_ids]
+        offsets, offset = [], 0
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        entries = lps if lps is not None else [None] * len(token_ids)
+        return {"tokens": tokens,
+                "token_logprobs": [e[t] if e is not None else None
+                                   for t, e in zip(token_ids, entries)],
+                "top_logprobs": [{self.token(a): v for a, v in e.items()} if e is not None
+                                 else None for e in entries],
+                "text_offset": offsets}
+
     def chat(self, token_ids: list[int], lps: Logprobs) -> dict[str, Any]:
         """{content: [{token, logprob, bytes, top_logprobs}]}."""
         def entry(t: int, lp: float) -> dict[str, Any]:
@@ -81,12 +121,25 @@ class ResponseBuilder:
         self.fmt = formatter
         self._text_offsets: dict[int, int] = {}
         self._tool_streams: dict[int, ToolCallStream] = {}
+        self._echoed: set[int] = set()
 
     def _head(self, streaming: bool) -> dict[str, Any]:
         m = self.meta
         kind = ("chat.completion.chunk" if streaming else "chat.completion") if m.chat \
             else "text_completion"
         return {"id": m.id, "object": kind, "created": m.created, "model": m.model}
+
+    def _echo(self, index: int, out: RequestOutput) -> tuple[str, dict[str, Any] | None]:
+        """Choice `index`'s echoed prompt: its text, and with logprobs its tokens' (after
+        which the completion's text offsets continue); ("", None) without echo."""
+        echo = self.meta.echo
+        if echo is None:
+            return "", None
+        text = echo.texts[index // echo.n]
+        if out.logprobs is None:
+            return text, None
+        self._text_offsets[index] = len(text)
+        return text, self.fmt.prompt(out.prompt_token_ids, out.prompt_logprobs)
 
     def _logprobs(self, token_ids: list[int], lps: Logprobs | None, index: int
                   ) -> dict[str, Any] | None:
@@ -104,8 +157,13 @@ class ResponseBuilder:
         """The non-streaming response: one choice per output, in order; usage counts
         `usage_of` (every candidate generated, where best_of kept only some) or `outs`."""
         choices = []
+        echo = self.meta.echo
+        if echo is not None and echo.score_only:
+            outs = [generated_nothing(o) for o in outs]
+            usage_of = [generated_nothing(o) for o in usage_of] if usage_of else None
         for i, o in enumerate(outs):
-            lps = self._logprobs(o.token_ids, o.logprobs, i)
+            head, lps = self._echo(i, o)
+            lps = _joined(lps, self._logprobs(o.token_ids, o.logprobs, i))
             c: dict[str, Any] = {"index": i, "logprobs": lps, "finish_reason": o.finish_reason}
             if self.meta.chat:
                 c["message"] = {"role": "assistant", "content": o.text}
@@ -116,7 +174,7 @@ class ResponseBuilder:
                     if calls and o.finish_reason == "stop":
                         c["finish_reason"] = "tool_calls"
             else:
-                c["text"] = o.text
+                c["text"] = head + o.text
             if self.meta.return_token_ids:
                 c["token_ids"] = list(o.token_ids)
             choices.append(c)
@@ -129,10 +187,18 @@ class ResponseBuilder:
             "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
 
     def chunk(self, index: int, out: RequestOutput) -> dict[str, Any]:
-        """The delta one engine step added to choice `index`."""
+        """The delta one engine step added to choice `index` (its first, with echo, after
+        the prompt)."""
+        echo = self.meta.echo
+        if echo is not None and echo.score_only:
+            out = generated_nothing(out)
+        head, echoed = self._echo(index, out) if index not in self._echoed else ("", None)
+        self._echoed.add(index)
         new_ids = out.new_token_ids
-        lps = out.logprobs[-len(new_ids):] if out.logprobs is not None and new_ids else None
-        c: dict[str, Any] = {"index": index, "logprobs": self._logprobs(new_ids, lps, index),
+        lps = out.logprobs[-len(new_ids):] if out.logprobs is not None and new_ids else (
+            [] if out.logprobs is not None else None)
+        c: dict[str, Any] = {"index": index,
+                             "logprobs": _joined(echoed, self._logprobs(new_ids, lps, index)),
                              "finish_reason": out.finish_reason if out.finished else None}
         if self.meta.chat and self.meta.tools is not None:
             c["delta"], num_calls = self._tool_delta(index, out, self.meta.tools)
@@ -141,7 +207,7 @@ class ResponseBuilder:
         elif self.meta.chat:
             c["delta"] = {"content": out.new_text} if out.new_text else {}
         else:
-            c["text"] = out.new_text
+            c["text"] = head + out.new_text
         if self.meta.return_token_ids:
             c["token_ids"] = list(new_ids)
         return {**self._head(True), "choices": [c]}
@@ -170,3 +236,10 @@ class ResponseBuilder:
     def usage_chunk(self, outs: list[RequestOutput], prompt_lens: list[int]) -> dict[str, Any]:
         """The last chunk of a stream that asked for usage (no choices)."""
         return {**self._head(True), "choices": [], "usage": usage(prompt_lens, outs)}
+
+
+def _joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two completions logprobs objects as one (an echoed prompt's, then the output's)."""
+    if first is None or then is None:
+        return then if first is None else first
+    return {k: first[k] + then[k] for k in first}

@@ -84,6 +84,14 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._progress: dict[int, list[int]] = {}
         """seq_id -> [leading blocks registered (or known cached), uid of the last of them]."""
+        self._draft_valid = bytearray(num_blocks)
+        """speculative.method=draft: 1 where the draft model's cache holds the KV of the
+        block's tokens (its cache shares the target's block ids). Cleared when a block is
+        taken for new tokens, set as the draft computes a full block: a prefix-cache hit
+        or an import takes the draft's KV as valid only as far as these say."""
+        self.num_kept_out = 0
+        """Blocks never handed back: a failed transfer might still have been writing into
+        them (`finish_import(keep_out=True)`)."""
 
     @property
     def stats(self) -> PrefixCacheStats:
@@ -107,7 +115,7 @@ class BlockManager:
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks for the longest prefix of `seq`'s tokens, leaving >= 1 token to compute."""
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or seq.scores_prompt:  # its prompt is computed whole
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         if max_blocks <= 0:
@@ -210,7 +218,7 @@ class BlockManager:
 
         Call after `find_cached_prefix(seq)`; only a block that lookup could return counts.
         """
-        if self.pending is None:
+        if self.pending is None or seq.scores_prompt:  # it takes no hit: waits for none
             return None
         if num_cached_blocks >= (seq.num_tokens - 1) // self.block_size:
             return None
@@ -332,13 +340,19 @@ class BlockManager:
         imp.tail = self._take_block()
         return True
 
-    def finish_import(self, imp: KVImport, *, written: bool) -> int | None:
+    def finish_import(self, imp: KVImport, *, written: bool, keep_out: bool = False
+                      ) -> int | None:
         """Unpin an import's blocks. `written`: its fresh blocks hold the prompt's KV, so
         they enter the prefix cache (the prompt's admission finds them), and its tail
         block, still held, is returned for the sequence's `kv_tail`; else all are freed
-        uncached."""
+        uncached. `keep_out` (not written): a transfer may still be writing into the
+        fresh blocks and the tail, so they are never freed (`num_kept_out`)."""
         cache = self.prefix_cache
         assert cache is not None
+        if keep_out and not written:
+            fresh = imp.blocks + ([imp.tail] if imp.tail is not None else [])
+            self.num_kept_out += len(fresh)
+            imp.blocks, imp.tail = [], None
         if written:
             bs = self.block_size
             uid = cache.uid_of(imp.cached[-1]) if imp.cached else ROOT_UID
@@ -401,6 +415,26 @@ class BlockManager:
         self._free.extend(blocks)
         return len(blocks)
 
+    def mark_draft_computed(self, seq: Sequence, before: int, after: int) -> None:
+        """The draft model's KV of `seq` now reaches token `after` (from `before`): the
+        full blocks it completed hold the draft's KV."""
+        table = seq.block_table
+        for i in range(max(before // self.block_size, seq.num_released_blocks),
+                       min(after // self.block_size, len(table))):
+            self._draft_valid[table[i]] = 1
+
+    def draft_valid_tokens(self, seq: Sequence, num_tokens: int) -> int:
+        """Of `seq`'s first `num_tokens` (held: a prefix hit, an import), those whose
+        draft KV its blocks hold: whole blocks from the start, up to the first one the
+        draft never computed (filled while drafting was priced out, by a request that
+        does not draft, or read from another replica)."""
+        n = 0
+        for block in seq.block_table[:-(-num_tokens // self.block_size)]:
+            if not self._draft_valid[block]:
+                break
+            n += self.block_size
+        return min(n, num_tokens)
+
     def check_invariants(self) -> None:
         """Assert every block is in exactly one place (O(num_blocks); for tests)."""
         ref_count, cache = self._ref_count, self.prefix_cache
@@ -440,6 +474,7 @@ class BlockManager:
             block = evicted
         assert self._ref_count[block] == 0
         self._ref_count[block] = 1
+        self._draft_valid[block] = 0
         return block
 
     def _release(self, block: int) -> None:

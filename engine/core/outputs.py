@@ -61,6 +61,10 @@ class RequestOutput:
     lost (see `error`)."""
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     """Per generated token: its logprob and the top-n alternatives (when asked)."""
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """Asked for (`SamplingParams.prompt_logprobs=k`): per prompt token None for the first,
+    then a mapping of token id to log-prob holding the prompt token and the top k at its
+    position (vLLM's shape); complete from the first output on."""
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     replica: int = 0
     """The data-parallel replica that ran it."""

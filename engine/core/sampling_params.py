@@ -95,6 +95,12 @@ class SamplingParams:
     logprobs: int | None = None
     """Return the log-probability of each sampled token and of this many top tokens."""
 
+    prompt_logprobs: int | None = None
+    """Return the log-probability of each prompt token after the first, and of this many
+    top tokens at each prompt position (`RequestOutput.prompt_logprobs`). Such a request
+    computes its whole prompt: it takes no prefix-cache hit (its blocks still enter the
+    cache for others)."""
+
     min_tokens: int = 0
     """Generate at least this many tokens before any stop condition applies."""
 
@@ -151,6 +157,9 @@ class SamplingParams:
                 "non-empty strings")
         require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                 "logprobs", self.logprobs, "null or an int in [0, 20]")
+        require(self.prompt_logprobs is None
+                or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+                "prompt_logprobs", self.prompt_logprobs, "null or an int in [0, 20]")
         require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                 "min_tokens", self.min_tokens, f"an int in [0, max_tokens={self.max_tokens}]")
         require(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p,

@@ -229,6 +229,7 @@ class Scheduler:
             start = sched.start_pos
             assert seq.num_computed_tokens == start, (seq, start)
             end = seq.num_computed_tokens = start + len(sched.token_ids)
+            draft_before = seq.num_draft_computed
             if sched.draft_context is not None and not sched.num_drafts:
                 seq.num_draft_computed = end  # the draft model ran this prompt chunk too
             if sched.num_drafts:
@@ -246,6 +247,8 @@ class Scheduler:
                     if status is not None:
                         seq.set_finished(status)
                         finished.append(seq)
+            if sched.draft_context is not None:
+                bm.mark_draft_computed(seq, draft_before, seq.num_draft_computed)
             if caching and end // bs != start // bs:  # a block was completed
                 bm.cache_computed_blocks(seq)
             if window is not None and not seq.is_finished:
@@ -297,6 +300,9 @@ class Scheduler:
             start = sched.start_pos
             assert seq.num_computed_tokens == start, (seq, start)
             end = seq.num_computed_tokens = start + len(sched.token_ids)
+            if sched.draft_context is not None and not sched.num_drafts:
+                bm.mark_draft_computed(seq, seq.num_draft_computed, end)
+                seq.num_draft_computed = end  # the draft model ran this prompt chunk too
             # Every token fed so far is known: the previous step was resolved before this.
             if caching and end // bs != start // bs:
                 bm.cache_computed_blocks(seq)
@@ -367,6 +373,9 @@ class Scheduler:
                        and not self._unresolved)
         if drafting is not None:
             drafting.draft_prompts = speculating or self._may_draft_soon()
+        # Drafts take what later decodes leave (a pipeline's micro-batch: its share of them).
+        decodes_left = (self._waiting_decodes()[0] if drafting is not None and speculating
+                        and not drafting.hold_slots else 0)
         num_batched = 0
         blocked = False
         i = 0
@@ -380,6 +389,7 @@ class Scheduler:
             room = budget
             if end - start == 1:
                 reserved -= 1
+                decodes_left -= 1
             else:
                 room -= max(reserved, 0)
             if end - start > room:
@@ -387,7 +397,7 @@ class Scheduler:
                 if end == start:
                     i += 1
                     continue
-            drafts, held = (drafting.drafts(seq, budget)
+            drafts, held = (drafting.drafts(seq, budget - max(decodes_left, 0))
                             if drafting is not None and speculating and end - start == 1
                             else ((), 0))
             fed = end - start + len(drafts)
@@ -404,7 +414,8 @@ class Scheduler:
             scheduled.append(ScheduledSeq(
                 seq.seq_id, tokens, start, table[:], end == num_tokens, len(drafts),
                 drafting.draft_context(seq, start, end, bool(drafts))
-                if drafting is not None and drafting.draft_model else None))
+                if drafting is not None and drafting.draft_model else None,
+                seq.prompt_targets(start, end) if seq.scores_prompt else None))
             num_batched += fed
             budget -= max(fed, end - start + held)
             i += 1
@@ -516,13 +527,17 @@ class Scheduler:
     def _emit(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
         start = seq.num_computed_tokens
         end = start + num_new
-        seq.num_draft_computed = start  # prefix-cache hits count as the draft's too
+        # A hit or an import holds the draft's KV only where the draft computed it.
+        seq.num_draft_computed = (self.block_manager.draft_valid_tokens(seq, start)
+                                  if self.drafting is not None and self.drafting.draft_model
+                                  else start)
         out.scheduled.append(ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start,
                                           list(seq.block_table), end == seq.num_tokens,
                                           draft_context=self.drafting.draft_context(
                                               seq, start, end, False)
                                           if self.drafting is not None
-                                          and self.drafting.draft_model else None))
+                                          and self.drafting.draft_model else None,
+                                          prompt_targets=seq.prompt_targets(start, end)))
         out.num_batched_tokens += num_new
 
     def _stop_status(self, seq: Sequence) -> SequenceStatus | None:

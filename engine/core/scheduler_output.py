@@ -45,6 +45,12 @@ class ScheduledSeq:
     The draft feeds them and the known tokens, from start_pos - len(draft_context), and
     where num_drafts > 0 proposes them (the scheduler's are placeholders)."""
 
+    prompt_targets: list[int] | None = None
+    """A scored prompt (prompt log-probs): the prompt tokens after this chunk's first
+    `len(prompt_targets)` positions, one per position, whose log-probs the logits there
+    give (the prompt's first token has none; the chunk's last row, where it samples,
+    predicts no prompt token)."""
+
     @property
     def num_tokens(self) -> int:
         """Tokens fed this step."""

@@ -42,7 +42,7 @@ class Sequence:
         "num_cached_tokens", "num_preemptions", "finish_reason", "block_hashes", "_token_ids",
         "num_released_blocks", "speculate", "num_draft_tokens", "num_accepted_tokens",
         "plain_steps", "num_draft_computed", "num_verify_steps", "num_missed_drafts",
-        "kv_tail", "keep_tail",
+        "kv_tail", "keep_tail", "scores_prompt",
     )
 
     def __init__(
@@ -97,6 +97,9 @@ class Sequence:
         all but the last token's; the first admission takes it into the table, so only that
         token is computed (engine/replicas/kv_handoff.py). Kept at a finish (`keep_tail`), it holds
         what this replica computed, for the replica to send."""
+        self.scores_prompt = False
+        """Whether its prompt's tokens are scored (prompt log-probs): every prompt token is
+        computed (no prefix-cache hit), and each chunk asks for its tokens' log-probs."""
         self.keep_tail = False
         """At a finish for its length, keep the block holding the prompt's partial last
         block (in `kv_tail`) rather than freeing it."""
@@ -160,6 +163,14 @@ class Sequence:
         assert self.output_token_ids, self
         self._token_ids[-1] = token_id
         self.output_token_ids[-1] = token_id
+
+    def prompt_targets(self, start: int, end: int) -> list[int] | None:
+        """A scored prompt's tokens whose log-probs a chunk [start, end) gives: those at
+        positions start + 1 .. min(end, prompt length - 1); None where it is not scored,
+        has output (a recompute after preemption: they were returned) or has none."""
+        if not self.scores_prompt or self.output_token_ids:
+            return None
+        return self.prompt_token_ids[start + 1:min(end, self.num_prompt_tokens - 1) + 1] or None
 
     def set_finished(self, status: SequenceStatus) -> None:
         """Mark the sequence finished with `status` and its finish reason."""

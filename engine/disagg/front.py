@@ -72,7 +72,7 @@ from meshserve.engine.replicas.messages import (
     StreamRefused,
     StreamTo,
 )
-from meshserve.engine.replicas.router import CACHE_THRESHOLD, PromptTree, Router
+from meshserve.engine.replicas.router import CACHE_THRESHOLD, PromptTree, Router, prompt_chain
 from meshserve.parallel.comm.ranks import RankFailure
 
 PREFILL, DECODE = "prefill", "decode"
@@ -86,6 +86,8 @@ class _Hop:
     params: SamplingParams
     arrival: float
     prefill: int
+    chain: list[int]
+    """The prompt's `prompt_chain`, hashed once at admission."""
     decode: int | None = None
     first: RequestOutput | None = None
     """The prefill replica's output: the first token."""
@@ -246,12 +248,13 @@ class DisaggEngine(DataParallelEngine):
                                                                  arrival_time)
         stream_id: int | None = None
         stream: StreamTo | None = None
+        chain = prompt_chain(ids, self.config.engine.block_size)  # once, for every tree
         while True:  # a replica found lost on the way gets no request
-            cached = self._cached_decode(ids)
+            cached = self._cached_decode(ids, chain)
             hops = (len(ids) >= self.disagg.min_prefill_tokens and _may_hop(params)
                     and cached is None)
             if hops:
-                target = self.prefill_router.pick(ids, work)  # counts the work there
+                target = self.prefill_router.pick(ids, work, chain)  # counts the work there
                 first = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
                 if self._stream_kv:  # the decode replica that will read it as it is computed
                     stream_id = stream_id or next(self._transfer_ids)
@@ -268,10 +271,10 @@ class DisaggEngine(DataParallelEngine):
                 self.router.done(target, work)
                 self._lose(target, str(e))
         if hops:
-            self._hops[request_id] = _Hop(ids, params, arrival, target)
+            self._hops[request_id] = _Hop(ids, params, arrival, target, chain)
         else:
             self.transfers.num_skipped += 1
-            self.decode_trees[target].insert(self.decode_trees[target].chain(ids))
+            self.decode_trees[target].insert(chain)
         self._owner[request_id] = target
         self._prompt_of[request_id] = ids
         self._work_of[request_id] = work
@@ -289,13 +292,12 @@ class DisaggEngine(DataParallelEngine):
         self._grant_keys[rid] = _Announced(to.transfer_id, hop.prefill, to.decode, seen=True)
         self._tell_or_lose(to.decode, Stream(rid, hop.ids, hop.prefill, to.transfer_id))
 
-    def _cached_decode(self, ids: list[int]) -> int | None:
+    def _cached_decode(self, ids: list[int], chain: list[int]) -> int | None:
         """A live decode replica that already holds most of this prompt, if one does."""
         live = [i for i in self.decode_trees if i in self.router.live]
         if not live:
             raise RankFailure("no decode replica left")
         tree = self.decode_trees[live[0]]
-        chain = tree.chain(ids)
         best = max(live, key=lambda i: self.decode_trees[i].match(chain))
         share = self.decode_trees[best].match(chain) * tree.block_size / max(len(ids), 1)
         return best if share >= CACHE_THRESHOLD else None
@@ -408,7 +410,7 @@ class DisaggEngine(DataParallelEngine):
         assert hop.first is not None and hop.held_blocks is not None
         streamed = hop.streamed and rid in self._grant_keys  # (its decode replica is live)
         target = hop.decode if streamed and hop.decode is not None else self._pick_decode()
-        self._move(rid, hop.prefill, target)
+        self._move(rid, hop.prefill, target, hop.chain)
         hop.decode, hop.stage = target, "held"
         transfer_id = hop.transfer_id if streamed else next(self._transfer_ids)
         if streamed:  # the grant of the rest is still to come
@@ -468,13 +470,13 @@ class DisaggEngine(DataParallelEngine):
                                     f"prefill replica {hop.prefill} to decode replica "
                                     f"{hop.decode}: {why}")]
 
-    def _move(self, rid: str, src: int, dst: int) -> None:
+    def _move(self, rid: str, src: int, dst: int, chain: list[int]) -> None:
         """The request's work moves from replica `src` to `dst`."""
         work = self._work_of[rid]
         self.router.done(src, work)
         self.router.load[dst] += work
         self._owner[rid] = dst
-        self.decode_trees[dst].insert(self.decode_trees[dst].chain(self._prompt_of[rid]))
+        self.decode_trees[dst].insert(chain)
 
     # --- stepping ------------------------------------------------------------------------
 
@@ -527,7 +529,8 @@ class DisaggEngine(DataParallelEngine):
             logprobs = first.logprobs + out.logprobs
         return replace(out, prompt_token_ids=hop.ids,
                        token_ids=first.token_ids + out.token_ids, text=first.text + out.text,
-                       logprobs=logprobs, metrics=metrics)
+                       logprobs=logprobs, prompt_logprobs=first.prompt_logprobs,
+                       metrics=metrics)
 
     def _lose(self, index: int, reason: str) -> None:
         if index < self.num_prefill:

@@ -21,6 +21,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -93,6 +94,8 @@ class DistributedExecutor:
         assert store is not None
         self._store = store
         self._num_stats_requests = 0
+        self._result_wait_s = 0.0
+        """(Driver) Seconds waiting for the last stage's tokens: stage 0's idle time."""
         # Runs at interpreter exit too: no spawned rank outlives its driver.
         self._finalizer = weakref.finalize(self, _stop_ranks, self._spawned)
         # A script that ends without shutdown() still ends its ranks cleanly: under a
@@ -177,7 +180,9 @@ class DistributedExecutor:
                 result = self.worker.collect_sampled()
             else:
                 assert self._results is not None
+                t0 = time.perf_counter()  # stage 0 idles till the last stage's tokens come
                 result = self._results.recv(src=self.groups.sampler_rank)
+                self._result_wait_s += time.perf_counter() - t0
         except Exception as e:
             raise self._fail(e) from e
         assert isinstance(result, StepResult), result
@@ -216,7 +221,8 @@ class DistributedExecutor:
         self._check()
         request_id = self._num_stats_requests
         self._num_stats_requests += 1
-        stats = [self.worker.stats()]
+        own = self.worker.stats()  # (and its waits for the last stage's tokens)
+        stats = [replace(own, input_wait_s=own.input_wait_s + self._result_wait_s)]
         try:
             self._broadcaster.send(StatsRequest(request_id))
             for rank in range(1, self.groups.dims.world_size):

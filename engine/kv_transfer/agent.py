@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from meshserve.engine.kv_transfer.blocks import KVCache
-from meshserve.engine.kv_transfer.connector import KVConnector
+from meshserve.engine.kv_transfer.connector import KVConnector, ReadStillActive
 from meshserve.engine.kv_transfer.factory import make_connector
 from meshserve.engine.kv_transfer.peers import KV_STARTUP_S, KVPeers
 from meshserve.engine.kv_transfer.pieces import RankKV
@@ -74,6 +74,8 @@ class PullDone:
 
     nbytes: int
     error: str | None
+    still_writing: bool = False
+    """The failed part may still write into its blocks (ReadStillActive)."""
 
 _IDLE_WAIT_S = 3600.0
 
@@ -133,15 +135,16 @@ class FannedOut(KVConnector):
                 key = _done_key(r, seq)
                 try:
                     store.wait([key], timedelta(seconds=self.timeout_s))
-                except RuntimeError:
-                    raise RuntimeError(f"rank {r} of replica {self.replica} did not finish "
-                                       "its part of a KV transfer within "
-                                       f"disagg.transfer_timeout_s={self.timeout_s} s"
-                                       ) from None
+                except RuntimeError:  # its READ may still be writing: keep the blocks
+                    raise ReadStillActive(f"rank {r} of replica {self.replica} did not "
+                                          "finish its part of a KV transfer within "
+                                          f"disagg.transfer_timeout_s={self.timeout_s} s"
+                                          ) from None
                 done: PullDone = pickle.loads(store.get(key))
                 store.delete_key(key)
                 if done.error is not None:
-                    raise RuntimeError(f"rank {r} of replica {self.replica}: {done.error}")
+                    error = ReadStillActive if done.still_writing else RuntimeError
+                    raise error(f"rank {r} of replica {self.replica}: {done.error}")
                 total += done.nbytes
         return total
 
@@ -197,7 +200,7 @@ def _run(results: StorePool, rank: int, seq: int, connector: KVConnector, cmd: P
         done = PullDone(connector.pull(cmd.src, cmd.transfer_id, cmd.src_blocks,
                                        cmd.dst_blocks, cmd.layers), None)
     except Exception as e:  # noqa: BLE001 - reported to the driver
-        done = PullDone(0, f"{type(e).__name__}: {e}")
+        done = PullDone(0, f"{type(e).__name__}: {e}", isinstance(e, ReadStillActive))
     with results.connection() as store:
         store_set(store, _done_key(rank, seq), pickle.dumps(done))
 

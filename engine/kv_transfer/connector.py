@@ -42,6 +42,12 @@ from meshserve.engine.kv_transfer.pieces import (
 )
 
 
+class ReadStillActive(RuntimeError):
+    """A transfer failed (it timed out) and may still be writing into its destination
+    blocks: it could be neither cancelled nor seen to end. Those blocks must never be
+    reused; the caller keeps them out of use."""
+
+
 class KVConnector(ABC):
     """One rank's end of KV traffic: replica indices name the peers."""
 

@@ -115,7 +115,3 @@ class KVLeases:
                 self._expired.popitem(last=False)
         self.num_expired += len(out)
         return out
-
-    def in_flight(self) -> set[int]:
-        """Blocks a read is moving now: none of them may be reused."""
-        return {b for lease in self._leases.values() if lease.reading for b in lease.blocks}

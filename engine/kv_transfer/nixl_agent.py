@@ -5,8 +5,14 @@ Each side registers its whole cache once and publishes its agent's metadata and 
 cache's layout (per layer the K and V base addresses, the bytes of one block) under its
 name in a store both can reach (the world's torch.distributed store). The decode side
 has allocated its blocks first; it then READs the prefill side's blocks straight into
-them, one descriptor per block per layer per K/V, and tells the prefill side by a
-notification tagged with the transfer id, so the prefill side can release its lease.
+them, one descriptor per block per layer per K/V; NIXL tags the READ with the transfer
+id and notifies the prefill side when it lands (the prefill side's lease ends by the
+front's word, not by these: they are counted and dropped, so none pile up).
+
+A READ past disagg.transfer_timeout_s is cancelled through NIXL (releasing its handle)
+before the read fails; where NIXL cannot cancel it, the read waits for the transfer's own
+end for as long again, and failing that raises ReadStillActive: the caller then keeps
+the destination blocks out of use, since the READ may still write into them.
 """
 
 from __future__ import annotations
@@ -15,13 +21,63 @@ import json
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from meshserve.engine.kv_transfer.connector import ReadStillActive
+
 Cache = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+POLL_S = 0.0002
+"""How often a read polls its transfer's state."""
+
+
+class XferAgent(Protocol):
+    """The calls of a nixl_agent a read's end makes."""
+
+    def check_xfer_state(self, handle: Any) -> str: ...
+    def release_xfer_handle(self, handle: Any) -> None: ...
+
+
+def await_transfer(agent: XferAgent, handle: Any, state: str, timeout_s: float,
+                   lock: threading.Lock, what: str,
+                   clock: Callable[[], float] = time.monotonic) -> None:
+    """Wait for a posted transfer to end, then release its handle. Past `timeout_s` it is
+    cancelled through NIXL (a release cancels an active transfer, or refuses and raises);
+    one NIXL would not cancel is waited for up to `timeout_s` more. Raises RuntimeError
+    naming `what` on a failure, ReadStillActive where the transfer may still be writing.
+    Every agent call holds `lock`."""
+    deadline = clock() + timeout_s
+    while state == "PROC" and clock() <= deadline:
+        time.sleep(POLL_S)
+        with lock:
+            state = agent.check_xfer_state(handle)
+    if state != "PROC":
+        with lock:
+            agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise RuntimeError(f"{what} failed ({state})")
+        return
+    try:
+        with lock:
+            agent.release_xfer_handle(handle)  # cancels it
+    except Exception:  # noqa: BLE001 - NIXL could not cancel it: wait for its own end
+        grace = clock() + timeout_s
+        while state == "PROC" and clock() <= grace:
+            time.sleep(POLL_S)
+            with lock:
+                state = agent.check_xfer_state(handle)
+        if state == "PROC":
+            raise ReadStillActive(f"{what} took over {timeout_s} s and could not be "
+                                  f"cancelled; still active {timeout_s} s later, its "
+                                  "destination blocks are kept out of use") from None
+        with lock:
+            agent.release_xfer_handle(handle)
+    raise RuntimeError(f"{what} took over {timeout_s} s (cancelled)")
 
 
 def _quiet_and_safe() -> None:
@@ -121,7 +177,8 @@ class NixlKV:
         self._reg = self.agent.register_memory([t for kv in cache for t in kv])
         self._peers: dict[str, CacheLayout] = {}
         self._lock = threading.Lock()
-        self._notifs: set[tuple[str, bytes]] = set()
+        self.num_notifs = 0
+        """Notifications received (peers' READs of this cache that landed), counted only."""
         self._stopped = threading.Event()
         self.bytes_read = 0
         with self._store_lock:
@@ -136,9 +193,8 @@ class NixlKV:
             with self._lock:
                 if self._stopped.is_set():
                     return
-                notifs = self.agent.get_new_notifs()
-            for peer, msgs in notifs.items():
-                self._notifs.update((peer, m) for m in msgs)
+                notifs = self.agent.get_new_notifs()  # (this progresses the agent too)
+            self.num_notifs += sum(len(msgs) for msgs in notifs.values())
 
     def _peer(self, name: str) -> CacheLayout:
         if name not in self._peers:
@@ -165,8 +221,9 @@ class NixlKV:
         """Copy `peer`'s blocks into this cache's `local_blocks` (already allocated here);
         the peer is notified with the transfer id once they have landed. A part, (layers,
         heads) of each side's own cache, reads only those (the same count on both sides);
-        by default every layer and head. Bounded by `timeout_s`; raises RuntimeError
-        naming the peer on failure."""
+        by default every layer and head. Bounded by `timeout_s` (see `await_transfer`);
+        raises RuntimeError naming the peer on failure, ReadStillActive where the READ
+        may still write into `local_blocks`."""
         if len(remote_blocks) != len(local_blocks):
             raise ValueError(f"{len(remote_blocks)} remote blocks for {len(local_blocks)} "
                              "local ones")
@@ -191,25 +248,9 @@ class NixlKV:
             remote = self.agent.get_xfer_descs(remote_descs, layout.mem_type)
             handle = self.agent.initialize_xfer("READ", local, remote, peer, tag)
             state = self.agent.transfer(handle)
-        try:
-            deadline = time.monotonic() + self.timeout_s
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"NIXL read of {len(remote_blocks)} KV blocks from "
-                                       f"{peer!r} took over {self.timeout_s} s")
-                time.sleep(0.0002)
-                with self._lock:
-                    state = self.agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise RuntimeError(f"NIXL read of KV blocks from {peer!r} failed ({state})")
-        finally:
-            with self._lock:
-                self.agent.release_xfer_handle(handle)
+        await_transfer(self.agent, handle, state, self.timeout_s, self._lock,
+                       f"NIXL read of {len(remote_blocks)} KV blocks from {peer!r}")
         self.bytes_read += sum(size for _, size, _ in local_descs)
-
-    def done(self, peer: str, transfer_id: int) -> bool:
-        """Whether `peer` has finished reading transfer `transfer_id` from this side."""
-        return (peer, f"kv:{transfer_id};".encode()) in self._notifs
 
     def close(self) -> None:
         self._stopped.set()

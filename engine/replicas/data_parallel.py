@@ -397,8 +397,9 @@ class DataParallelEngine:
         queue on the replica with the least outstanding work."""
         ids, params, request_id, arrival, work = self._admission(prompt, params, request_id,
                                                                  arrival_time)
+        chain = self.router.chain(ids)  # hashed once, whatever the retries
         while True:  # a replica found lost on the way gets no request
-            target = self.router.pick(ids, work)
+            target = self.router.pick(ids, work, chain)
             try:
                 self._remotes[target].send(Add(ids, params, request_id, arrival))
                 break

@@ -55,7 +55,7 @@ from meshserve.engine.kv_transfer.agent import (
     store_opener,
     tell_ranks,
 )
-from meshserve.engine.kv_transfer.connector import KVConnector
+from meshserve.engine.kv_transfer.connector import KVConnector, ReadStillActive
 from meshserve.engine.kv_transfer.factory import make_connector, resolve_connector
 from meshserve.engine.kv_transfer.leases import KVLeases, LeaseExpired
 from meshserve.engine.kv_transfer.listing import Listed, StreamLister, moves
@@ -88,7 +88,9 @@ prompt's KV for S seconds (its lease may lapse meanwhile), `pull=S` starts each 
 S seconds late (an abort may come while it is in flight), `list=S` has a prefill replica
 wait S seconds after a step in which it listed a streamed prompt's blocks (a slow
 prefill, which the reads overlap), `layer=S` after each layer of such a step but the last
-(a slow layer, which the reads of the ones before overlap); comma-separated."""
+(a slow layer, which the reads of the ones before overlap), `stuck=S` has each transfer
+hang S seconds and then fail as one still writing into its blocks (a READ neither done nor
+cancellable: ReadStillActive); comma-separated."""
 
 
 def fault_delays() -> dict[str, float]:
@@ -97,17 +99,18 @@ def fault_delays() -> dict[str, float]:
     out: dict[str, float] = {}
     for item in filter(None, spec.split(",")):
         kind, _, seconds = item.partition("=")
-        if kind not in ("held", "pull", "list", "layer"):
+        if kind not in ("held", "pull", "list", "layer", "stuck"):
             raise ValueError(f"{FAULT_ENV}={spec!r}: unknown kind {kind!r}; allowed: "
-                             "held=S, pull=S, list=S, layer=S")
+                             "held=S, pull=S, list=S, layer=S, stuck=S")
         out[kind] = float(seconds)
     return out
 
 
 def decode_params(params: SamplingParams) -> SamplingParams:
-    """A request's params on its decode replica, which starts after the first token."""
+    """A request's params on its decode replica, which starts after the first token (the
+    prefill replica scored the prompt, where asked: the decode replica scores nothing)."""
     return replace(params, max_tokens=params.max_tokens - 1,
-                   min_tokens=max(0, params.min_tokens - 1))
+                   min_tokens=max(0, params.min_tokens - 1), prompt_logprobs=None)
 
 
 STREAM_POLL_S = 0.005
@@ -252,7 +255,7 @@ class KVHandoff:
             job.aborted = True
             return None
         del self._imports[rid]
-        self.bm.finish_import(job.imp, written=False)
+        self.bm.finish_import(job.imp, written=False, keep_out=job.still_writing)
         return job
 
     def after_step(self, outs: list[RequestOutput]) -> list[HandoffReply]:
@@ -434,10 +437,11 @@ class KVHandoff:
         job.running = False
         if job.aborted:  # dropped meanwhile: its blocks go now
             del self._imports[rid]
-            self.bm.finish_import(job.imp, written=False)
+            self.bm.finish_import(job.imp, written=False, keep_out=job.still_writing)
             return [ImportFailed(rid, "aborted")]
         if done.error is not None:
             job.error = done.error
+            job.still_writing |= done.still_writing
         else:
             job.have = job.pulling
             job.nbytes += done.nbytes
@@ -491,7 +495,7 @@ class KVHandoff:
         is left once the read is granted (`poll` looks for an announced grant)."""
         if job.error is not None:
             del self._imports[rid]
-            self.bm.finish_import(job.imp, written=False)
+            self.bm.finish_import(job.imp, written=False, keep_out=job.still_writing)
             self.num_failed += 1
             return [ImportFailed(rid, job.error)]
         if not job.announced or self.connector.peers.grant_announced(job.transfer_id):
@@ -521,12 +525,16 @@ class KVHandoff:
         time.sleep(self._delays.get("pull", 0.0))
         n = layered = 0
         try:
+            if "stuck" in self._delays:
+                time.sleep(self._delays["stuck"])
+                raise ReadStillActive(f"{FAULT_ENV}: a read of request {rid!r} stuck")
             for src, dst, layers in reads:
                 moved = self.connector.pull(job.src, job.transfer_id, src, dst, layers)
                 n += moved
                 layered += moved if layers[1] < self._num_layers else 0
         except Exception as e:  # noqa: BLE001 - reported on the main thread
-            self._results.put(ReadReport(part, rid, 0, 0, time.perf_counter() - t0, str(e)))
+            self._results.put(ReadReport(part, rid, 0, 0, time.perf_counter() - t0, str(e),
+                                         isinstance(e, ReadStillActive)))
             return
         self._results.put(ReadReport(part, rid, n, layered, time.perf_counter() - t0, None))
 
@@ -534,7 +542,8 @@ class KVHandoff:
         rid = done.request_id
         job = self._imports.pop(rid)
         ok = done.error is None and not job.aborted
-        tail = self.bm.finish_import(job.imp, written=ok)
+        job.still_writing |= done.still_writing
+        tail = self.bm.finish_import(job.imp, written=ok, keep_out=job.still_writing)
         if job.aborted:
             return [ImportFailed(rid, "aborted")]
         if done.error is not None:

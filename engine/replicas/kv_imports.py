@@ -39,6 +39,8 @@ class PendingImport:
     """`have` once the part in flight has landed."""
     error: str | None = None
     """A streamed part failed: the import fails when it comes."""
+    still_writing: bool = False
+    """A read of it failed and may still write into its blocks: they are kept out of use."""
     nbytes: int = 0
     wire_s: float = 0.0
     early_bytes: int = 0
@@ -61,6 +63,8 @@ class ReadReport:
     """Of the bytes, those of layers read while their step still ran."""
     seconds: float
     error: str | None
+    still_writing: bool = False
+    """The failed read may still write into its blocks (ReadStillActive)."""
 
 
 @dataclass

@@ -32,6 +32,8 @@ class PackedOutput:
     metrics: RequestMetrics
     replica: int
     error: str | None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """With a request's first output, where it asked for them."""
 
 
 class OutputPacker:
@@ -52,7 +54,8 @@ class OutputPacker:
             packed.append(PackedOutput(
                 o.request_id, o.prompt_token_ids if first else None, o.new_token_ids,
                 o.new_text, lps[len(lps) - len(o.new_token_ids):] if lps is not None else None,
-                o.finished, o.finish_reason, o.metrics, o.replica, o.error))
+                o.finished, o.finish_reason, o.metrics, o.replica, o.error,
+                o.prompt_logprobs if first else None))
         return packed
 
     def forget(self, request_id: str) -> None:
@@ -66,6 +69,7 @@ class _SoFar:
     token_ids: list[int]
     text: str
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None
+    prompt_logprobs: list[dict[int, float] | None] | None
 
 
 class OutputUnpacker:
@@ -79,7 +83,7 @@ class OutputUnpacker:
         for p in packed:
             if p.prompt_token_ids is not None:  # a first output (the id may be reused)
                 s = _SoFar(p.prompt_token_ids, [], "",
-                           [] if p.new_logprobs is not None else None)
+                           [] if p.new_logprobs is not None else None, p.prompt_logprobs)
                 self._so_far[p.request_id] = s
             else:
                 s = self._so_far[p.request_id]
@@ -94,7 +98,8 @@ class OutputUnpacker:
                 token_ids=list(s.token_ids), text=s.text, new_token_ids=p.new_token_ids,
                 new_text=p.new_text, finished=p.finished, finish_reason=p.finish_reason,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                metrics=p.metrics, replica=p.replica, error=p.error))
+                prompt_logprobs=s.prompt_logprobs, metrics=p.metrics, replica=p.replica,
+                error=p.error))
         return outs
 
     def forget(self, request_id: str) -> None:

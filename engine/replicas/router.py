@@ -22,6 +22,7 @@ replicas' own prefix caches stay exact).
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -33,6 +34,16 @@ BALANCE_ABS = 4096
 BALANCE_REL = 1.5
 """Load out of balance: the busiest replica's outstanding tokens exceed BALANCE_ABS and
 BALANCE_REL times the idlest's."""
+
+
+def prompt_chain(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chained hashes of the full blocks of `token_ids` (the router's own hash, not
+    the replicas' block hashes): computed once per request, read by every tree."""
+    out, h = [], 0
+    for i in range(0, len(token_ids) - block_size + 1, block_size):
+        h = hash((h, tuple(token_ids[i:i + block_size])))
+        out.append(h)
+    return out
 
 
 class PromptTree:
@@ -48,11 +59,7 @@ class PromptTree:
 
     def chain(self, token_ids: Sequence[int]) -> list[int]:
         """The chained hashes of the full blocks of `token_ids`."""
-        out, h, bs = [], 0, self.block_size
-        for i in range(0, len(token_ids) - bs + 1, bs):
-            h = hash((h, tuple(token_ids[i:i + bs])))
-            out.append(h)
-        return out
+        return prompt_chain(token_ids, self.block_size)
 
     def match(self, chain: Sequence[int]) -> int:
         """Blocks of `chain` held, from its start."""
@@ -64,12 +71,18 @@ class PromptTree:
         return n
 
     def insert(self, chain: Sequence[int]) -> None:
-        """Hold `chain` (its blocks now the most recently used), evicting past capacity."""
-        for h in chain:
-            self._blocks[h] = None
-            self._blocks.move_to_end(h)
-        while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
+        """Hold `chain` (its blocks now the most recently used), evicting past capacity.
+
+        Leaves go first, as in the replicas' own caches: a chain is touched from its last
+        block to its root, so a block is always more recent than every block after it
+        on any chain held, and the least recent block is a leaf. Every block held keeps
+        its whole prefix held: nothing unreachable by `match` stays."""
+        blocks = self._blocks
+        for h in reversed(chain):
+            blocks[h] = None
+            blocks.move_to_end(h)
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
 
 
 class Router:
@@ -88,6 +101,9 @@ class Router:
         """The replicas requests may go to (a lost one is dropped)."""
         self.num_cache_routed = 0
         """Requests sent to a replica for the prefix its tree matched."""
+        self.num_picks = 0
+        self.pick_s = 0.0
+        """Requests routed, and the seconds spent choosing (hashing included)."""
 
     def drop(self, replica: int) -> None:
         """Send nothing more to `replica` (its ranks are gone) and forget its tree."""
@@ -95,12 +111,22 @@ class Router:
             self.live.remove(replica)
         self.trees[replica] = PromptTree(self.trees[replica].block_size, 0)
 
-    def pick(self, token_ids: Sequence[int], work: int) -> int:
+    def pick(self, token_ids: Sequence[int], work: int, chain: list[int] | None = None) -> int:
         """The replica for a request of `token_ids` with `work` tokens of work; counts the
-        work as outstanding there (see `done`)."""
-        target = self._choose(token_ids)
+        work as outstanding there (see `done`). `chain`: the prompt's `prompt_chain`,
+        where the caller has it already."""
+        t0 = time.perf_counter()
+        target = self._choose(token_ids, chain)
         self.load[target] += work
+        self.num_picks += 1
+        self.pick_s += time.perf_counter() - t0
         return target
+
+    def chain(self, token_ids: Sequence[int]) -> list[int] | None:
+        """The prompt's `prompt_chain` where this policy reads it (cache_aware), else None."""
+        if self.policy != "cache_aware":
+            return None
+        return prompt_chain(token_ids, self.trees[0].block_size)
 
     def done(self, replica: int, work: int) -> None:
         """A request's `work` on `replica` is over (finished or aborted)."""
@@ -111,14 +137,15 @@ class Router:
         cache room for a new prefix)."""
         return min(self.live, key=lambda i: (self.load[i], len(self.trees[i]), i))
 
-    def _choose(self, token_ids: Sequence[int]) -> int:
+    def _choose(self, token_ids: Sequence[int], chain: list[int] | None) -> int:
         if not self.live:
             raise RuntimeError("no replica left to route to")
         if self.policy == "round_robin":
             return next(i for i in self._turn if i in self.live)
         if self.policy == "least_loaded" or len(self.live) == 1:
             return self._least_loaded()
-        chain = self.trees[0].chain(token_ids)
+        if chain is None:
+            chain = self.trees[0].chain(token_ids)
         busiest = max(self.load[i] for i in self.live)
         idlest = min(self.load[i] for i in self.live)
         if busiest > BALANCE_ABS and busiest > BALANCE_REL * idlest:

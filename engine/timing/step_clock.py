@@ -4,6 +4,7 @@ the recorder adds each finished step to the engine's timing and to its step log.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from meshserve.engine.core.scheduler_output import SchedulerOutput
@@ -67,9 +68,13 @@ class StepClock:
 class StepRecorder:
     """The engine's StepTiming and, when configured, its step log."""
 
-    def __init__(self, step_log: StepLog | None) -> None:
+    def __init__(self, step_log: StepLog | None,
+                 stages: Callable[[], Sequence[object]] | None = None) -> None:
+        """`stages`: a pipeline's ranks' cumulative stage times (StageStats), written to
+        the step log every STAGES_INTERVAL_S."""
         self.timing = StepTiming()
         self.step_log = step_log
+        self._stages = stages if step_log is not None else None
 
     def start(self, *, comm: bool = True) -> StepClock:
         """A clock for a step starting now (`comm`: note the communication counter)."""
@@ -90,4 +95,11 @@ class StepRecorder:
                                 scheduler_s=call.scheduler_s, comm_mark=call.comm_mark,
                                 num_in_flight=num_in_flight, num_accepted=num_accepted,
                                 num_drafted=num_drafted, token_budget=out.token_budget)
+            if self._stages is not None and self.step_log.stages_due():
+                self.step_log.write_stages(self._stages())
         return wall_s
+
+    def write_stages(self) -> None:
+        """Write the stage times now (a run's start and end)."""
+        if self._stages is not None and self.step_log is not None:
+            self.step_log.write_stages(self._stages())

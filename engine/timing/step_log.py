@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 from meshserve.engine.core.scheduler_output import ScheduledSeq
@@ -24,6 +25,9 @@ from meshserve.parallel.planner.diagnosis import COUNT_FIELDS, chunk_counts
 
 FLUSH_INTERVAL_S = 1.0
 """Longest a written record waits in the buffer while the engine keeps stepping."""
+STAGES_INTERVAL_S = 1.0
+"""A pipeline's stage times are written this often (and at the start and the end): one
+round trip to every rank each time, not each step."""
 
 BUFFER_BYTES = 1 << 16
 
@@ -43,6 +47,7 @@ class StepLog:
         self.comm: CommCounters | None = None
         """What `write_run` was given."""
         self._last_flush = time.monotonic()
+        self._last_stages = 0.0
 
     def write_run(self, run: dict[str, object], comm: CommCounters | None = None) -> None:
         """Start a run's records: the line `meshserve diagnose` takes its config from.
@@ -83,6 +88,17 @@ class StepLog:
         if now - self._last_flush >= FLUSH_INTERVAL_S:
             self._file.flush()
             self._last_flush = now
+
+    def stages_due(self) -> bool:
+        """Whether the pipeline's stage times are due again (STAGES_INTERVAL_S)."""
+        return time.monotonic() - self._last_stages >= STAGES_INTERVAL_S
+
+    def write_stages(self, stages: Sequence[object]) -> None:
+        """A line of every rank's cumulative stage times (StageStats): `meshserve
+        diagnose` takes a pipeline's measured bubbles from the first and last of a run."""
+        rows = [asdict(s) for s in stages]  # type: ignore[call-overload]
+        self._file.write(json.dumps({"stages": rows}) + "\n")
+        self._last_stages = time.monotonic()
 
     def flush(self) -> None:
         """Write out what is buffered (a reader then sees every record so far)."""

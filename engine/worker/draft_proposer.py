@@ -52,6 +52,7 @@ class _Feed:
     block_table: list[int]
     sample: bool
     num_drafts: int = 0
+    prompt_targets: list[int] | None = None
 
 
 @dataclass

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from meshserve.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from meshserve.engine.worker.sampling.prompt_logprobs import StepLogits, split_logits
 from meshserve.engine.worker.sampling.sampled_tokens import SampledTokens, feed_placeholders
 from meshserve.engine.worker.step_inputs import ScheduledLike, StepInputs, build_step_inputs
 from meshserve.models.attention import AttentionMetadata
@@ -50,16 +51,24 @@ class ModelRunner:
 
         A decode token that is PLACEHOLDER_TOKEN (async scheduling) is fed from `previous`,
         the step before, whose tokens may still be on the device only."""
-        if self.graphs is not None and self.graphs.fits(seqs):
-            return self._execute_graph(seqs, previous)
+        out = self.run_step(seqs, previous)
+        return out.logits, out.seq_ids
+
+    @torch.inference_mode()
+    def run_step(self, seqs: Sequence[ScheduledLike], previous: SampledTokens | None = None
+                 ) -> StepLogits:
+        """`execute`'s logits, and those of the rows that score prompt tokens."""
+        if self.graphs is not None and self.graphs.fits(seqs) and not any(
+                s.prompt_targets for s in seqs):
+            return StepLogits(*self._execute_graph(seqs, previous))
         inputs = build_step_inputs(seqs, self.block_size, self.device)
         if inputs.meta.num_decode_tokens == inputs.num_decode_seqs:  # no drafts: row i is
             decodes = [seqs[i] for i in inputs.order[:inputs.num_decode_seqs]]  # decode i
             feed_placeholders(inputs.input_ids, decodes, previous)  # (drafts: never async)
         hidden = self.forward(inputs)
-        if not inputs.sample_seq_ids:
-            return hidden.new_empty(0, 0), []
-        return self.model.compute_logits(inputs.sampled_rows(hidden)), inputs.sample_seq_ids
+        if not inputs.num_logit_rows:
+            return StepLogits(hidden.new_empty(0, 0), [])
+        return split_logits(self.model.compute_logits(inputs.logit_rows(hidden)), inputs)
 
     def _execute_graph(self, seqs: Sequence[ScheduledLike], previous: SampledTokens | None
                        ) -> tuple[torch.Tensor | None, list[int]]:

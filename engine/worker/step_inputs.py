@@ -20,6 +20,24 @@ class ScheduledLike(Protocol):
     block_table: list[int]
     sample: bool
     num_drafts: int
+    prompt_targets: list[int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRows:
+    """The rows of a step whose logits score prompt tokens (prompt log-probs), by chunk."""
+
+    seq_ids: list[int]
+    starts: list[int]
+    """Each chunk's first scored position: its start_pos + 1."""
+    targets: list[list[int]]
+    """Each chunk's scored tokens, one per row from its first row."""
+    rows: list[int]
+    """Their rows in the step's hidden states, chunk after chunk."""
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
 
 
 @dataclass
@@ -44,12 +62,21 @@ class StepInputs:
     """Scheduled-sequence indices in token order."""
     num_decode_seqs: int = 0
     """The first this-many of `order` are decodes (with their drafts, if any)."""
+    prompt: PromptRows | None = None
+    """Rows that score prompt tokens, gathered after the sampled ones (None: no chunk
+    asks)."""
 
-    def sampled_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The rows of `hidden` [T, ...] that sample: all of them as they are when every
-        token samples (a decode-only step: no gather kernel), else gathered."""
-        if len(self.sample_seq_ids) == hidden.shape[0]:  # increasing rows of T, all T of them
-            return hidden
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of `logit_rows`: the sampled ones, then the scoring ones."""
+        return len(self.sample_seq_ids) + (self.prompt.num_rows if self.prompt else 0)
+
+    def logit_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The rows of `hidden` [T, ...] that the LM head reads: those that sample, then
+        those that score prompt tokens; `hidden` as it is when every token samples (a
+        decode-only step: no gather kernel), else gathered."""
+        if self.prompt is None and len(self.sample_seq_ids) == hidden.shape[0]:
+            return hidden  # increasing rows of T, all T of them
         return hidden[self.sample_indices]
 
 
@@ -74,8 +101,14 @@ def build_step_inputs(seqs: Sequence[ScheduledLike], block_size: int,
     slots: list[int] = []
     sample_rows: list[int] = []
     sample_ids: list[int] = []
+    scored = PromptRows([], [], [], [])
     for i in order:
         s = seqs[i]
+        if s.prompt_targets:
+            scored.seq_ids.append(s.seq_id)
+            scored.starts.append(s.start_pos + 1)
+            scored.targets.append(s.prompt_targets)
+            scored.rows.extend(range(len(ids), len(ids) + len(s.prompt_targets)))
         table = s.block_table
         for p in range(s.start_pos, s.start_pos + len(s.token_ids)):
             slots.append(table[p // block_size] * block_size + p % block_size)
@@ -110,4 +143,6 @@ def build_step_inputs(seqs: Sequence[ScheduledLike], block_size: int,
         decode_block_tables=t(tables) if dec else torch.zeros(0, 1, dtype=torch.long,
                                                               device=device),
         decode_context_lens=t(lens), prefills=chunks)
-    return StepInputs(t(ids), t(pos), meta, t(sample_rows), sample_ids, order, len(dec))
+    prompt = scored if scored.rows else None
+    return StepInputs(t(ids), t(pos), meta, t(sample_rows + scored.rows), sample_ids, order,
+                      len(dec), prompt)

@@ -23,9 +23,10 @@ from meshserve.engine.worker.draft_proposer import DraftProposer
 from meshserve.engine.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from meshserve.engine.worker.model_runner import ModelRunner
 from meshserve.engine.worker.sampling.grammar import make_grammars
+from meshserve.engine.worker.sampling.prompt_logprobs import PromptLogits, split_logits
 from meshserve.engine.worker.sampling.sampled_tokens import SampledTokens
 from meshserve.engine.worker.sampling.step_sampler import StepResult, StepSampler, step_result
-from meshserve.engine.worker.step_inputs import build_step_inputs
+from meshserve.engine.worker.step_inputs import PromptRows, build_step_inputs
 from meshserve.engine.worker.warmup import warm_up
 from meshserve.kernels import dispatch
 from meshserve.models.llama import LayerHook, LlamaForCausalLM
@@ -88,6 +89,8 @@ class _Awaited:
     seq_ids: list[int]
     drafts: dict[int, list[int]]
     draft_probs: dict[int, torch.Tensor]
+    prompt: PromptRows | None = None
+    """Rows after the sampled ones that score prompt tokens."""
 
 
 def _drafts_of(scheduled: list[ScheduledSeq]) -> dict[int, list[int]]:
@@ -284,12 +287,13 @@ class Worker:
             scheduled, draft_probs = made.scheduled, made.probs
         if self._share_drafts:
             scheduled = self._shared_drafts(msg.scheduled, scheduled)
-        logits, seq_ids = runner.execute(scheduled, self._previous)
+        step = runner.run_step(scheduled, self._previous)
+        logits, seq_ids = step.logits, step.seq_ids
         if self.sampler is not None:
             assert logits is not None  # (a sampler lives where the LM head is)
             drafts = _drafts_of(scheduled)
             sampled: SampledTokens | None = self.sampler.launch(logits, seq_ids, drafts,
-                                                                draft_probs)
+                                                                draft_probs, step.prompt)
         elif self._share_tokens:  # the driver's tokens arrive below
             sampled = SampledTokens(seq_ids, torch.empty(len(seq_ids), dtype=torch.long,
                                                          device=self.device))
@@ -379,24 +383,25 @@ class Worker:
             assert residual is not None
             link.send(hidden, residual)
             if self.logits is not None:  # the driver of a split head: collect_sampled() next
-                self._awaiting.append(_Awaited(inputs.sample_seq_ids, drafts, msg.draft_probs))
+                self._awaiting.append(_Awaited(inputs.sample_seq_ids, drafts, msg.draft_probs,
+                                               inputs.prompt))
             return None, waited
         if self.logits is not None:  # the last stage of a split head: rows, then logits, on
-            if inputs.sample_seq_ids:  # (the driver's part runs while this one does)
-                rows = inputs.sampled_rows(hidden)
+            if inputs.num_logit_rows:  # (the driver's part runs while this one does)
+                rows = inputs.logit_rows(hidden)
                 self.logits.send([rows])
                 part = self.model.compute_logits(rows)
                 assert part is not None
                 self.logits.send([part])
             return None, waited
-        if not inputs.sample_seq_ids:
+        if not inputs.num_logit_rows:
             return (StepResult() if self.sampler is not None else None), waited
-        logits = self.model.compute_logits(inputs.sampled_rows(hidden))
+        step = split_logits(self.model.compute_logits(inputs.logit_rows(hidden)), inputs)
         if self.sampler is None:
             return None, waited
-        assert logits is not None
-        return self.sampler.sample(logits, inputs.sample_seq_ids, drafts,
-                                   self._on_device(msg.draft_probs)), waited
+        assert step.logits is not None
+        return self.sampler.sample(step.logits, step.seq_ids, drafts,
+                                   self._on_device(msg.draft_probs), step.prompt), waited
 
     def _on_device(self, probs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         return {i: p.to(self.device) for i, p in probs.items()}
@@ -415,12 +420,12 @@ class Worker:
             self._forget_sampled()
 
     def _sample_awaited(self, awaited: _Awaited) -> StepResult:
-        seq_ids = awaited.seq_ids
-        if not seq_ids:
+        seq_ids, prompt = awaited.seq_ids, awaited.prompt
+        n = len(seq_ids) + (prompt.num_rows if prompt is not None else 0)
+        if not n:
             return StepResult()
         assert self.head_split is not None
         t0 = time.perf_counter()
-        n = len(seq_ids)
         assert self.logits is not None and self.sampler is not None
         rows = self.logits.recv((n, self.hidden_size), self.dtype, self.device)
         t1 = time.perf_counter()
@@ -430,8 +435,12 @@ class Worker:
         part = self.logits.recv((n, self.vocab_size - self.head_split), self.dtype,
                                 self.device)
         t3 = time.perf_counter()
-        result = self.sampler.sample(torch.cat([first, part], dim=-1), seq_ids,
-                                     awaited.drafts, self._on_device(awaited.draft_probs))
+        logits = torch.cat([first, part], dim=-1)
+        scored = None
+        if prompt is not None:
+            logits, scored = logits[:len(seq_ids)], PromptLogits(prompt, logits[len(seq_ids):])
+        result = self.sampler.sample(logits, seq_ids, awaited.drafts,
+                                     self._on_device(awaited.draft_probs), scored)
         self._input_wait_s += (t1 - t0) + (t3 - t2)
         self._busy_s += (t2 - t1) + (time.perf_counter() - t3)
         return result

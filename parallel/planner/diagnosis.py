@@ -13,16 +13,26 @@ faster than predicted, the predicted parts are scaled down to the measured time.
 A pipelined run (pp > 1) records one micro-batch per step with the number in flight: its
 prediction is its share of a pipeline round of that many, so a lone micro-batch crossing
 every stage shows its bubble.
+
+What is measured and what is modelled (`Diagnosis.sources`): the scheduler's time is
+measured; communication is measured where the records carry it (gloo collectives' wall
+time on CPU), else modelled; pipeline bubbles are measured where the records carry the
+ranks' stage times (each stage's waits for its input, `measured_bubble_s`), else modelled;
+the split of the rest between prefill and decode is the cost model's attribution of the
+measured executor time, and "other" is what is left.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 
 from meshserve.parallel.planner.budget_report import StepBudgetReport, step_budget_report
 from meshserve.parallel.planner.cost_model import CostModel, StepCost, StepWork
 from meshserve.validation import require
+
+MEASURED, MODELLED, RESIDUAL = "measured", "modelled", "residual"
+"""Where a cause's seconds come from."""
 
 CAUSES = ("prefill_compute", "decode_memory", "communication", "pipeline_bubbles", "scheduler",
           "other")
@@ -238,6 +248,8 @@ class Diagnosis:
     """Speculative decoding's share and payoff, where any step drafted."""
     step_budget: StepBudgetReport | None = None
     """The automatic step budget's choices and the decode steps' times, where it ran."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Per cause, MEASURED, MODELLED or RESIDUAL (see the module's docstring)."""
 
     @property
     def shares(self) -> dict[str, float]:
@@ -300,10 +312,29 @@ def split_step(record: StepRecord, cost: CostModel) -> tuple[dict[str, float], f
     return {**parts, "scheduler": record.scheduler_s}, c.total_s
 
 
+def measured_bubble_s(first: Sequence[Mapping[str, float]], last: Sequence[Mapping[str, float]],
+                      scheduler_s: float) -> float:
+    """A pipeline's bubbles between two snapshots of its ranks' stage times (StageStats'
+    fields): per stage, its first TP rank's waits for its input (stage 0's: for the last
+    stage's tokens), the later stages' less `scheduler_s` (they wait through the
+    scheduler too, which is its own cause), averaged over the stages."""
+    before = {(r["pp_rank"], r["tp_rank"]): r for r in first}
+    waits = []
+    for r in last:
+        b = before.get((r["pp_rank"], r["tp_rank"]))
+        if r["tp_rank"] != 0 or b is None:
+            continue
+        wait = r["input_wait_s"] - b["input_wait_s"] - (scheduler_s if r["pp_rank"] else 0.0)
+        waits.append(max(wait, 0.0))
+    return sum(waits) / len(waits) if waits else 0.0
+
+
 def diagnose(records: Iterable[StepRecord], cost: CostModel,
-             scenario: str | None = None, tpot_target_s: float | None = None) -> Diagnosis:
+             scenario: str | None = None, tpot_target_s: float | None = None,
+             bubble_s: float | None = None) -> Diagnosis:
     """Split the steps' time by cause; name the bottleneck and the strategy for it
-    (`tpot_target_s`: what an automatic step budget kept decode steps within)."""
+    (`tpot_target_s`: what an automatic step budget kept decode steps within; `bubble_s`:
+    the pipeline bubbles measured over the records, in place of the modelled ones)."""
     seconds = dict.fromkeys(CAUSES, 0.0)
     total = predicted = 0.0
     n = 0
@@ -316,10 +347,32 @@ def diagnose(records: Iterable[StepRecord], cost: CostModel,
         predicted += pred
         n += 1
     require(n > 0, "diagnose.records", n, "at least one step record")
+    if bubble_s is not None:
+        _use_measured_bubbles(seconds, total, bubble_s)
+    sources = {"prefill_compute": MODELLED, "decode_memory": MODELLED,
+               "communication": MEASURED if any(r.comm_s is not None for r in records)
+               else MODELLED,
+               "pipeline_bubbles": MEASURED if bubble_s is not None else MODELLED,
+               "scheduler": MEASURED, "other": RESIDUAL}
     bottleneck = max(CAUSES, key=lambda k: seconds[k])
     strategy = STRATEGIES[bottleneck]
     if scenario in SCENARIO_LEVERS:
         strategy += f"; for {scenario} the usual levers are {SCENARIO_LEVERS[scenario]}"
     return Diagnosis(seconds=seconds, total_s=total, predicted_s=predicted, num_steps=n,
                      bottleneck=bottleneck, strategy=strategy, speculation=speculation(records),
-                     step_budget=step_budget_report(records, tpot_target_s))
+                     step_budget=step_budget_report(records, tpot_target_s), sources=sources)
+
+
+def _use_measured_bubbles(seconds: dict[str, float], total: float, bubble_s: float) -> None:
+    """Put the measured bubbles in place of the modelled ones: the difference goes to
+    "other", and where "other" cannot give it, out of the roofline parts."""
+    executor = total - seconds["scheduler"]
+    measured = min(bubble_s, max(executor - seconds["communication"], 0.0))
+    seconds["other"] += seconds["pipeline_bubbles"] - measured
+    seconds["pipeline_bubbles"] = measured
+    if seconds["other"] < 0:
+        deficit, seconds["other"] = -seconds["other"], 0.0
+        roof = seconds["prefill_compute"] + seconds["decode_memory"]
+        scale = max(roof - deficit, 0.0) / roof if roof else 0.0
+        seconds["prefill_compute"] *= scale
+        seconds["decode_memory"] *= scale

@@ -14,3 +14,4 @@ class Scheduled:
     block_table: list[int]
     sample: bool = True
     num_drafts: int = 0
+    prompt_targets: list[int] | None = None

@@ -30,7 +30,12 @@ def generate_and_diagnose(tmp_path: Path, *layout: str) -> tuple[list[dict], dic
     assert header["run"]["model_name"] == "meshcoder"
     out = meshserve("diagnose", f"diagnose.records={steps}", "format=json")
     assert out.returncode == 0, out.stderr[-3000:]
-    return rows, json.loads(out.stdout)
+    return [r for r in rows if "stages" not in r], json.loads(out.stdout)
+
+
+def stage_lines(tmp_path: Path) -> list[list[dict]]:
+    lines = (tmp_path / "steps.jsonl").read_text().splitlines()
+    return [row["stages"] for row in map(json.loads, lines) if "stages" in row]
 
 
 def test_generate_then_diagnose_names_a_bottleneck(tmp_path: Path) -> None:
@@ -63,13 +68,25 @@ def test_a_speculating_run_says_how_much_drafted_and_whether_it_paid(tmp_path: P
 
 
 @pytest.mark.slow
-def test_a_pipelined_run_shows_its_bubbles(tmp_path: Path) -> None:
-    rows, d = generate_and_diagnose(tmp_path, "parallel.pp=2")
-    assert {r["num_in_flight"] for r in rows} <= {1, 2} and 2 in {r["num_in_flight"]
-                                                               for r in rows}
+def test_a_pipeline_of_one_micro_batch_measures_its_known_bubble(tmp_path: Path) -> None:
+    """pp=2 with one micro-batch in flight: each stage idles while the other runs, so the
+    bubble is about half the step time and each stage's wait is the other stage's busy
+    time. The diagnosis takes the bubbles measured (the ranks' stage times the engine
+    wrote), not the cost model's."""
+    rows, d = generate_and_diagnose(tmp_path, "parallel.pp=2", "parallel.num_micro_batches=1")
+    assert {r["num_in_flight"] for r in rows} == {1}
     assert d["pp"] == 2 and d["num_steps"] == len(rows)
-    assert d["seconds"]["pipeline_bubbles"] > 0
+    assert d["sources"]["pipeline_bubbles"] == "measured"
     assert d["seconds"]["communication"] == 0.0  # tp=1: no collectives
+    first, *_, last = stage_lines(tmp_path)
+    assert [s["pp_rank"] for s in last] == [0, 1] and not any(s["busy_s"] for s in first)
+    busy = [s["busy_s"] for s in last]
+    executor = d["total_s"] - d["seconds"]["scheduler"]
+    bubble = d["seconds"]["pipeline_bubbles"]
+    assert 0.3 <= bubble / executor <= 0.65, (bubble, executor)
+    assert bubble == pytest.approx(sum(busy) / 2, rel=0.4), (bubble, busy)
+    text = meshserve("diagnose", f"diagnose.records={tmp_path / 'steps.jsonl'}").stdout
+    assert "(measured)" in text and "(modelled)" in text and "(residual)" in text
 
 
 def test_diagnose_reads_a_file_a_running_engine_is_writing(tmp_path: Path) -> None:

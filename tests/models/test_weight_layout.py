@@ -19,6 +19,7 @@ class _Seq:
     def __init__(self, token_ids: list[int]) -> None:
         self.seq_id, self.token_ids, self.start_pos = 0, token_ids, 0
         self.block_table, self.sample, self.num_drafts = [0, 1], True, 0
+        self.prompt_targets: list[int] | None = None
 
 
 def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:

@@ -197,3 +197,35 @@ def test_speculation_summary_prices_drafted_steps_against_plain_ones_at_their_ba
     lonely = speculation([decode(1, 0.008, 4, 0)])  # nothing plain to compare with
     assert lonely is not None and lonely.speedup is None and "not measured" in lonely.verdict
     assert speculation([prefill, decode(1, 0.004)]) is None
+
+
+def stage(pp_rank: int, wait: float, tp_rank: int = 0) -> dict[str, float]:
+    return {"rank": 2 * pp_rank + tp_rank, "pp_rank": pp_rank, "tp_rank": tp_rank,
+            "busy_s": 0.0, "input_wait_s": wait, "num_micro_batches": 0}
+
+
+def test_measured_bubbles_are_each_stages_waits_averaged() -> None:
+    """Stage 0 waited 3 s for tokens, stage 1 5 s for activations, 1 s of which the
+    scheduler ran (its own cause); other TP ranks of a stage are not read."""
+    from meshserve.parallel.planner.diagnosis import measured_bubble_s
+
+    first = [stage(0, 1.0), stage(1, 2.0), stage(1, 0.0, tp_rank=1)]
+    last = [stage(0, 4.0), stage(1, 7.0), stage(1, 99.0, tp_rank=1)]
+    assert measured_bubble_s(first, last, scheduler_s=1.0) == pytest.approx((3 + 4) / 2)
+
+
+def test_measured_bubbles_replace_the_modelled_ones_and_say_so() -> None:
+    cost = model(stages=(16, 16), micro=1)
+    rec = decode_record(cost, 4, 500, slowdown=2.0, num_in_flight=1)
+    modelled = diagnose([rec], cost)
+    assert modelled.sources["pipeline_bubbles"] == "modelled"
+    measured = diagnose([rec], cost, bubble_s=rec.wall_s / 2)
+    assert measured.sources["pipeline_bubbles"] == "measured"
+    assert measured.sources["scheduler"] == "measured" and measured.sources["other"] == "residual"
+    assert measured.seconds["pipeline_bubbles"] == pytest.approx(rec.wall_s / 2)
+    assert sum(measured.seconds.values()) == pytest.approx(rec.wall_s)
+    assert all(v >= 0 for v in measured.seconds.values())
+    # more bubble than the modelled parts leave room for: the roofline parts give way
+    most = diagnose([rec], cost, bubble_s=rec.wall_s * 0.99)
+    assert most.seconds["other"] == 0.0
+    assert sum(most.seconds.values()) == pytest.approx(rec.wall_s)

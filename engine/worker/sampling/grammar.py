@@ -59,8 +59,6 @@ def _choice_grammar(choices: Sequence[str]) -> str:
 class Matcher(Protocol):
     def fill(self, bitmask: torch.Tensor, row: int) -> None: ...
     def accept(self, token: int) -> bool: ...
-    def validate(self, tokens: Sequence[int]) -> int: ...
-    def rollback(self, num_tokens: int) -> None: ...
     @property
     def done(self) -> bool: ...
 
@@ -89,12 +87,6 @@ class _LLGuidanceMatcher:
 
     def accept(self, token: int) -> bool:
         return bool(self.m.consume_token(token))
-
-    def validate(self, tokens: Sequence[int]) -> int:
-        return int(self.m.validate_tokens(list(tokens)))
-
-    def rollback(self, num_tokens: int) -> None:
-        self.m.rollback(num_tokens)
 
     @property
     def done(self) -> bool:
@@ -160,19 +152,6 @@ class _XGrammarMatcher:
 
     def accept(self, token: int) -> bool:
         return bool(self.m.accept_token(token))
-
-    def validate(self, tokens: Sequence[int]) -> int:
-        n = 0
-        for t in tokens:  # accept while allowed, then undo: xgrammar has no dry run
-            if not self.m.accept_token(t):
-                break
-            n += 1
-        if n:
-            self.m.rollback(n)
-        return n
-
-    def rollback(self, num_tokens: int) -> None:
-        self.m.rollback(num_tokens)
 
     @property
     def done(self) -> bool:

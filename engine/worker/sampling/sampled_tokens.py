@@ -8,6 +8,7 @@ pinned buffer, and only `SampledTokens.wait` blocks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -17,13 +18,20 @@ from meshserve.engine.worker.step_inputs import ScheduledLike, to_device
 Logprob = tuple[float, list[tuple[int, float]]]
 
 
+class PromptScores(Protocol):
+    """A step's prompt log-probs (PromptLogprobs), read when the step's tokens are."""
+
+    def wait(self) -> dict[int, tuple[int, list[Logprob]]]: ...
+
+
 class SampledTokens:
     """Tokens [N] sampled on the device for `seq_ids`, copied to the host without a sync."""
 
     def __init__(self, seq_ids: list[int], tokens: torch.Tensor,
                  logprobs: Callable[[list[int]], list[Logprob | None]] | None = None,
                  accepted: dict[int, list[int]] | None = None,
-                 num_drafted: dict[int, int] | None = None) -> None:
+                 num_drafted: dict[int, int] | None = None,
+                 prompt: PromptScores | None = None) -> None:
         self.seq_ids = seq_ids
         self.tokens = tokens
         """[N] long on the device (row i is seq_ids[i]'s)."""
@@ -32,6 +40,8 @@ class SampledTokens:
         self.num_drafted = num_drafted or {}
         """... and how many drafts each one verified (a draft model may stop short of the
         slots the scheduler reserved)."""
+        self.prompt = prompt
+        """The step's prompt log-probs, where a chunk scores its prompt."""
         self._logprobs = logprobs
         self._rows: dict[int, int] | None = None
         self._host: torch.Tensor | None = None

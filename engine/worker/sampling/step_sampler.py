@@ -10,6 +10,11 @@ import torch
 from meshserve.engine.core.sampling_params import SamplingParams, SequenceSampling
 from meshserve.engine.worker.sampling.grammar import Grammars, apply_bitmask
 from meshserve.engine.worker.sampling.logit_adjuster import LogitAdjuster
+from meshserve.engine.worker.sampling.prompt_logprobs import (
+    PromptChunk,
+    PromptLogits,
+    PromptLogprobs,
+)
 from meshserve.engine.worker.sampling.rejection_sampler import verify, verify_greedy_lists
 from meshserve.engine.worker.sampling.sampled_tokens import Logprob, SampledTokens
 from meshserve.engine.worker.sampling.sampler import Sampler
@@ -26,6 +31,8 @@ class StepResult:
     """Speculating sequences: their accepted drafts, emitted before tokens[seq_id]."""
     num_drafted: dict[int, int] = field(default_factory=dict)
     """... and the drafts each verified."""
+    prompt_logprobs: dict[int, PromptChunk] = field(default_factory=dict)
+    """Scored prompt chunks of the step (prompt log-probs), by sequence."""
 
 
 class StepSampler:
@@ -79,11 +86,12 @@ class StepSampler:
 
     def sample(self, logits: torch.Tensor, seq_ids: list[int],
                drafts: Mapping[int, list[int]] | None = None,
-               draft_probs: Mapping[int, torch.Tensor] | None = None) -> StepResult:
+               draft_probs: Mapping[int, torch.Tensor] | None = None,
+               prompt: PromptLogits | None = None) -> StepResult:
         """One token per row of `logits` [N, V], row i belonging to seq_ids[i]; with
         `drafts`, a speculating sequence's rows (one per draft and one more) verify them
-        (`draft_probs`: as launch() takes them)."""
-        result = step_result(self.launch(logits, seq_ids, drafts, draft_probs))
+        (`draft_probs`: as launch() takes them); `prompt`: the rows scoring prompt tokens."""
+        result = step_result(self.launch(logits, seq_ids, drafts, draft_probs, prompt))
         self._accept_sampled()
         return result
 
@@ -95,10 +103,21 @@ class StepSampler:
 
     def launch(self, logits: torch.Tensor, seq_ids: list[int],
                drafts: Mapping[int, list[int]] | None = None,
-               draft_probs: Mapping[int, torch.Tensor] | None = None) -> SampledTokens:
+               draft_probs: Mapping[int, torch.Tensor] | None = None,
+               prompt: PromptLogits | None = None) -> SampledTokens:
         """Sample on the device; the host reads the tokens when it waits for them.
         `draft_probs`: a draft model's distributions [n, V] for its n drafts of a sampled
-        request (n-gram drafts have none: point masses)."""
+        request (n-gram drafts have none: point masses). `prompt`: the rows scoring prompt
+        tokens, reduced to their log-probs here from the raw logits."""
+        sampled = self._launch(logits, seq_ids, drafts, draft_probs)
+        if prompt is not None:
+            sampled.prompt = PromptLogprobs(
+                prompt, [self.params[i].prompt_logprobs or 0 for i in prompt.rows.seq_ids])
+        return sampled
+
+    def _launch(self, logits: torch.Tensor, seq_ids: list[int],
+                drafts: Mapping[int, list[int]] | None,
+                draft_probs: Mapping[int, torch.Tensor] | None) -> SampledTokens:
         if not seq_ids:
             return SampledTokens([], torch.empty(0, dtype=torch.long))
         if drafts:
@@ -192,4 +211,5 @@ def step_result(sampled: SampledTokens) -> StepResult:
     ids = sampled.seq_ids
     return StepResult(dict(zip(ids, tokens)),
                       {i: lp for i, lp in zip(ids, logprobs) if lp is not None},
-                      dict(sampled.accepted), dict(sampled.num_drafted))
+                      dict(sampled.accepted), dict(sampled.num_drafted),
+                      sampled.prompt.wait() if sampled.prompt is not None else {})

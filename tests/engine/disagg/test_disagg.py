@@ -278,6 +278,16 @@ def test_an_abort_at_any_stage_frees_both_sides(make_checkpoint, prompts,
         llm.shutdown()
 
 
+def run_longest(engine: DisaggEngine, prompts: list[list[int]]) -> tuple[int, RequestOutput]:
+    """Run the longest prompt alone to its end: its index and its last output."""
+    i = max(range(len(prompts)), key=lambda j: len(prompts[j]))
+    rid = engine.add_request(prompts[i], GREEDY)
+    outs = run_until(engine, lambda o: any(x.finished for x in o))
+    (last,) = [o for o in outs if o.finished]
+    assert last.request_id == rid
+    return i, last
+
+
 @pytest.mark.parametrize("on_failure", ["fail", "recompute"])
 def test_a_lapsed_lease_fails_the_request_or_recomputes(make_checkpoint, prompts, expected,
                                                         monkeypatch: pytest.MonkeyPatch,
@@ -288,11 +298,7 @@ def test_a_lapsed_lease_fails_the_request_or_recomputes(make_checkpoint, prompts
                      f"disagg.on_failure={on_failure}")
     try:
         engine = llm.engine
-        i = max(range(len(prompts)), key=lambda j: len(prompts[j]))
-        rid = engine.add_request(prompts[i], GREEDY)
-        outs = run_until(engine, lambda o: any(x.finished for x in o))
-        (last,) = [o for o in outs if o.finished]
-        assert last.request_id == rid
+        i, last = run_longest(engine, prompts)
         assert engine.transfers.num_expired == 1
         assert engine.transfers.num_failed == 1 and engine.transfers.num_transfers == 0
         if on_failure == "fail":
@@ -428,3 +434,44 @@ def test_a_prefill_replica_killed_during_a_granted_read_recomputes_it(
     finally:
         llm.shutdown()
     assert run and shm_files(run) == []
+
+
+def test_the_front_hashes_each_prompt_once(make_checkpoint, prompts, monkeypatch) -> None:
+    """The router's block chain of a prompt is computed at admission and read by the
+    prefill router, the decode replicas' trees and the move to a decode replica."""
+    from meshserve.engine.disagg import front
+    from meshserve.engine.replicas.router import PromptTree
+
+    calls: list[int] = []
+    real = front.prompt_chain
+    monkeypatch.setattr(front, "prompt_chain",
+                        lambda ids, bs: calls.append(len(ids)) or real(ids, bs))
+    monkeypatch.setattr(PromptTree, "chain", lambda *a: pytest.fail("hashed again"))
+    llm = disagg_llm(str(make_checkpoint("llama")))
+    try:
+        llm.generate(prompts, GREEDY)
+        assert len(calls) == len(prompts)
+    finally:
+        llm.shutdown()
+
+
+def test_a_read_still_writing_keeps_its_blocks_out_of_use(make_checkpoint, prompts, expected,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """A transfer that neither ends nor cancels (fault-injected): the import fails, the
+    request is recomputed on the decode replica, and the blocks the READ might still
+    write stay out of use there, while everything else goes back."""
+    monkeypatch.setenv(FAULT_ENV, "stuck=0.1")
+    llm = disagg_llm(str(make_checkpoint("llama")), "disagg.connector=torch",
+                     "disagg.stream_kv=false", "disagg.on_failure=recompute")
+    try:
+        engine = llm.engine
+        i, last = run_longest(engine, prompts)
+        assert last.token_ids == expected[i]
+        assert engine.transfers.num_failed == 1 and engine.transfers.num_transfers == 0
+        engine.reset_prefix_cache()
+        used = {s.index: s.stats.num_used_blocks for s in engine.replica_states()}
+        kept = (len(prompts[i]) - 1) // 8 + 1  # its fresh full blocks and its tail
+        assert used == {0: 0, 1: kept}
+    finally:
+        llm.shutdown()

@@ -109,10 +109,11 @@ def test_layout_matches_one_process(checkpoint: Path, prompts: list[list[int]],
         steps = ranks[0].num_micro_batches
         assert steps > 0 and all(r.num_micro_batches == steps for r in ranks)
         assert all(r.busy_s > 0 and r.input_wait_s >= 0 for r in ranks)
-        # later stages wait for activations; with a split LM head the driver (pp > 1,
-        # tp = 1) also waits for the last stage's logits
-        split = llm.config.parallel.pp > 1 and llm.config.parallel.tp == 1
-        assert all((r.input_wait_s > 0) == (r.pp_rank > 0 or (split and r.rank == 0))
+        # later stages wait for activations; in a pipeline the driver also waits, for the
+        # last stage's tokens (or with a split LM head its logits); stage 0's other TP
+        # ranks do not
+        piped = llm.config.parallel.pp > 1
+        assert all((r.input_wait_s > 0) == (r.pp_rank > 0 or (piped and r.rank == 0))
                    for r in ranks)
         assert llm.engine.executor.stage_stats()[-1].minus(ranks[-1]).num_micro_batches == 0  # type: ignore[attr-defined]
 

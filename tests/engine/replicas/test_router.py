@@ -49,14 +49,35 @@ def test_least_loaded_and_round_robin() -> None:
         Router("fastest", 2, 16, 100)
 
 
-def test_a_tree_forgets_its_least_recently_used_blocks_past_capacity() -> None:
+def test_a_tree_forgets_leaves_first_past_capacity() -> None:
+    """As a replica's cache does: the chain's last blocks go before its root, so what
+    stays still matches from the start."""
     t = PromptTree(4, capacity=3)
     a, b = t.chain(list(range(12))), t.chain(list(range(100, 108)))
     assert len(a) == 3 and t.chain(list(range(13))) == a  # a part block is not hashed
     t.insert(a)
     assert t.match(a) == 3
-    t.insert(b)  # a's oldest blocks go first: a's first block is gone, so nothing matches
-    assert len(t) == 3 and t.match(b) == 2 and t.match(a) == 0
+    t.insert(b)  # a's last two blocks go; its first stays and still matches
+    assert len(t) == 3 and t.match(b) == 2 and t.match(a) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 12)), min_size=1, max_size=40),
+       st.integers(1, 20))
+def test_every_block_held_keeps_its_prefix_held(inserts: list[tuple[int, int]],
+                                                capacity: int) -> None:
+    """Leaves-first eviction never orphans a block: over any inserts of chains sharing
+    prefixes (6 roots, tails of up to 12 blocks), each chain's held blocks are exactly
+    the ones `match` reaches from its start."""
+    t = PromptTree(2, capacity)
+    chains = {(root, n): t.chain([root, root] + [root * 100 + i for i in range(2 * n)])
+              for root in range(6) for n in range(13)}
+    for key in inserts:
+        t.insert(chains[key])
+        assert len(t) <= capacity
+        for chain in chains.values():
+            held = sum(h in t._blocks for h in chain)
+            assert t.match(chain) == held
 
 
 @settings(max_examples=50, deadline=None)

@@ -151,29 +151,3 @@ def test_every_layout_and_mode_constrains_the_same(layout: str, reference: list[
             assert llm.engine.stats.num_preemptions > 0
     finally:
         llm.shutdown()
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_drafts_are_checked_against_the_grammar_without_advancing_it(backend: str) -> None:
-    """What speculative decoding asks: how many of k drafted tokens the grammar takes,
-    the matcher left where it was; and a rollback after accepting."""
-    from meshserve.engine.config.run import resolve_run
-    from meshserve.engine.config.runtime_config import load_runtime_config
-    from meshserve.engine.worker.sampling.grammar import make_grammars
-    from meshserve.models.tokenizer import Tokenizer
-
-    run = resolve_run(load_runtime_config(
-        ["model=meshcoder", "parallel=single", f"engine.structured_outputs_backend={backend}"]),
-        env=None)
-    grammars = make_grammars(run)
-    grammars.track(0, StructuredOutputs(regex=r"ab[0-9]+z"))
-    tok = Tokenizer(run.model_dir)
-    good = tok.encode("ab12", add_special_tokens=False)
-    bad = tok.encode("q", add_special_tokens=False)
-    m = grammars.matchers[0]
-    assert m.validate(good + bad) == len(good)
-    assert m.validate(good) == len(good)  # nothing was consumed by checking
-    grammars.accept([0] * len(good), good)
-    assert m.validate(bad) == 0
-    m.rollback(len(good))
-    assert m.validate(good) == len(good)
