@@ -1,6 +1,9 @@
 """CPU linear layouts side by side, one thread: the packed C kernel against the layouts the
 runtime used before it (wide weights column-major, the rest row-major, through
-dispatch.linear: MKL or the unpacked C kernels), on the tiny model's shapes.
+dispatch.linear: MKL or the unpacked C kernels), and bf16 through torch (oneDNN: AVX-512
+BF16 or AMX where the CPU has them; its prepacked linear where torch exposes it), on the
+tiny model's shapes. Prints the CPU's vector flags first: which kernels a machine can run
+decides the figures.
 
     python -m meshserve.bench.linear_check [--rows 1 4 8 16 22 32 45 64 512]
 """
@@ -8,6 +11,7 @@ dispatch.linear: MKL or the unpacked C kernels), on the tiny model's shapes.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +22,30 @@ CPU = torch.device("cpu")
 
 SHAPES = {"lm head": (32000, 512), "gate/up": (2816, 512), "qkv": (1536, 512),
           "o_proj": (512, 512), "down": (512, 1408)}
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+"""The /proc/cpuinfo flags that decide which CPU kernels can run."""
+
+
+def cpu_flags() -> list[str]:
+    """VECTOR_FLAGS this CPU has (empty where /proc/cpuinfo cannot be read)."""
+    try:
+        text = open("/proc/cpuinfo").read()  # noqa: SIM115 - read once
+    except OSError:
+        return []
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    have = set(line.split(":", 1)[-1].split())
+    return [f for f in VECTOR_FLAGS if f in have]
+
+
+def prepacked_bf16(weight: torch.Tensor, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """oneDNN's prepacked bf16 linear for `weight` at `rows` rows, where torch has it."""
+    mkldnn = torch.ops.mkldnn
+    if not (hasattr(mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()):
+        return None
+    w = weight.bfloat16()
+    packed = mkldnn._reorder_linear_weight(w, rows)
+    return lambda x: mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def main() -> None:
@@ -27,19 +55,27 @@ def main() -> None:
     torch.set_num_threads(1)
     if native_cpu.library() is None:
         raise SystemExit("the C kernels did not build: nothing to compare")
+    print("cpu flags:", " ".join(cpu_flags()) or "unknown")
     print(f"{'weight':8s} {'N x K':>11s} {'rows':>5s} {'before ms':>10s} {'packed ms':>10s} "
-          f"{'ratio':>6s} {'GFLOP/s':>8s}")
+          f"{'ratio':>6s} {'GFLOP/s':>8s} {'bf16 ms':>8s} {'bf16 pre ms':>11s} {'GFLOP/s':>8s}")
     for name, (n, k) in SHAPES.items():
         weight = torch.randn(n, k)
         before = weight.t().contiguous().t() if n >= 2 * k else weight
         packed = torch.nn.Parameter(weight.clone(), requires_grad=False)
         dispatch.pack_weight(packed)
+        w16 = weight.bfloat16()
         for m in args.rows:
             x = torch.randn(m, k)
+            x16 = x.bfloat16()
             a = 1e3 * best_time(lambda x=x, w=before: dispatch.linear(x, w), 10, CPU)
             b = 1e3 * best_time(lambda x=x, w=packed: dispatch.linear(x, w), 10, CPU)
+            c = 1e3 * best_time(lambda x=x16, w=w16: torch.nn.functional.linear(x, w), 10, CPU)
+            pre = prepacked_bf16(weight, m)
+            d = 1e3 * best_time(lambda x=x16, f=pre: f(x), 10, CPU) if pre else float("nan")
+            best16 = min(c, d) if pre else c
             print(f"{name:8s} {n:>5d} x {k:<4d} {m:5d} {a:10.2f} {b:10.2f} {a / b:6.2f} "
-                  f"{2 * m * n * k / b / 1e6:8.1f}")
+                  f"{2 * m * n * k / b / 1e6:8.1f} {c:8.2f} {d:11.2f} "
+                  f"{2 * m * n * k / best16 / 1e6:8.1f}")
 
 
 if __name__ == "__main__":
