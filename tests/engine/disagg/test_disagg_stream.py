@@ -82,7 +82,9 @@ def assert_all_freed(engine: DisaggEngine, within_s: float = 15.0) -> None:
                          ids=["1P+1D", "prefill-tp2", "decode-tp2", "async", "off", "torch",
                               "torch-prefill-tp2", "torch-pairs-prefill-tp2"])
 def test_streamed_prompts_equal_transformers_and_move_each_block_once(
-        make_checkpoint, prompts, expected, side: tuple[str, ...]) -> None:
+        make_checkpoint, prompts, expected, side: tuple[str, ...], slow_prefill) -> None:
+    """(The prefill replica pauses after each step that lists blocks, so the reads overlap
+    its prefill even when other processes share the cores.)"""
     llm = streamed_llm(str(make_checkpoint("llama")), *side)
     try:
         engine = llm.engine
