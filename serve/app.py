@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from meshserve.engine.client import ReplicaState
 from meshserve.serve.async_engine import AsyncEngine, EngineDeadError
-from meshserve.serve.errors import APIError, error_body, install
+from meshserve.serve.errors import APIError, error_body, install, unknown_model
 from meshserve.serve.metrics import ServerMetrics
 from meshserve.serve.openai_serving import OpenAIServing
 from meshserve.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -123,9 +123,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, cfg: ServeConfig,
     async def model(model_id: str) -> dict[str, Any]:
         """One of the served model's names (the openai client's models.retrieve)."""
         if model_id not in model_names:
-            allowed = ", ".join(repr(n) for n in model_names)
-            raise APIError(404, f"model: {model_id!r} is not served; allowed: {allowed}",
-                           "model", "model_not_found")
+            raise unknown_model(model_id, model_names)
         return model_card(model_id)
 
     app.include_router(v1)

@@ -29,6 +29,13 @@ class APIError(Exception):
         self.code = code
 
 
+def unknown_model(name: str, served: list[str]) -> APIError:
+    """The 404 for a model id this server does not serve (OpenAI's model_not_found)."""
+    allowed = ", ".join(repr(n) for n in served)
+    return APIError(404, f"model: {name!r} is not served; allowed: {allowed}", "model",
+                    "model_not_found")
+
+
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     """{"error": {message, type, param, code}} as OpenAI sends it: `code` a short string

@@ -30,7 +30,7 @@ from meshserve.serve.async_engine import (
     OverloadedError,
     StreamItem,
 )
-from meshserve.serve.errors import APIError, error_body, from_value_error
+from meshserve.serve.errors import APIError, error_body, from_value_error, unknown_model
 from meshserve.serve.metrics import ServerMetrics
 from meshserve.serve.protocol import (
     MAX_SEED,
@@ -109,15 +109,14 @@ class OpenAIServing:
                                 "with echo=true (the prompt alone, scored)", "max_tokens")
         # max_tokens=0: one token is generated and dropped (the prompt's log-probs come
         # from the same prefill).
-        limit = TokenLimit(body.max_tokens or (1 if body.max_tokens == 0 else None),
-                           "max_tokens", DEFAULT_COMPLETION_TOKENS)
+        limit = TokenLimit(1 if body.max_tokens == 0 else body.max_tokens, "max_tokens",
+                           DEFAULT_COMPLETION_TOKENS)
         echo = None
         if body.echo:
-            texts = [p for p in (body.prompt if isinstance(body.prompt, list)
-                                 and isinstance(body.prompt[0], (str, list))
-                                 else [body.prompt])]
-            echo = Echo([t if isinstance(t, str) else self._decode(ids)
-                         for t, ids in zip(texts, prompts)], body.n, body.max_tokens == 0)
+            given = (body.prompt if isinstance(body.prompt, list)
+                     and isinstance(body.prompt[0], (str, list)) else [body.prompt])
+            echo = Echo([p if isinstance(p, str) else self._decode(ids)
+                         for p, ids in zip(given, prompts)], body.n, body.max_tokens == 0)
         return await self._serve(body, request, prompts, "prompt", body.logprobs, limit, False,
                                  echo=echo)
 
@@ -205,9 +204,7 @@ class OpenAIServing:
         left is a 400 with the numbers, as OpenAI answers; the default one (the context
         left, or completions' 16) is clipped to it."""
         if body.model is not None and body.model not in self.model_names:
-            allowed = ", ".join(repr(n) for n in self.model_names)
-            raise APIError(404, f"model: {body.model!r} is not served; allowed: {allowed}",
-                           "model", "model_not_found")
+            raise unknown_model(body.model, self.model_names)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options: given without stream; allowed only with "
                                 "stream=true", "stream_options")

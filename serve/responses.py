@@ -77,13 +77,9 @@ class LogprobFormatter:
     def completion(self, token_ids: list[int], lps: Logprobs, offset: int) -> dict[str, Any]:
         """{tokens, token_logprobs, top_logprobs, text_offset} starting at text `offset`."""
         tokens = [self.token(t) for t in token_ids]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
         return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps],
                 "top_logprobs": [{self.token(t): v for t, v in top} for _, top in lps],
-                "text_offset": offsets}
+                "text_offset": _offsets(tokens, offset)}
 
     def prompt(self, token_ids: list[int], lps: list[dict[int, float] | None] | None
                ) -> dict[str, Any]:
@@ -91,17 +87,13 @@ class LogprobFormatter:
         for the first token (nothing predicts it), then the token's log-prob and the top
         ones at its position, the token among them (vLLM's layout)."""
         tokens = [self.token(t) for t in token_ids]
-        offsets, offset = [], 0
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
         entries = lps if lps is not None else [None] * len(token_ids)
         return {"tokens": tokens,
                 "token_logprobs": [e[t] if e is not None else None
                                    for t, e in zip(token_ids, entries)],
                 "top_logprobs": [{self.token(a): v for a, v in e.items()} if e is not None
                                  else None for e in entries],
-                "text_offset": offsets}
+                "text_offset": _offsets(tokens, 0)}
 
     def chat(self, token_ids: list[int], lps: Logprobs) -> dict[str, Any]:
         """{content: [{token, logprob, bytes, top_logprobs}]}."""
@@ -128,6 +120,12 @@ class ResponseBuilder:
         kind = ("chat.completion.chunk" if streaming else "chat.completion") if m.chat \
             else "text_completion"
         return {"id": m.id, "object": kind, "created": m.created, "model": m.model}
+
+    def _shown(self, out: RequestOutput) -> RequestOutput:
+        """What a choice shows of `out`: nothing generated where echo scores the prompt
+        alone (max_tokens=0), else all of it."""
+        echo = self.meta.echo
+        return generated_nothing(out) if echo is not None and echo.score_only else out
 
     def _echo(self, index: int, out: RequestOutput) -> tuple[str, dict[str, Any] | None]:
         """Choice `index`'s echoed prompt: its text, and with logprobs its tokens' (after
@@ -157,10 +155,8 @@ class ResponseBuilder:
         """The non-streaming response: one choice per output, in order; usage counts
         `usage_of` (every candidate generated, where best_of kept only some) or `outs`."""
         choices = []
-        echo = self.meta.echo
-        if echo is not None and echo.score_only:
-            outs = [generated_nothing(o) for o in outs]
-            usage_of = [generated_nothing(o) for o in usage_of] if usage_of else None
+        outs = [self._shown(o) for o in outs]
+        usage_of = [self._shown(o) for o in usage_of] if usage_of else None
         for i, o in enumerate(outs):
             head, lps = self._echo(i, o)
             lps = _joined(lps, self._logprobs(o.token_ids, o.logprobs, i))
@@ -189,9 +185,7 @@ class ResponseBuilder:
     def chunk(self, index: int, out: RequestOutput) -> dict[str, Any]:
         """The delta one engine step added to choice `index` (its first, with echo, after
         the prompt)."""
-        echo = self.meta.echo
-        if echo is not None and echo.score_only:
-            out = generated_nothing(out)
+        out = self._shown(out)
         head, echoed = self._echo(index, out) if index not in self._echoed else ("", None)
         self._echoed.add(index)
         new_ids = out.new_token_ids
@@ -236,6 +230,15 @@ class ResponseBuilder:
     def usage_chunk(self, outs: list[RequestOutput], prompt_lens: list[int]) -> dict[str, Any]:
         """The last chunk of a stream that asked for usage (no choices)."""
         return {**self._head(True), "choices": [], "usage": usage(prompt_lens, outs)}
+
+
+def _offsets(tokens: list[str], start: int) -> list[int]:
+    """Each token's offset in the text they make, from `start`."""
+    out = []
+    for t in tokens:
+        out.append(start)
+        start += len(t)
+    return out
 
 
 def _joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:

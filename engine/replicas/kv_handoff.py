@@ -255,7 +255,7 @@ class KVHandoff:
             job.aborted = True
             return None
         del self._imports[rid]
-        self.bm.finish_import(job.imp, written=False, keep_out=job.still_writing)
+        self._give_back(job)
         return job
 
     def after_step(self, outs: list[RequestOutput]) -> list[HandoffReply]:
@@ -437,7 +437,7 @@ class KVHandoff:
         job.running = False
         if job.aborted:  # dropped meanwhile: its blocks go now
             del self._imports[rid]
-            self.bm.finish_import(job.imp, written=False, keep_out=job.still_writing)
+            self._give_back(job)
             return [ImportFailed(rid, "aborted")]
         if done.error is not None:
             job.error = done.error
@@ -495,7 +495,7 @@ class KVHandoff:
         is left once the read is granted (`poll` looks for an announced grant)."""
         if job.error is not None:
             del self._imports[rid]
-            self.bm.finish_import(job.imp, written=False, keep_out=job.still_writing)
+            self._give_back(job)
             self.num_failed += 1
             return [ImportFailed(rid, job.error)]
         if not job.announced or self.connector.peers.grant_announced(job.transfer_id):
@@ -537,6 +537,11 @@ class KVHandoff:
                                          isinstance(e, ReadStillActive)))
             return
         self._results.put(ReadReport(part, rid, n, layered, time.perf_counter() - t0, None))
+
+    def _give_back(self, job: PendingImport) -> None:
+        """Give back a failed or aborted import's blocks; those a read may still be writing
+        into stay out of use."""
+        self.bm.finish_import(job.imp, written=False, keep_out=job.still_writing)
 
     def _finish_pull(self, done: ReadReport) -> list[HandoffReply]:
         rid = done.request_id

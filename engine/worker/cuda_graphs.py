@@ -197,9 +197,10 @@ class DecodeGraphs:
         return out[:n]
 
     def fits(self, seqs: Sequence[ScheduledLike]) -> bool:
-        """A decode-only step (one token per sequence) within a captured size and width."""
+        """A decode-only step (one token per sequence, none scoring a prompt token) within
+        a captured size and width."""
         return (0 < len(seqs) <= self.sizes[-1]
-                and all(len(s.token_ids) == 1 for s in seqs)
+                and all(len(s.token_ids) == 1 and not s.prompt_targets for s in seqs)
                 and max(len(s.block_table) for s in seqs) <= self.buffers.block_tables.shape[1])
 
     def run_scheduled(self, seqs: Sequence[ScheduledLike], block_size: int,

@@ -58,8 +58,7 @@ class ModelRunner:
     def run_step(self, seqs: Sequence[ScheduledLike], previous: SampledTokens | None = None
                  ) -> StepLogits:
         """`execute`'s logits, and those of the rows that score prompt tokens."""
-        if self.graphs is not None and self.graphs.fits(seqs) and not any(
-                s.prompt_targets for s in seqs):
+        if self.graphs is not None and self.graphs.fits(seqs):
             return StepLogits(*self._execute_graph(seqs, previous))
         inputs = build_step_inputs(seqs, self.block_size, self.device)
         if inputs.meta.num_decode_tokens == inputs.num_decode_seqs:  # no drafts: row i is
@@ -68,7 +67,8 @@ class ModelRunner:
         hidden = self.forward(inputs)
         if not inputs.num_logit_rows:
             return StepLogits(hidden.new_empty(0, 0), [])
-        return split_logits(self.model.compute_logits(inputs.logit_rows(hidden)), inputs)
+        return split_logits(self.model.compute_logits(inputs.logit_rows(hidden)),
+                            inputs.sample_seq_ids, inputs.prompt)
 
     def _execute_graph(self, seqs: Sequence[ScheduledLike], previous: SampledTokens | None
                        ) -> tuple[torch.Tensor | None, list[int]]:

@@ -23,7 +23,7 @@ from meshserve.engine.worker.draft_proposer import DraftProposer
 from meshserve.engine.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from meshserve.engine.worker.model_runner import ModelRunner
 from meshserve.engine.worker.sampling.grammar import make_grammars
-from meshserve.engine.worker.sampling.prompt_logprobs import PromptLogits, split_logits
+from meshserve.engine.worker.sampling.prompt_logprobs import split_logits
 from meshserve.engine.worker.sampling.sampled_tokens import SampledTokens
 from meshserve.engine.worker.sampling.step_sampler import StepResult, StepSampler, step_result
 from meshserve.engine.worker.step_inputs import PromptRows, build_step_inputs
@@ -396,7 +396,8 @@ class Worker:
             return None, waited
         if not inputs.num_logit_rows:
             return (StepResult() if self.sampler is not None else None), waited
-        step = split_logits(self.model.compute_logits(inputs.logit_rows(hidden)), inputs)
+        step = split_logits(self.model.compute_logits(inputs.logit_rows(hidden)),
+                            inputs.sample_seq_ids, inputs.prompt)
         if self.sampler is None:
             return None, waited
         assert step.logits is not None
@@ -435,12 +436,10 @@ class Worker:
         part = self.logits.recv((n, self.vocab_size - self.head_split), self.dtype,
                                 self.device)
         t3 = time.perf_counter()
-        logits = torch.cat([first, part], dim=-1)
-        scored = None
-        if prompt is not None:
-            logits, scored = logits[:len(seq_ids)], PromptLogits(prompt, logits[len(seq_ids):])
-        result = self.sampler.sample(logits, seq_ids, awaited.drafts,
-                                     self._on_device(awaited.draft_probs), scored)
+        step = split_logits(torch.cat([first, part], dim=-1), seq_ids, prompt)
+        assert step.logits is not None
+        result = self.sampler.sample(step.logits, seq_ids, awaited.drafts,
+                                     self._on_device(awaited.draft_probs), step.prompt)
         self._input_wait_s += (t1 - t0) + (t3 - t2)
         self._busy_s += (t2 - t1) + (time.perf_counter() - t3)
         return result

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from meshserve.engine.worker.sampling.sampled_tokens import Logprob
-from meshserve.engine.worker.step_inputs import PromptRows, StepInputs
+from meshserve.engine.worker.step_inputs import PromptRows
 
 SLICE_ROWS = 256
 """Rows reduced at a time: [SLICE_ROWS, vocab] float32 at most lives at once."""
@@ -43,12 +43,14 @@ class StepLogits:
     prompt: PromptLogits | None = None
 
 
-def split_logits(logits: torch.Tensor | None, inputs: StepInputs) -> StepLogits:
-    """Split the LM head's output over `inputs.logit_rows`: sampled rows, scoring rows."""
-    n = len(inputs.sample_seq_ids)
-    if inputs.prompt is None or logits is None:
-        return StepLogits(logits, inputs.sample_seq_ids)
-    return StepLogits(logits[:n], inputs.sample_seq_ids, PromptLogits(inputs.prompt, logits[n:]))
+def split_logits(logits: torch.Tensor | None, seq_ids: list[int],
+                 prompt: PromptRows | None) -> StepLogits:
+    """Split the LM head's output over a step's logit rows (StepInputs.logit_rows): the
+    rows of `seq_ids` that sample, then the `prompt` rows that score."""
+    if prompt is None or logits is None:
+        return StepLogits(logits, seq_ids)
+    n = len(seq_ids)
+    return StepLogits(logits[:n], seq_ids, PromptLogits(prompt, logits[n:]))
 
 
 class PromptLogprobs:
