@@ -229,7 +229,8 @@ class ResponseBuilder:
 
     def usage_chunk(self, outs: list[RequestOutput], prompt_lens: list[int]) -> dict[str, Any]:
         """The last chunk of a stream that asked for usage (no choices)."""
-        return {**self._head(True), "choices": [], "usage": usage(prompt_lens, outs)}
+        return {**self._head(True), "choices": [],
+                "usage": usage(prompt_lens, [self._shown(o) for o in outs])}
 
 
 def _offsets(tokens: list[str], start: int) -> list[int]:

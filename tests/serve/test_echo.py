@@ -63,6 +63,11 @@ def test_max_tokens_zero_returns_the_prompt_alone(client: openai.OpenAI, hf) -> 
     assert choice.text == PROMPTS[0] and choice.finish_reason == "length"
     assert len(choice.logprobs.token_logprobs) == len(ids)
     assert resp.usage.completion_tokens == 0
+    chunks = list(client.completions.create(model="meshcoder", prompt=PROMPTS[0], echo=True,
+                                            max_tokens=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPTS[0]
+    assert chunks[-1].usage.completion_tokens == 0  # the token made to end the prefill
 
 
 def test_echo_without_logprobs_and_streamed(client: openai.OpenAI) -> None:
