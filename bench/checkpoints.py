@@ -1,4 +1,5 @@
-"""The benchmarks' random Llama checkpoints ('tiny', 'big'), built once and cached on disk."""
+"""The benchmarks' random Llama checkpoints ('tiny', 'big', '120m', each also '-bf16'), built
+once and cached on disk."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ SPECS: dict[str, dict[str, Any]] = {
                  num_attention_heads=8, num_key_value_heads=4),
     "big": dict(_COMMON, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                 num_attention_heads=16, num_key_value_heads=8),
+    "120m": dict(_COMMON, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=4),
 }
+SPECS.update({f"{name}-bf16": dict(spec, dtype="bfloat16") for name, spec in list(SPECS.items())})
+"""Each also as `<name>-bf16`: the same random weights rounded to bf16 and saved so."""
 """LlamaConfig keyword arguments of each named checkpoint (docs/benchmarks/README.md, models)."""
 
 SEED = 0
@@ -26,12 +31,18 @@ DEFAULT_CACHE_DIR = "~/.cache/meshserve/bench"
 
 
 def build(path: str | Path, spec: dict[str, Any], seed: int = SEED) -> Path:
-    """Save a random fp32 LlamaForCausalLM(LlamaConfig(**spec)) to `path` with save_pretrained."""
+    """Save a random LlamaForCausalLM(LlamaConfig(**spec)) to `path` with save_pretrained:
+    fp32, or rounded to spec["dtype"] (the same seed draws the same fp32 weights first)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    spec = dict(spec)
+    dtype = spec.pop("dtype", "float32")
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**spec, dtype="float32")).to(torch.float32).eval()
+    if dtype != "float32":
+        model.config.dtype = dtype
+        model = model.to(getattr(torch, dtype))
     model.save_pretrained(path)
     return Path(path)
 

@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from meshserve.kernels import activation as ref_activation
-from meshserve.kernels import native_cpu
+from meshserve.kernels import cpu_isa, native_cpu
 from meshserve.kernels import paged_attention as ref_attention
 from meshserve.kernels import rmsnorm as ref_rmsnorm
 from meshserve.kernels import rotary as ref_rotary
@@ -96,6 +96,11 @@ def native_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return (k_cache.dtype is v_cache.dtype and k_cache.dtype in native_cpu.KV_DTYPES
             and k_cache.is_cpu and v_cache.is_cpu and k_cache.is_contiguous()
             and v_cache.is_contiguous() and _native_allowed(kernel_mode()))
+
+
+def native_enabled() -> bool:
+    """Whether the CPU's C kernels run: MESHSERVE_KERNELS=auto and the library built."""
+    return _native_allowed(kernel_mode())
 
 
 @cache
@@ -213,20 +218,32 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
             q, k_cache, v_cache, batch.block_tables, batch.q_starts, batch.q_lens,
             batch.start_pos, batch.max_q_len, scale, sliding_window, out=out)
         return batch
+    # An output in bf16 over a bf16 cache on the CPU: the queries are rounded too (the next
+    # linear rounds this output anyway), and torch's flash attention runs 2.5-3x faster in
+    # bf16 there (the keys and values are bf16 already)
+    bf16 = q.is_cpu and out.dtype is torch.bfloat16 and k_cache.dtype is torch.bfloat16
+    dtype = torch.bfloat16 if bf16 else q.dtype
     for c in chunks:
         sl = slice(c.token_start, c.token_start + c.num_tokens)
         if c.start_pos == 0:  # its own fresh K/V, as stored (every later read sees those)
-            ks, vs = (t[sl].to(cache.dtype).to(t.dtype) for t, cache in ((k, k_cache),
-                                                                         (v, v_cache)))
-            out[sl] = ref_attention.causal_prefill(q[sl], ks, vs, scale, sliding_window)
+            ks, vs = (t[sl].to(cache.dtype).to(dtype) for t, cache in ((k, k_cache),
+                                                                       (v, v_cache)))
+            out[sl] = ref_attention.causal_prefill(q[sl].to(dtype), ks, vs, scale,
+                                                   sliding_window)
         else:
-            out[sl] = ref_attention.paged_prefill(q[sl], k_cache, v_cache, c.block_table,
-                                                  c.start_pos, scale, sliding_window)
+            out[sl] = ref_attention.paged_prefill(q[sl].to(dtype), k_cache, v_cache,
+                                                  c.block_table, c.start_pos, scale,
+                                                  sliding_window)
     return None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / rms(x) over the last dim of x [T, N]."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """weight * x / rms(x) over the last dim of x [T, N], in `out_dtype` (default x's)."""
+    if out_dtype is not None and out_dtype is not x.dtype:
+        if _mixed_norm(x, x, weight, out_dtype):
+            return native_cpu.add_rms_norm_mixed(x, None, weight, eps, out_dtype)[0]
+        return rms_norm(x, weight, eps).to(out_dtype)
     if use_triton(x.device) and x.dim() == 2:
         return _module("triton_rmsnorm").rms_norm(x, weight, eps)
     if use_native(x, weight):
@@ -235,13 +252,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual)."""
+                 eps: float, out_dtype: torch.dtype | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) in `out_dtype` (default x's), x + residual in residual's
+    dtype). x may be bf16 beside an fp32 residual (a oneDNN linear's output)."""
+    if x.dtype is not residual.dtype or (out_dtype is not None and out_dtype is not x.dtype):
+        want = out_dtype or x.dtype
+        if _mixed_norm(x, residual, weight, want):
+            return native_cpu.add_rms_norm_mixed(x, residual, weight, eps, want)
+        out, summed = add_rms_norm(x.to(residual.dtype), residual, weight, eps)
+        return out.to(want), summed
     if use_triton(x.device) and x.dim() == 2:
         return _module("triton_rmsnorm").add_rms_norm(x, residual, weight, eps)
     if use_native(x, residual, weight):
         return native_cpu.add_rms_norm(x, residual, weight, eps)
     return ref_rmsnorm.add_rms_norm(x, residual, weight, eps)
+
+
+def _mixed_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                out_dtype: torch.dtype) -> bool:
+    """Whether native_cpu.add_rms_norm_mixed takes these: on the CPU, x fp32 or bf16, the
+    residual and weight fp32, the output fp32 or bf16, C kernels on."""
+    return (x.is_cpu and x.dtype in native_cpu.KV_DTYPES and out_dtype in native_cpu.KV_DTYPES
+            and residual.dtype is torch.float32 and weight.dtype is torch.float32
+            and x.shape == residual.shape and native_enabled())
 
 
 PACKED_COLUMNS = "packed_columns"
@@ -265,14 +299,37 @@ def packing_applies(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and use_native(weight)
 
 
-def pack_weight(param: torch.nn.Parameter, dtype: torch.dtype = torch.float32) -> None:
+def pack_weight(param: torch.nn.Parameter, dtype: torch.dtype = torch.float32,
+                bf16_batches: bool = False) -> None:
     """Repack a linear weight [N, K] in place (its data becomes native_cpu.pack's panels, in
     `dtype`: float32, or bfloat16 for half the bytes), for the C packed linear
     (ms_linear_packed_f32; against MKL: docs/benchmarks/2026-11-30-cpu-2core.md); it splits
-    its panels over torch's threads. `linear` takes it like any weight."""
+    its panels over torch's threads. `linear` takes it like any weight. With `bf16_batches`
+    (a bf16 model), bf16 panels also get oneDNN's prepacked copy where cpu_isa.onednn_bf16
+    (ONEDNN_WEIGHT): batches of ONEDNN_ROWS rows or more then run there, activations
+    rounded to bf16; without, every row keeps fp32 activations (bf16 weights alone)."""
     n = param.shape[0]
+    if dtype is torch.bfloat16 and bf16_batches and cpu_isa.onednn_bf16():
+        rows = param.data.to(torch.bfloat16).contiguous()
+        setattr(param, ONEDNN_WEIGHT, torch.ops.mkldnn._reorder_linear_weight(rows, 64))
     param.data = native_cpu.pack(param.data, dtype)
     setattr(param, PACKED_COLUMNS, n)
+
+
+ONEDNN_WEIGHT = "onednn_weight"
+"""Attribute of bf16 panels (pack_weight): the same weight in oneDNN's prepacked layout."""
+
+ONEDNN_ROWS = 4
+"""Rows from which a bf16 weight's linear runs in oneDNN (activations rounded to bf16, fp32
+accumulation; AMX or AVX512_BF16) rather than the C panels (fp32 activations, widened
+weights): measured one thread, the tiny model's shapes, casts included, the panels win at
+1-2 rows (x1.2-1.9), tie at 3-4, and lose from 6 (x1.4 at 8, x5-9 at 64-512 rows:
+`python -m meshserve.bench.linear_check`)."""
+
+
+def onednn_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The oneDNN copy of bf16 panels (pack_weight), or None."""
+    return getattr(weight, ONEDNN_WEIGHT, None)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -287,15 +344,23 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return weight[ids // panel, :, ids % panel].float()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ weight^T + bias: on GPU the Triton small-batch kernel where a measured rule picks
     it (triton_gemv.RULES: decode-sized batches of smaller weights), on the CPU the C kernel
-    for a packed weight (pack_weight) or where native_linear_applies; else torch (cuBLAS,
-    MKL)."""
+    for a packed weight (pack_weight; oneDNN from ONEDNN_ROWS rows of bf16 panels) or where
+    native_linear_applies; else torch (cuBLAS, MKL). The result is in `out_dtype` for
+    packed weights (default x's dtype; `linear_dtype` says which one costs no cast)."""
     n = packed_columns(weight)
     if n is not None:
-        return _linear_packed(x, weight, n, bias)
+        return _linear_packed(x, weight, n, bias, out_dtype or x.dtype)
+    out = _linear_plain(x, weight, bias)
+    return out if out_dtype is None or out.dtype is out_dtype else out.to(out_dtype)
+
+
+def _linear_plain(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """linear() for a weight [N, K] as loaded."""
     if (use_triton(x.device) and x.dim() == 2 and x.stride(-1) == 1
             and weight.stride(-1) == 1):
         gemv = _module("triton_gemv")
@@ -307,20 +372,43 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def linear_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype `linear(x, weight)` computes its result in: bf16 where oneDNN takes it
+    (bf16 panels, ONEDNN_ROWS rows or more), else x's. Asking linear for it saves a cast
+    where the next kernel reads it as well (SwiGLU between gate/up and down)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if onednn_weight(weight) is not None and rows >= ONEDNN_ROWS and x.is_cpu:
+        return torch.bfloat16
+    return x.dtype
+
+
 def _linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-    """linear() for a packed weight: the C kernel, or (reference kernels, another dtype)
-    torch on the weight unpacked, slow but the same product."""
-    if not native_packed(x, packed):
-        return torch.nn.functional.linear(x, native_cpu.unpack(packed, n).to(x.dtype), bias)
+                   bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """linear() for a packed weight: oneDNN from its prepacked copy for batches, the C
+    kernel, or (reference kernels, another dtype) torch on the weight unpacked, slow but
+    the same product."""
     flat = x.dim() == 2
     rows = x if flat else x.reshape(-1, x.shape[-1])
+    prepacked = onednn_weight(packed)
+    if prepacked is not None and rows.shape[0] >= ONEDNN_ROWS and x.is_cpu:
+        out = torch.ops.mkldnn._linear_pointwise(rows.to(torch.bfloat16), prepacked, None,
+                                                 "none", [], "")
+        if bias is not None:
+            out = out.to(bias.dtype) + bias
+        out = out.to(out_dtype)
+        return out if flat else out.view(*x.shape[:-1], n)
+    if rows.dtype is torch.bfloat16 and rows.is_cpu:  # a bf16 activation for the C kernel
+        rows = rows.float()
+    if not native_packed(rows, packed):
+        out = torch.nn.functional.linear(rows, native_cpu.unpack(packed, n).to(rows.dtype),
+                                         bias)
+        return (out if flat else out.view(*x.shape[:-1], n)).to(out_dtype)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     out = native_cpu.linear_packed(rows, packed, n, torch.get_num_threads())
     if not flat:
         out = out.view(*x.shape[:-1], n)
-    return out if bias is None else out + bias
+    return (out if bias is None else out + bias).to(out_dtype)
 
 
 NATIVE_LINEAR_ROWS = (1, 24)
@@ -363,7 +451,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
     if use_triton(x.device) and x.dim() == 2:
         return _module("triton_silu_mul").silu_and_mul(x)
-    if x.dim() == 2 and x.is_contiguous() and use_native(x):  # one pass, no chunk views
+    if x.dim() == 2 and x.is_contiguous() and x.is_cpu and x.dtype in native_cpu.KV_DTYPES \
+            and native_enabled():  # one pass, no chunk views
         return native_cpu.silu_mul(x)
     return ref_activation.silu_and_mul(x)
 

@@ -4,9 +4,10 @@ On the CPU the PyTorch reference path pays for every small op it launches (micro
 each) and for copying the paged KV cache into a padded tensor before attending over it.
 These kernels read the cache blocks in place and fuse RMSNorm into one pass.
 
-The library is compiled on first use with the system C compiler (`cc -O3 -march=native`)
+The library is compiled on first use with the system C compiler (`cc -O3`, for the path
+cpu_isa.selected() names: -march=native, or AVX2 and FMA only where MESHSERVE_CPU_ISA=avx2)
 into ~/.cache/meshserve/native (MESHSERVE_NATIVE_DIR overrides), keyed by the source, the
-compiler and this CPU's flags, so machines that share a home directory never load each
+compiler, the path and this CPU's flags, so machines that share a home directory never load each
 other's builds. Concurrent ranks each write a temporary file and rename it into place.
 Without a compiler, or if the build fails, `library()` returns None once the reason has
 been printed, and dispatch keeps the reference kernels.
@@ -28,10 +29,16 @@ from pathlib import Path
 
 import torch
 
+from meshserve.kernels import cpu_isa
+
 NATIVE = Path(__file__).resolve().parent / "native"
 SOURCES = (NATIVE / "cpu_kernels.c", NATIVE / "decoder.c")
 HEADERS = (NATIVE / "cpu_kernels.h",)
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c99"]
+FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c99"]
+ISA_FLAGS = {"avx512": ["-march=native"], "avx2": ["-march=haswell", "-mtune=native"],
+             "none": ["-march=native"]}
+"""Code generation per cpu_isa path: the avx2 build keeps to AVX2 and FMA (the C code's
+AVX-512 parts are compiled out) even on a CPU with AVX-512, so both paths run here."""
 DIR_VAR = "MESHSERVE_NATIVE_DIR"
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -47,13 +54,14 @@ def _cpu_id() -> str:
     return f"{platform.machine()} {platform.processor()} {flags}"
 
 
-def _build(compiler: str, out: Path) -> None:
-    """Compile SOURCES into `out` atomically (a temporary file renamed into place)."""
+def _build(compiler: str, flags: list[str], out: Path) -> None:
+    """Compile SOURCES with `flags` into `out` atomically (a temporary file renamed into
+    place)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True,
+        subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp, out)
     finally:
@@ -69,14 +77,16 @@ def library() -> ctypes.CDLL | None:
         print("meshserve: no C compiler (cc) found; the CPU runs the PyTorch reference "
               "kernels", file=sys.stderr)
         return None
+    isa = cpu_isa.selected()
+    flags = [*FLAGS, *ISA_FLAGS[isa]]
     text = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
     key = hashlib.sha256(text + compiler.encode() + _cpu_id().encode() +
-                         " ".join(FLAGS).encode()).hexdigest()[:16]
+                         " ".join(flags).encode()).hexdigest()[:16]
     root = Path(os.environ.get(DIR_VAR) or Path.home() / ".cache" / "meshserve" / "native")
-    path = root / f"cpu_kernels-{key}.so"
+    path = root / f"cpu_kernels-{isa}-{key}.so"
     try:
         if not path.exists():
-            _build(compiler, path)
+            _build(compiler, flags, path)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
@@ -90,6 +100,9 @@ def library() -> ctypes.CDLL | None:
     lib.ms_rms_norm_f32.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _f32]
     lib.ms_add_rms_norm_f32.restype = None
     lib.ms_add_rms_norm_f32.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32]
+    lib.ms_add_rms_norm_mixed.restype = None
+    lib.ms_add_rms_norm_mixed.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64,
+                                          _f32]
     lib.ms_rotary_inplace_f32.restype = None
     lib.ms_rotary_inplace_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr]
     lib.ms_write_kv_f32.restype = None
@@ -116,6 +129,10 @@ def library() -> ctypes.CDLL | None:
     lib.ms_unpack_rows_bf16.argtypes = [_ptr, _i64, _ptr, _i64, _ptr]
     lib.ms_silu_mul_f32.restype = None
     lib.ms_silu_mul_f32.argtypes = [_ptr, _ptr, _i64, _i64]
+    lib.ms_read_bytes.restype = ctypes.c_uint64
+    lib.ms_read_bytes.argtypes = [_ptr, _i64]
+    lib.ms_silu_mul_bf16.restype = None
+    lib.ms_silu_mul_bf16.argtypes = [_ptr, _ptr, _i64, _i64]
     lib.ms_decoder_forward_f32.restype = ctypes.c_int
     lib.ms_decoder_forward_f32.argtypes = [ctypes.POINTER(DecoderStruct), _i64, _ptr, _ptr,
                                            _ptr, _ptr, _i64, _ptr, _ptr]
@@ -207,6 +224,23 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     width = x.shape[-1]
     lib.ms_add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.contiguous().data_ptr(),
                             out.data_ptr(), summed.data_ptr(), x.numel() // width, width, eps)
+    return out, summed
+
+
+def add_rms_norm_mixed(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float, out_dtype: torch.dtype
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) in out_dtype, x + residual in fp32) for x fp32 or bf16 and
+    out_dtype fp32 or bf16; without a residual, (rms_norm(x), x) for x fp32."""
+    x = x.contiguous()
+    width = x.shape[-1]
+    out = torch.empty(x.shape, dtype=out_dtype)
+    summed = x if residual is None else torch.empty(x.shape, dtype=torch.float32)
+    _loaded().ms_add_rms_norm_mixed(
+        x.data_ptr(), int(x.dtype is torch.bfloat16),
+        None if residual is None else residual.contiguous().data_ptr(),
+        weight.contiguous().data_ptr(), out.data_ptr(), int(out_dtype is torch.bfloat16),
+        summed.data_ptr(), x.numel() // width, width, eps)
     return out, summed
 
 
@@ -383,12 +417,23 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return pool
 
 
+def read_bytes(buf: torch.Tensor) -> int:
+    """Read every byte of `buf` (contiguous, 64-byte aligned, a multiple of 256 bytes) once
+    in C, with this build's widest loads; returns a checksum of them."""
+    n = buf.numel() * buf.element_size()
+    assert buf.is_contiguous() and buf.data_ptr() % 64 == 0 and n % 256 == 0, (n, buf.data_ptr())
+    return int(_loaded().ms_read_bytes(buf.data_ptr(), n))
+
+
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2I] = [gate | up], contiguous -> silu(gate) * up [T, I]."""
+    """x [T, 2I] = [gate | up], contiguous, fp32 or bf16 -> silu(gate) * up [T, I] in x's
+    dtype (computed in fp32)."""
     rows, width = x.shape[0], x.shape[1] // 2
-    out = torch.empty(rows, width, dtype=torch.float32)
+    out = torch.empty(rows, width, dtype=x.dtype)
     if rows:
-        _loaded().ms_silu_mul_f32(x.data_ptr(), out.data_ptr(), rows, width)
+        kernel = (_loaded().ms_silu_mul_bf16 if x.dtype is torch.bfloat16
+                  else _loaded().ms_silu_mul_f32)
+        kernel(x.data_ptr(), out.data_ptr(), rows, width)
     return out
 
 

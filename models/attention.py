@@ -62,9 +62,12 @@ class Attention(nn.Module):
         self.k_cache, self.v_cache = k_cache, v_cache
 
     def forward_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    meta: AttentionMetadata) -> torch.Tensor:
+                    meta: AttentionMetadata, out_dtype: torch.dtype | None = None
+                    ) -> torch.Tensor:
         """qkv [T, H + 2 Hkv, D], the fused projection (this call may overwrite it): rotate
-        q and k by cos/sin [T, D/2], store K/V, attend -> [T, H, D]."""
+        q and k by cos/sin [T, D/2], store K/V, attend -> [T, H, D]. `out_dtype` bf16 (the
+        next linear rounds its input so anyway) lets the prompts' attention compute in bf16
+        over a bf16 cache (dispatch.prefill)."""
         h, hkv = self.num_heads, self.num_kv_heads
         decoded = dispatch.attend_qkv(qkv, h, hkv, cos, sin, self.k_cache, self.v_cache, meta,
                                       self.scale, self.sliding_window)
@@ -73,7 +76,7 @@ class Attention(nn.Module):
             return self(qk[:, :h], qk[:, h:], qkv[:, h + hkv:], meta)
         if not meta.prefills:
             return decoded
-        out = torch.empty_like(qkv[:, :h])
+        out = torch.empty_like(qkv[:, :h], dtype=out_dtype or qkv.dtype)
         out[:meta.num_decode_tokens] = decoded
         meta.prefill_batch = dispatch.prefill(qkv[:, :h], qkv[:, h:h + hkv], qkv[:, h + hkv:],
                                               self.k_cache, self.v_cache, meta.prefills, out,

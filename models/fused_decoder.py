@@ -36,6 +36,8 @@ class FusedDecoder:
         mlp = layers[0].mlp
         self.weight_dtype = attn.qkv_proj.weight.dtype
         """What the packed panels hold (fp32, or bf16: model.cpu_weight_dtype)."""
+        self.onednn = dispatch.onednn_weight(attn.qkv_proj.weight) is not None
+        """Whether the modules run batches in oneDNN (bf16 panels with its copy)."""
         structs = []
         row_flops = 0
         for layer in layers:
@@ -127,7 +129,10 @@ class FusedDecoder:
                 and head.dtype is self.weight_dtype and self._one_thread(rows))
 
     def _one_thread(self, rows: int) -> bool:
-        """Whether every linear of `rows` rows would run on one thread anyway."""
+        """Whether every linear of `rows` rows would run on one thread anyway, in the C
+        panels (not oneDNN: dispatch.ONEDNN_ROWS)."""
+        if self.onednn and rows >= dispatch.ONEDNN_ROWS:
+            return False
         return native_cpu.linear_threads(rows * self.row_flops, torch.get_num_threads()) == 1
 
     def draft_greedy(self, head: torch.Tensor, drafted: torch.Tensor, start: torch.Tensor,

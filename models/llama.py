@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from meshserve.kernels import dispatch
 from meshserve.kernels.dispatch import add_rms_norm, rms_norm, silu_and_mul
 from meshserve.models.arch import ModelArch
 from meshserve.models.attention import Attention, AttentionMetadata
@@ -31,12 +32,12 @@ class RMSNorm(nn.Module):
             nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False),
             default_weight_loader)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (normed, new residual)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (normed, in `out_dtype`: default x's; new residual)."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps), x
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, out_dtype), x
+        return add_rms_norm(x, residual, self.weight, self.eps, out_dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -56,11 +57,14 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, arch.sliding_window)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, act_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The block's output, in the dtype its last linear computed it in (bf16 from
+        oneDNN); q, k and v in `act_dtype` (default x's)."""
         t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(t, h + 2 * hkv, self.head_dim)
-        out = self.attn.forward_qkv(qkv, *cos_sin, meta)
-        return self.o_proj(out.reshape(t, h * self.head_dim))
+        qkv = self.qkv_proj(x, act_dtype).view(t, h + 2 * hkv, self.head_dim)
+        low = dispatch.linear_dtype(x, self.o_proj.weight)  # what o_proj rounds its input to
+        out = self.attn.forward_qkv(qkv, *cos_sin, meta, low).reshape(t, h * self.head_dim)
+        return self.o_proj(out, dispatch.linear_dtype(out, self.o_proj.weight))
 
 
 class LlamaMLP(nn.Module):
@@ -75,7 +79,13 @@ class LlamaMLP(nn.Module):
                                            dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        # gate/up's result stays in the dtype it was computed in (bf16 from oneDNN) through
+        # SwiGLU into down, which returns x's dtype
+        # Each result stays in the dtype it was computed in (bf16 from oneDNN): SwiGLU and
+        # the next RMSNorm read it so
+        up = self.gate_up_proj
+        mid = silu_and_mul(up(x, dispatch.linear_dtype(x, up.weight)))
+        return self.down_proj(mid, dispatch.linear_dtype(mid, self.down_proj.weight))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -91,9 +101,12 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 residual: torch.Tensor | None, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(cos_sin, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        act = x.dtype if residual is None else residual.dtype  # the residual stream's
+        # The norms write what the next linear reads: bf16 for a batch in oneDNN
+        low = dispatch.linear_dtype(x, self.self_attn.qkv_proj.weight)
+        x, residual = self.input_layernorm(x, residual, low)
+        x = self.self_attn(cos_sin, x, meta, act)
+        x, residual = self.post_attention_layernorm(x, residual, low)
         return self.mlp(x), residual
 
 
@@ -143,8 +156,10 @@ class LlamaModel(nn.Module):
             for hook in hooks:
                 hook(i, hidden.shape[0])
         if self.norm is not None:
-            hidden, _ = self.norm(hidden, residual)
+            hidden, _ = self.norm(hidden, residual, None if residual is None else residual.dtype)
             residual = None
+        elif residual is not None and hidden.dtype is not residual.dtype:
+            hidden = hidden.to(residual.dtype)  # the next stage receives the model's dtype
         return hidden, residual
 
 

@@ -148,12 +148,13 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", progress: bool = True,
                cpu_weight_layout: str = "auto", head_split: int | None = None,
                huge_pages: bool = True, arch: ModelArch | None = None,
-               cpu_weight_dtype: str = "auto") -> LlamaForCausalLM:
+               cpu_weight_dtype: str = "auto", bf16_batches: bool = False) -> LlamaForCausalLM:
     """Build the model for this rank (its TP shard, its PP layers) and load its weights
     (on CPU with cpu_weight_layout auto, linear weights are then packed for the C kernel
     where it runs, else wide ones go column-major; see ModelConfig.cpu_weight_layout; on
     CPU the weights then move to huge pages with `huge_pages`, host_memory.to_huge_pages;
-    `cpu_weight_dtype` bfloat16 packs them as bf16, ModelConfig.cpu_weight_dtype).
+    `cpu_weight_dtype` bfloat16 packs them as bf16, ModelConfig.cpu_weight_dtype; with
+    `bf16_batches`, a bf16 model's, batches run in oneDNN: dispatch.pack_weight).
     `arch`: the directory's config.json already parsed (else it is read here)."""
     path = Path(model_dir)
     if not path.is_dir():
@@ -168,7 +169,8 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
         if cpu_weight_layout in ("auto", "packed"):
             bf16 = cpu_weight_dtype == "bfloat16"
             pack_linear_weights(model, required=cpu_weight_layout == "packed" or bf16,
-                                dtype=torch.bfloat16 if bf16 else torch.float32)
+                                dtype=torch.bfloat16 if bf16 else torch.float32,
+                                bf16_batches=bf16_batches)
         if cpu_weight_layout in ("auto", "column"):
             column_major_wide_weights(model)
         if huge_pages:
@@ -196,7 +198,7 @@ def _linear_weights(model: torch.nn.Module, tied: bool = False) -> list[torch.nn
 
 
 def pack_linear_weights(model: torch.nn.Module, *, required: bool = False,
-                        dtype: torch.dtype = torch.float32) -> int:
+                        dtype: torch.dtype = torch.float32, bf16_batches: bool = False) -> int:
     """Repack every linear weight for the C packed kernel (dispatch.pack_weight) where it
     applies (fp32 on the CPU, the C kernels built), a head tied to the embedding too (the
     embedding gathers its rows from the panels: dispatch.embedding), as `dtype` panels;
@@ -212,7 +214,7 @@ def pack_linear_weights(model: torch.nn.Module, *, required: bool = False,
                 "cpu_weight_dtype auto and float32")
         return 0
     for w in weights:
-        dispatch.pack_weight(w, dtype)
+        dispatch.pack_weight(w, dtype, bf16_batches)
     return len(weights)
 
 

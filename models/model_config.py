@@ -25,7 +25,10 @@ class ModelConfig:
     """Local Hugging Face model directory; null uses the bundled model called `name`."""
 
     dtype: str = "auto"
-    """Compute dtype: auto (float32 on CPU, the checkpoint's dtype on GPU), float32, bfloat16, float16."""
+    """Model dtype: auto (the checkpoint's, but float32 on CPU unless the checkpoint is
+    bf16), float32, bfloat16, float16. On CPU a bfloat16 model holds bf16 weights
+    (cpu_weight_dtype) and computes its activations in fp32, or bf16 where a kernel is
+    faster so (batched linears in oneDNN); float32 keeps fp32 weights and activations."""
 
     arch: dict[str, Any] | None = None
     """Config-only shape (Hugging Face config.json keys) for planning without weights."""
@@ -36,10 +39,13 @@ class ModelConfig:
     every weight as loaded; auto is packed where it applies, else column. No effect on GPU."""
 
     cpu_weight_dtype: str = "auto"
-    """On CPU, what the packed panels hold: auto and float32 keep the fp32 weights; bfloat16
-    rounds each to bf16 (lossless for a bf16 checkpoint), half the bytes a decode step
-    streams, widened back to fp32 in the C kernel as it computes. Needs packed panels
-    (cpu_weight_layout auto or packed, an fp32 model, the C kernels). No effect on GPU."""
+    """On CPU, what the packed panels hold: auto is bfloat16 for a bf16 model (dtype) with
+    packed panels and the C kernels, else float32; bfloat16 rounds each weight to bf16
+    (lossless for a bf16 checkpoint), half the bytes a decode step streams, widened to fp32
+    in the C kernels as they compute (where the CPU has AVX512_BF16 or AMX, batches of 4
+    rows or more run in oneDNN from its own prepacked copy); float32 keeps fp32 weights.
+    Needs packed panels (cpu_weight_layout auto or packed, the C kernels). No effect on
+    GPU."""
 
     @property
     def label(self) -> str:

@@ -15,6 +15,7 @@ import torch
 
 from meshserve.engine.config.auto_layout import resolve_layout
 from meshserve.engine.config.runtime_config import RuntimeConfig
+from meshserve.kernels import dispatch
 from meshserve.models.arch import ModelArch
 from meshserve.models.bundled import resolve_draft_dir, resolve_model_dir
 from meshserve.parallel.comm.discovery import LaunchEnv, discover
@@ -125,19 +126,51 @@ def async_scheduling(run: Run) -> bool:
     return asked
 
 
+def model_dtype(run: Run) -> str:
+    """The run's model dtype (the planner's rule, resolve_dtype: auto is the checkpoint's
+    dtype, but float32 on a CPU for anything other than bf16)."""
+    return resolve_dtype(run.config.model.dtype, run.arch.dtype, run.device_type)
+
+
 def compute_dtype(run: Run) -> torch.dtype:
-    """The dtype the model computes in (the planner's rule: auto is float32 on CPU, the
-    checkpoint's dtype on GPU)."""
-    return DTYPES[resolve_dtype(run.config.model.dtype, run.arch.dtype, run.device_type)]
+    """The dtype the model's activations and its modules' tensors are in: the model dtype,
+    except that a bf16 model on a CPU computes in fp32 around bf16 weights (cpu_weights)."""
+    dtype = model_dtype(run)
+    return torch.float32 if run.device_type == "cpu" and dtype == "bfloat16" else DTYPES[dtype]
+
+
+def cpu_weights(run: Run, checkpoint_dtype: str | None = None) -> str:
+    """What a CPU run's linear weights are held in (model.cpu_weight_dtype): as asked, or
+    for auto bf16 where the model dtype is bf16 and the weights are packed panels (the C
+    kernels built and on), else float32. `checkpoint_dtype`: another checkpoint's (a draft model's) instead of the
+    run's."""
+    mc = run.config.model
+    if mc.cpu_weight_dtype != "auto":
+        return mc.cpu_weight_dtype
+    dtype = resolve_dtype(mc.dtype, checkpoint_dtype or run.arch.dtype, run.device_type)
+    packed = mc.cpu_weight_layout in ("auto", "packed") and dispatch.native_enabled()
+    return "bfloat16" if dtype == "bfloat16" and packed else "float32"
+
+
+def cpu_bf16_batches(run: Run, checkpoint_dtype: str | None = None) -> bool:
+    """Whether a CPU run's batched linears compute in bf16 (oneDNN, activations rounded):
+    a bf16 model with bf16 weights. bf16 weights under an fp32 model keep fp32
+    activations (model.cpu_weight_dtype=bfloat16 with model.dtype=float32)."""
+    dtype = resolve_dtype(run.config.model.dtype, checkpoint_dtype or run.arch.dtype,
+                          run.device_type)
+    return (run.device_type == "cpu" and dtype == "bfloat16"
+            and cpu_weights(run, checkpoint_dtype) == "bfloat16")
 
 
 def kv_cache_dtype(run: Run) -> torch.dtype:
-    """What the run's KV cache stores (engine.kv_cache_dtype; auto: the compute dtype). A
+    """What the run's KV cache stores (engine.kv_cache_dtype; auto: the model dtype). A
     dtype other than the compute dtype is for CPU runs (GPU attention kernels read the
     model's dtype)."""
     asked = run.config.engine.kv_cache_dtype
     compute = compute_dtype(run)
-    if asked == "auto" or DTYPES[asked] is compute:
+    if asked == "auto":
+        return DTYPES[model_dtype(run)]
+    if DTYPES[asked] is compute:
         return compute
     if run.device_type != "cpu":
         raise ValueError(f"engine.kv_cache_dtype={asked} with a model computing in "

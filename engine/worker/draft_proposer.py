@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshserve.engine.config.run import Run, kv_cache_dtype
+from meshserve.engine.config.run import Run, cpu_bf16_batches, cpu_weights, kv_cache_dtype
 from meshserve.engine.core.sampling_params import SamplingParams, SequenceSampling
 from meshserve.engine.core.scheduler_output import ScheduledSeq
 from meshserve.engine.worker.kv_cache import allocate_kv_cache, bytes_per_block
@@ -80,7 +80,8 @@ class DraftProposer:
         self.model = model or load_model(
             run.draft_dir, dtype=dtype, device=device, progress=False,
             cpu_weight_layout=run.config.model.cpu_weight_layout, huge_pages=ec.cpu_huge_pages,
-            cpu_weight_dtype=run.config.model.cpu_weight_dtype,
+            cpu_weight_dtype=cpu_weights(run, run.draft_arch.dtype),
+            bf16_batches=cpu_bf16_batches(run, run.draft_arch.dtype),
             arch=run.draft_arch)
         self.block_size = ec.block_size
         self.engine_seed = ec.seed

@@ -16,7 +16,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from meshserve.engine.config.run import Run, async_scheduling, compute_dtype, kv_cache_dtype
+from meshserve.engine.config.run import (
+    Run,
+    async_scheduling,
+    compute_dtype,
+    cpu_bf16_batches,
+    cpu_weights,
+    kv_cache_dtype,
+)
 from meshserve.engine.core.sampling_params import SequenceSampling
 from meshserve.engine.core.scheduler_output import PLACEHOLDER_TOKEN, ScheduledSeq
 from meshserve.engine.worker.draft_proposer import DraftProposer
@@ -120,7 +127,7 @@ class Worker:
             run.model_dir, dtype=self.dtype, tp=groups.tp if groups else SINGLE,
             layer_range=layer_range, device=device, progress=progress,
             cpu_weight_layout=run.config.model.cpu_weight_layout, head_split=self.head_split,
-            cpu_weight_dtype=run.config.model.cpu_weight_dtype,
+            cpu_weight_dtype=cpu_weights(run), bf16_batches=cpu_bf16_batches(run),
             huge_pages=ec.cpu_huge_pages, arch=arch)
         self.hidden_size, self.vocab_size = arch.hidden_size, arch.vocab_size
         self.is_first_stage = groups is None or groups.is_first_stage

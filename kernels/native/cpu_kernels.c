@@ -517,6 +517,88 @@ void ms_silu_mul_f32(const float *x, float *out, int64_t rows, int64_t width) {
     }
 }
 
+/* ms_silu_mul_f32 for bf16 activations (a oneDNN gate/up's output): each value widened,
+ * silu(g) * u computed in fp32 and rounded to bf16 (nearest even) once. Eight at a time
+ * with exp8 where AVX2 is there. */
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 load8_bf16(const uint16_t *p) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* fp32 -> bf16, nearest even, eight at a time (to_bf16's rounding; a NaN stays a NaN). */
+static inline __m128i round8_bf16(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, lsb),
+                                                   _mm256_set1_epi32(0x7fff)), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16),
+                                              _mm256_set1_epi32(0x40)), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+#endif
+
+void ms_silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t width) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = x + r * 2 * width, *u = g + width;
+        uint16_t *o = out + r * width;
+        int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.0f), top = _mm256_set1_ps(88.0f);
+        for (; i + 8 <= width; i += 8) {
+            const __m256 gv = load8_bf16(g + i);
+            const __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv), top));
+            const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+            _mm_storeu_si128((__m128i *)(o + i),
+                             round8_bf16(_mm256_mul_ps(s, load8_bf16(u + i))));
+        }
+#endif
+        for (; i < width; i++) {
+            const float gi = kv_at(g, i, 1), ui = kv_at(u, i, 1);
+            o[i] = to_bf16(gi / (1.0f + expf(-gi)) * ui);
+        }
+    }
+}
+
+/* RMSNorm with bf16 at either end (a bf16 model's batched steps: oneDNN linears read and
+ * write bf16): residual_out = x + residual (fp32; x fp32 or, with x_bf16, bf16 widened),
+ * out = rms_norm(residual_out) as ms_rms_norm_f32 computes it, stored as fp32 or, with
+ * out_bf16, rounded to bf16. Without a residual (NULL), x itself (fp32) is normed and
+ * residual_out is not written. */
+void ms_add_rms_norm_mixed(const void *x, int64_t x_bf16, const float *residual,
+                           const float *weight, void *out, int64_t out_bf16,
+                           float *residual_out, int64_t rows, int64_t width, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *src;
+        if (residual) {
+            const float *rr = residual + r * width;
+            float *sr = residual_out + r * width;
+            for (int64_t i = 0; i < width; i++)
+                sr[i] = (x_bf16 ? kv_at(x, r * width + i, 1) : ((const float *)x)[r * width + i])
+                        + rr[i];
+            src = sr;
+        } else {
+            src = (const float *)x + r * width;
+        }
+        const float inv = 1.0f / sqrtf(sum_squares(src, width) / (float)width + eps);
+        if (!out_bf16) {
+            float *yr = (float *)out + r * width;
+            for (int64_t i = 0; i < width; i++) yr[i] = weight[i] * (src[i] * inv);
+            continue;
+        }
+        uint16_t *yr = (uint16_t *)out + r * width;
+        int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 iv = _mm256_set1_ps(inv);
+        for (; i + 8 <= width; i += 8)
+            _mm_storeu_si128((__m128i *)(yr + i), round8_bf16(_mm256_mul_ps(
+                _mm256_loadu_ps(weight + i), _mm256_mul_ps(_mm256_loadu_ps(src + i), iv))));
+#endif
+        for (; i < width; i++) yr[i] = to_bf16(weight[i] * (src[i] * inv));
+    }
+}
+
 /* Rotary embedding (rotate-half layout) in place: x [T, H, D] with token stride t_stride and
  * heads D apart; cos, sin [T, D/2] contiguous. Each product is rounded before the sum, as
  * PyTorch's x1 * cos - x2 * sin does (this file is built without FMA contraction). */
@@ -1093,4 +1175,45 @@ static int64_t argmax_row(const float *x, int64_t n) {
 
 void ms_argmax_rows_f32(const float *x, int64_t xs, int64_t rows, int64_t cols, int64_t *out) {
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * xs, cols);
+}
+
+/* Reads `bytes` (a multiple of 256) from p (64-byte aligned) once, in order, with the
+ * widest loads this build has; returns the XOR of its 64-bit words (so nothing is
+ * skipped). The
+ * single-thread read bandwidth a decode step's weight streaming is measured against
+ * (bench/decode_bandwidth.py). */
+uint64_t ms_read_bytes(const void *p, int64_t bytes) {
+#if defined(__AVX512F__)
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    const __m512i *v = p;
+    for (int64_t i = 0; i < bytes / 64; i += 4) {
+        a0 = _mm512_xor_si512(a0, _mm512_load_si512(v + i));
+        a1 = _mm512_xor_si512(a1, _mm512_load_si512(v + i + 1));
+        a2 = _mm512_xor_si512(a2, _mm512_load_si512(v + i + 2));
+        a3 = _mm512_xor_si512(a3, _mm512_load_si512(v + i + 3));
+    }
+    a0 = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
+    uint64_t lanes[8], x = 0;
+    memcpy(lanes, &a0, sizeof(lanes));
+    for (int i = 0; i < 8; i++) x ^= lanes[i];
+    return x;
+#elif defined(__AVX2__)
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    const __m256i *v = p;
+    for (int64_t i = 0; i < bytes / 32; i += 4) {
+        a0 = _mm256_xor_si256(a0, _mm256_load_si256(v + i));
+        a1 = _mm256_xor_si256(a1, _mm256_load_si256(v + i + 1));
+        a2 = _mm256_xor_si256(a2, _mm256_load_si256(v + i + 2));
+        a3 = _mm256_xor_si256(a3, _mm256_load_si256(v + i + 3));
+    }
+    a0 = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
+    uint64_t lanes[4];
+    memcpy(lanes, &a0, sizeof(lanes));
+    return lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
+#else
+    const uint64_t *v = p;
+    uint64_t a = 0;
+    for (int64_t i = 0; i < bytes / 8; i++) a ^= v[i];
+    return a;
+#endif
 }

@@ -46,8 +46,9 @@ class ColumnParallelLinear(_ParallelLinear):
         check_shape(loaded, expected)
         param.data.copy_(loaded.narrow(0, self.tp.rank * self.out_local, self.out_local))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ weight^T + bias, in `out_dtype` (dispatch.linear; default x's dtype)."""
+        return linear(x, self.weight, self.bias, out_dtype)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -125,6 +126,7 @@ class RowParallelLinear(_ParallelLinear):
         check_shape(loaded, (self.output_size, self.input_size))
         param.data.copy_(loaded.narrow(1, self.tp.rank * self.in_local, self.in_local))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight))
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The partial products all-reduced, plus the bias, in `out_dtype` (default x's)."""
+        y = self.tp.all_reduce(linear(x, self.weight, out_dtype=out_dtype))
         return y if self.bias is None else y + self.bias

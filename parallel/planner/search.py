@@ -333,21 +333,25 @@ def explain(ranked: list[Candidate], cands: list[Candidate], scenario: ScenarioC
 
 
 def resolve_dtype(model_dtype: str, checkpoint_dtype: str, device_type: str) -> str:
-    """The dtype the runtime computes in: auto is float32 on CPU, the checkpoint's on GPU."""
+    """The model dtype of a run: auto is the checkpoint's, but float32 on a CPU for
+    anything other than bf16 (a bf16 model on a CPU holds bf16 weights and computes its
+    activations in fp32 or bf16 per kernel)."""
     if model_dtype != "auto":
         return model_dtype
-    return "float32" if device_type == "cpu" else checkpoint_dtype
+    if device_type == "cpu" and checkpoint_dtype != "bfloat16":
+        return "float32"
+    return checkpoint_dtype
 
 
 def shape_for(config: RunLike, arch: ArchLike, device_type: str) -> ModelShape:
     """The cost model's view of a run's model: its compute dtype (resolve_dtype), its KV
-    cache's (engine.kv_cache_dtype; auto: the compute dtype) and, on a CPU, its weights'
-    (model.cpu_weight_dtype)."""
+    cache's (engine.kv_cache_dtype; auto: the model dtype) and, on a CPU, its weights'
+    (model.cpu_weight_dtype; auto: the model dtype)."""
     dtype = resolve_dtype(config.model.dtype, getattr(arch, "dtype", "bfloat16"), device_type)
     kv = config.engine.kv_cache_dtype
     weights = config.model.cpu_weight_dtype
     return ModelShape.from_arch(arch, dtype, None if kv == "auto" else kv,
-                                weights if device_type == "cpu" and weights == "bfloat16"
+                                weights if device_type == "cpu" and weights != "auto"
                                 else None)
 
 

@@ -112,7 +112,7 @@ def test_compare_outputs_reports_the_first_divergence() -> None:
     ("bench.peers=[hf-static-0]", r"bench\.peers=\['hf-static-0'\] is invalid"),
     ("bench.peers=[vllm]", r"bench\.peers=\['vllm'\] is invalid: allowed is distinct names"),
     ("bench.repeats=0", r"bench\.repeats=0 is invalid"),
-    ("bench.model=huge", r"bench\.model='huge' is invalid: allowed is null or one of \['big', "),
+    ("bench.model=huge", r"bench\.model='huge' is invalid: allowed is null or one of \['120m', "),
     ("bench.rate=-1", r"bench\.rate=-1\.0 is invalid"),
     ("bench.num_requests=0", r"bench\.num_requests=0 is invalid"),
 ])

@@ -18,7 +18,7 @@ from meshserve.engine.config.run import kv_cache_dtype, resolve_run
 from meshserve.engine.config.runtime_config import load_runtime_config
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
-ONE_RANK = ["parallel=single"]
+ONE_RANK = ["parallel=single", "model.dtype=float32"]  # fp32 activations, a bf16 cache
 MODES = {
     "continuous": [],
     "chunk-7": ["engine.max_num_batched_tokens=7"],

@@ -65,7 +65,8 @@ def ask(max_tokens: int = 2, top: int = TOP) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, prompt_logprobs=top)
 
 
-ONE_RANK = ["parallel=single", "threads=1"]
+FP32 = "model.dtype=float32"  # the reference is transformers fp32
+ONE_RANK = ["parallel=single", "threads=1", FP32]
 MODES = {
     "whole": [],
     "chunk-5": ["engine.max_num_batched_tokens=5"],
@@ -115,7 +116,7 @@ def test_only_the_token_itself_at_zero_and_outputs_unchanged(reference) -> None:
                                     ["parallel.dp=2"]],
                          ids=["tp2", "pp2-split-head", "dp2"])
 def test_prompt_logprobs_under_parallel_layouts(layout: list[str], reference) -> None:
-    llm = LLM("meshcoder", overrides=["threads=1", *layout], progress=False)
+    llm = LLM("meshcoder", overrides=["threads=1", FP32, *layout], progress=False)
     try:
         check(llm.generate(PROMPTS, ask()), reference)
     finally:
@@ -125,7 +126,8 @@ def test_prompt_logprobs_under_parallel_layouts(layout: list[str], reference) ->
 def test_prompt_logprobs_across_a_prefill_decode_split(reference) -> None:
     """The prefill replica scores the prompt; the output that reaches the user carries it,
     and the decode replica (which imports the KV) scores nothing again."""
-    llm = LLM("meshcoder", overrides=["parallel=single", "threads=1", "engine.block_size=8",
+    llm = LLM("meshcoder", overrides=["parallel=single", "threads=1", FP32,
+                                      "engine.block_size=8",
                                       "disagg=manual", "disagg.min_prefill_tokens=16"],
               progress=False)
     try:

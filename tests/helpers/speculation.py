@@ -7,7 +7,9 @@ from __future__ import annotations
 from meshserve import LLM, SamplingParams
 from meshserve.engine.engine import Engine
 
-ONE_RANK = ["parallel=single", "threads=1"]
+FP32 = "model.dtype=float32"
+"""Token identity across batch shapes holds in fp32 (bf16 batches round in oneDNN)."""
+ONE_RANK = ["parallel=single", "threads=1", FP32]
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
     "import os\nimport sys\nimport re\nimport os\nimport sys\n",
@@ -30,7 +32,7 @@ batches, no prefix cache."""
 def check_prefix_hits_under_tensor_parallel(spec: list[str], plain: list[list[int]]) -> None:
     """TP=2 with small blocks, the prompts twice: both passes equal plain decoding, the
     second hits the prefix cache, and drafts were accepted."""
-    llm = LLM("meshcoder", overrides=[*spec, "parallel.tp=2", "engine.block_size=4"],
+    llm = LLM("meshcoder", overrides=[*spec, FP32, "parallel.tp=2", "engine.block_size=4"],
               progress=False)
     try:
         first = llm.generate(PROMPTS, GREEDY)

@@ -20,7 +20,7 @@ def setup(*overrides: str):  # noqa: ANN201
     return model_shape(cfg, cfg.cluster), cfg.cluster, scenario, options_for(cfg)
 
 
-CPU_RAG = ("model=meshcoder", "cluster=local-cpu", "scenario=rag")  # prompts stall decodes
+CPU_RAG = ("model=meshcoder", "model.dtype=float32", "cluster=local-cpu", "scenario=rag")  # prompts stall decodes
 H100_CHAT = ("model=llama-3-8b", "cluster=dgx-h100", "scenario=chatbot")  # the batch cap binds
 
 

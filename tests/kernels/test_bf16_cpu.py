@@ -1,0 +1,108 @@
+"""The CPU's bf16 paths against torch: SwiGLU and RMSNorm with bf16 at either end, and the
+linear of bf16 panels (the C kernel for decode rows, oneDNN's prepacked copy for batches)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshserve.kernels import cpu_isa, dispatch, native_cpu
+from meshserve.kernels import rmsnorm as ref_rmsnorm
+
+pytestmark = pytest.mark.skipif(native_cpu.library() is None, reason="no C compiler")
+
+BF16_ULP = 2.0 ** -7
+"""A bf16 value's spacing relative to its size (8 bits of mantissa)."""
+
+
+def close_bf16(got: torch.Tensor, want: torch.Tensor, ulps: float = 1.0) -> None:
+    """got within `ulps` bf16 spacings of want, element by element (NaN where NaN)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    g, w = got.float(), want.float()
+    assert torch.equal(g.isnan(), w.isnan())
+    g, w = g.nan_to_num(), w.nan_to_num()
+    assert ((g - w).abs() <= ulps * BF16_ULP * w.abs() + 1e-30).all(), (g - w).abs().max()
+
+
+@pytest.mark.parametrize("width", [1, 7, 8, 704, 1411])
+def test_silu_mul_bf16_matches_torch(width: int) -> None:
+    torch.manual_seed(width)
+    x = (torch.randn(9, 2 * width) * 6).bfloat16()
+    x[0, 0] = float("nan")
+    x[1, 0] = -120.0  # exp(120) overflows fp32: silu is -0
+    x[2, 0] = 120.0
+    got = native_cpu.silu_mul(x)
+    gate, up = x.float().chunk(2, dim=-1)
+    want = (torch.nn.functional.silu(gate) * up).bfloat16()  # one rounding, as the kernel
+    assert got.dtype is torch.bfloat16
+    close_bf16(got, want)
+    assert torch.equal(dispatch.silu_and_mul(x).view(torch.int16), got.view(torch.int16))
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_mixed_matches_the_reference(x_dtype: torch.dtype,
+                                                  out_dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 67).to(x_dtype)
+    residual, weight = torch.randn(5, 67), torch.rand(67) + 0.5
+    out, summed = dispatch.add_rms_norm(x, residual, weight, 1e-5, out_dtype)
+    want_out, want_sum = ref_rmsnorm.add_rms_norm(x.float(), residual, weight, 1e-5)
+    assert summed.dtype is torch.float32 and torch.equal(summed, want_sum)
+    assert out.dtype is out_dtype
+    if out_dtype is torch.bfloat16:
+        close_bf16(out, want_out.bfloat16())
+    else:
+        torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_writes_bf16_for_the_next_linear() -> None:
+    torch.manual_seed(1)
+    x, weight = torch.randn(6, 40), torch.rand(40) + 0.5
+    got = dispatch.rms_norm(x, weight, 1e-6, torch.bfloat16)
+    close_bf16(got, ref_rmsnorm.rms_norm(x, weight, 1e-6).bfloat16())
+
+
+def packed(n: int, k: int, seed: int = 0) -> tuple[torch.nn.Parameter, torch.Tensor]:
+    """(bf16 panels of a random [n, k] weight, the weight's bf16 values widened)."""
+    torch.manual_seed(seed)
+    w = torch.randn(n, k) / k ** 0.5
+    param = torch.nn.Parameter(w.clone(), requires_grad=False)
+    dispatch.pack_weight(param, torch.bfloat16, bf16_batches=True)
+    return param, w.bfloat16().float()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64])
+def test_bf16_panels_linear(rows: int) -> None:
+    param, w = packed(100, 72)
+    x = torch.randn(rows, 72)
+    bias = torch.randn(100)
+    onednn = dispatch.onednn_weight(param) is not None
+    assert onednn == cpu_isa.onednn_bf16()
+    batched = onednn and rows >= dispatch.ONEDNN_ROWS
+    assert dispatch.linear_dtype(x, param) is (torch.bfloat16 if batched else torch.float32)
+    got = dispatch.linear(x, param, bias)
+    assert got.dtype is torch.float32 and got.shape == (rows, 100)
+    if batched:  # activations rounded to bf16, fp32 accumulation, the result rounded
+        want = x.bfloat16().float() @ w.t() + bias
+        torch.testing.assert_close(got, want, rtol=2 * BF16_ULP, atol=0.05)
+    else:  # fp32 activations against the widened weights
+        torch.testing.assert_close(got, x @ w.t() + bias, rtol=1e-5, atol=1e-5)
+    low = dispatch.linear(x, param, out_dtype=torch.bfloat16)
+    assert low.dtype is torch.bfloat16
+    assert torch.equal(low, dispatch.linear(x, param).bfloat16())  # one rounding either way
+
+
+def test_a_bf16_activation_takes_the_panels_too() -> None:
+    param, w = packed(48, 32, seed=3)
+    x = torch.randn(2, 32).bfloat16()  # a decode row's bf16 input (o_proj after attention)
+    got = dispatch.linear(x, param, out_dtype=torch.float32)
+    torch.testing.assert_close(got, x.float() @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_isa.onednn_bf16(), reason="needs the avx512 path (oneDNN bf16)")
+def test_the_onednn_copy_is_the_same_weight() -> None:
+    param, w = packed(300, 64, seed=2)
+    x = torch.randn(dispatch.ONEDNN_ROWS + 3, 64).bfloat16().float()  # exact in bf16
+    got = dispatch.linear(x, param)
+    torch.testing.assert_close(got, x @ w.t(), rtol=2 * BF16_ULP, atol=1e-2)
