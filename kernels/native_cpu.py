@@ -23,7 +23,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -32,9 +31,9 @@ import torch
 from meshserve.kernels import cpu_isa
 
 NATIVE = Path(__file__).resolve().parent / "native"
-SOURCES = (NATIVE / "cpu_kernels.c", NATIVE / "decoder.c")
+SOURCES = (NATIVE / "cpu_kernels.c", NATIVE / "decoder.c", NATIVE / "pool.c")
 HEADERS = (NATIVE / "cpu_kernels.h",)
-FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c99"]
+FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c99", "-pthread"]
 ISA_FLAGS = {"avx512": ["-march=native"], "avx2": ["-march=haswell", "-mtune=native"],
              "none": ["-march=native"]}
 """Code generation per cpu_isa path: the avx2 build keeps to AVX2 and FMA (the C code's
@@ -110,7 +109,7 @@ def library() -> ctypes.CDLL | None:
     lib.ms_attend_qkv_f32.restype = ctypes.c_int
     lib.ms_attend_qkv_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
                                       _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _f32, _i64,
-                                      _ptr]
+                                      _ptr, _i64]
     lib.ms_linear_f32.restype = None
     lib.ms_linear_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]
     lib.ms_linear_t_f32.restype = None
@@ -123,6 +122,9 @@ def library() -> ctypes.CDLL | None:
     lib.ms_argmax_rows_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
     lib.ms_unpack_rows_f32.restype = None
     lib.ms_unpack_rows_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr]
+    lib.ms_linear_packed_mt.restype = ctypes.c_int
+    lib.ms_linear_packed_mt.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                                        _i64]
     lib.ms_linear_packed_bf16.restype = ctypes.c_int
     lib.ms_linear_packed_bf16.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64]
     lib.ms_unpack_rows_bf16.restype = None
@@ -161,7 +163,7 @@ class DecoderStruct(ctypes.Structure):
                                     "weights_bf16")),
         ("eps", _f32), ("scale", _f32), ("embed", _ptr), ("embed_packed", _i64),
         ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
-        ("layers", ctypes.POINTER(DecoderLayerStruct))]
+        ("layers", ctypes.POINTER(DecoderLayerStruct)), ("threads", _i64)]
 
 
 KV_DTYPES = (torch.float32, torch.bfloat16)
@@ -282,7 +284,8 @@ def attend_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.
     qkv [T, H + 2 Hkv, D] in place, store every token's K/V at its slot, and attend the
     first len(context_lens) tokens (the decodes) -> [num_decode, H, D]. Every tensor must
     already be contiguous, fp32 (cos, sin), fp32 or bf16 (caches) or int64 (slots, tables, lengths): the
-    caller checks (dispatch.attend_qkv)."""
+    caller checks (dispatch.attend_qkv). The decodes split over torch's thread count (the C
+    pool), each row computed as alone."""
     lib = _loaded()
     num_decode, d = context_lens.shape[0], qkv.shape[2]
     out = torch.empty(num_decode, num_heads, d)
@@ -291,7 +294,8 @@ def attend_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.
         sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_bf16(k_cache),
         k_cache.shape[1],
         slot_mapping.data_ptr(), num_decode, block_tables.data_ptr(), block_tables.stride(0),
-        context_lens.data_ptr(), scale, sliding_window or 0, out.data_ptr())
+        context_lens.data_ptr(), scale, sliding_window or 0, out.data_ptr(),
+        torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"paged decode attention: no memory for {num_heads} x "
                           f"{int(context_lens.max())} scores")
@@ -355,9 +359,10 @@ def unpack_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return out.view(*ids.shape, k)
 
 
-THREAD_MIN_FLOPS = 4_000_000
-"""Below this much work (about 0.1 ms on one core) a packed linear stays on one thread:
-handing a part to another thread costs tens of microseconds."""
+THREAD_MIN_FLOPS = 500_000
+"""Below this much work (about 12 us on one core) a packed linear stays on one thread: the
+pool's workers start a part within a microsecond while they spin, but a part costs its
+start and its share of the weight's cache lines (decoder.c: MT_MIN_FLOPS)."""
 
 
 def linear_threads(flops: int, threads: int) -> int:
@@ -369,57 +374,34 @@ def linear_threads(flops: int, threads: int) -> int:
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int,
                   threads: int = 1) -> torch.Tensor:
     """x [M, K] (unit column stride) @ weight.T: [M, n], for `packed` = pack(weight) (fp32
-    or bf16 panels: ms_linear_packed_bf16 widens them as it goes). With
-    `threads` > 1 and enough work, the panels are split into that many contiguous ranges,
-    each run on its own thread (ctypes releases the GIL); every output is computed exactly
-    as on one thread."""
+    or bf16 panels: ms_linear_packed_bf16 widens them as it goes). With `threads` > 1 and
+    enough work, the panels are split into that many contiguous ranges over the C pool's
+    persistent threads (pool.c); every output is computed exactly as on one thread."""
     m, k = x.shape
     assert x.stride(1) == 1 and packed.shape[1] == k and packed.is_contiguous(), (
         x.shape, x.stride(), packed.shape)
     out = torch.empty(m, n, dtype=torch.float32)
     if not m:
         return out
-    lib, panels = _loaded(), packed.shape[0]
-    threads = min(linear_threads(2 * m * n * k, threads), panels)
+    lib = _loaded()
+    threads = min(linear_threads(2 * m * n * k, threads), packed.shape[0])
     bf16 = packed.dtype is torch.bfloat16
-    size, out_size = packed.element_size(), out.element_size()
-
-    def run(q0: int, q1: int) -> None:  # panels [q0, q1): output columns from q0 * PANEL
-        cols = min(n, q1 * PANEL) - q0 * PANEL
-        args = (x.data_ptr(), x.stride(0), packed.data_ptr() + q0 * k * PANEL * size,
-                out.data_ptr() + q0 * PANEL * out_size, n, m, k, cols)
-        if not bf16:
-            lib.ms_linear_packed_f32(*args)
-        elif lib.ms_linear_packed_bf16(*args) != 0:
-            raise MemoryError(f"packed bf16 linear: no memory to widen panels of K={k}")
-
-    if threads <= 1:  # one call, no more Python: most decode matmuls
-        run(0, panels)
-        return out
-    bounds = [panels * i // threads for i in range(threads + 1)]
-    pool = _pool(threads - 1)
-    parts = [pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, threads)]
-    run(bounds[0], bounds[1])
-    for part in parts:
-        part.result()
+    args = (x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(), n, m, k, n)
+    if threads > 1:
+        rc = lib.ms_linear_packed_mt(*args, int(bf16), threads)
+    elif bf16:
+        rc = lib.ms_linear_packed_bf16(*args)
+    else:
+        rc = 0
+        lib.ms_linear_packed_f32(*args)
+    if rc != 0:
+        raise MemoryError(f"packed bf16 linear: no memory to widen panels of K={k}")
     return out
-
-
-_pools: dict[int, ThreadPoolExecutor] = {}
-os.register_at_fork(after_in_child=_pools.clear)  # a forked child has none of the threads
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """A pool of `workers` threads, made once per size and kept."""
-    pool = _pools.get(workers)
-    if pool is None:
-        pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="ms-linear")
-    return pool
 
 
 def read_bytes(buf: torch.Tensor) -> int:
     """Read every byte of `buf` (contiguous, 64-byte aligned, a multiple of 256 bytes) once
-    in C, with this build's widest loads; returns a checksum of them."""
+    in C, with this build's widest loads; returns the XOR of its 64-bit words."""
     n = buf.numel() * buf.element_size()
     assert buf.is_contiguous() and buf.data_ptr() % 64 == 0 and n % 256 == 0, (n, buf.data_ptr())
     return int(_loaded().ms_read_bytes(buf.data_ptr(), n))

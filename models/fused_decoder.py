@@ -39,14 +39,10 @@ class FusedDecoder:
         self.onednn = dispatch.onednn_weight(attn.qkv_proj.weight) is not None
         """Whether the modules run batches in oneDNN (bf16 panels with its copy)."""
         structs = []
-        row_flops = 0
         for layer in layers:
             a, f = layer.self_attn, layer.mlp
             mods = {"qkv": a.qkv_proj, "o": a.o_proj, "gate_up": f.gate_up_proj,
                     "down": f.down_proj}
-            for mod in mods.values():
-                row_flops = max(row_flops, 2 * mod.weight.shape[0] * mod.weight.shape[1]
-                                * mod.weight.shape[2])
             structs.append(native_cpu.DecoderLayerStruct(
                 input_norm=_ptr(layer.input_layernorm.weight),
                 post_norm=_ptr(layer.post_attention_layernorm.weight),
@@ -54,8 +50,6 @@ class FusedDecoder:
                 **{f"{name}_bias": _ptr(mod.bias) for name, mod in mods.items()},
                 k_cache=_ptr(a.attn.k_cache), v_cache=_ptr(a.attn.v_cache)))
         self._layers = (native_cpu.DecoderLayerStruct * len(structs))(*structs)
-        self.row_flops = row_flops
-        """The most arithmetic one row costs in any one linear (threads: see `applies`)."""
         rotary = inner.rotary
         arch = model.arch
         self.struct = native_cpu.DecoderStruct(
@@ -112,11 +106,11 @@ class FusedDecoder:
 
     def applies(self, meta: AttentionMetadata) -> bool:
         """Whether this step's rows are all decode rows, with int64 metadata, and small
-        enough that each linear would run on one thread anyway (the fused call is
-        single-threaded; see native_cpu.linear_threads)."""
+        few enough that the modules would run their linears in the C panels too
+        (`_in_panels`)."""
         if meta.prefills or meta.num_decode_tokens == 0:
             return False
-        if not self._one_thread(meta.num_decode_tokens):
+        if not self._in_panels(meta.num_decode_tokens):
             return False
         return all(t.dtype is torch.int64 and t.is_contiguous() and t.is_cpu for t in (
             meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens))
@@ -126,14 +120,12 @@ class FusedDecoder:
         layers' weight dtype, all `vocab` logits on this rank, and rows few enough for one
         thread (`applies`)."""
         return (packed_columns(head) == vocab and head.is_cpu
-                and head.dtype is self.weight_dtype and self._one_thread(rows))
+                and head.dtype is self.weight_dtype and self._in_panels(rows))
 
-    def _one_thread(self, rows: int) -> bool:
-        """Whether every linear of `rows` rows would run on one thread anyway, in the C
-        panels (not oneDNN: dispatch.ONEDNN_ROWS)."""
-        if self.onednn and rows >= dispatch.ONEDNN_ROWS:
-            return False
-        return native_cpu.linear_threads(rows * self.row_flops, torch.get_num_threads()) == 1
+    def _in_panels(self, rows: int) -> bool:
+        """Whether the modules would run every linear of `rows` rows in the C panels (not
+        oneDNN: dispatch.ONEDNN_ROWS), as the fused call does (on as many threads)."""
+        return not (self.onednn and rows >= dispatch.ONEDNN_ROWS)
 
     def draft_greedy(self, head: torch.Tensor, drafted: torch.Tensor, start: torch.Tensor,
                      block_tables: torch.Tensor, wanted: torch.Tensor,
@@ -147,6 +139,7 @@ class FusedDecoder:
         steps with dispatch.argmax_rows."""
         n = packed_columns(head)
         assert n is not None
+        self.struct.threads = torch.get_num_threads()
         native_cpu.decoder_draft_greedy(self.struct, head, n, drafted, start, block_tables,
                                         wanted, feed_tokens, feed_counts)
 
@@ -155,6 +148,7 @@ class FusedDecoder:
         """Final hidden states [T, hidden] of a step `applies` accepted."""
         ids = input_ids if input_ids.dtype is torch.int64 else input_ids.long()
         pos = positions if positions.dtype is torch.int64 else positions.long()
+        self.struct.threads = torch.get_num_threads()  # the linears' share of the pool
         return native_cpu.decoder_forward(self.struct, ids.contiguous(), pos.contiguous(),
                                           meta.slot_mapping, meta.decode_block_tables,
                                           meta.decode_context_lens)

@@ -646,22 +646,22 @@ void ms_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v
  * stored at slots [T] (fp32, or bf16 where kv_bf16); the first num_decode tokens (one per
  * sequence) attend through their block tables into out [num_decode, H, D]. The prefill
  * tokens after them are left to the caller, their q and k rotated and their K/V stored.
- * Returns ms_paged_decode_f32's code. */
+ * Returns ms_paged_decode_f32's code. The rows' attention splits over `threads` (pool.c). */
 int ms_attend_qkv_f32(float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads,
                       int64_t head_dim, const float *cos, const float *sin, void *k_cache,
                       void *v_cache, int64_t kv_bf16, int64_t block_size,
                       const int64_t *slots, int64_t num_decode, const int64_t *tables,
                       int64_t table_stride, const int64_t *lens, float scale, int64_t window,
-                      float *out) {
+                      float *out, int64_t threads) {
     const int64_t t_stride = (heads + 2 * kv_heads) * head_dim;
     const int64_t kv_row = kv_heads * head_dim;
     ms_rotary_inplace_f32(qkv, t_stride, tokens, heads + kv_heads, head_dim, cos, sin);
     ms_write_kv_f32(qkv + heads * head_dim, t_stride, qkv + (heads + kv_heads) * head_dim,
                     t_stride, tokens, kv_row, k_cache, v_cache, slots, kv_bf16);
     if (num_decode == 0) return 0;
-    return ms_paged_decode_f32(qkv, t_stride, k_cache, v_cache, tables, table_stride, lens, out,
-                               num_decode, heads, kv_heads, head_dim, block_size, scale, window,
-                               kv_bf16);
+    return ms_paged_decode_mt(qkv, t_stride, k_cache, v_cache, tables, table_stride, lens, out,
+                              num_decode, heads, kv_heads, head_dim, block_size, scale, window,
+                              kv_bf16, threads);
 }
 
 /* ---- Linear layers at small batch: out[M, N] = x[M, K] @ w[N, K]^T ----

@@ -14,7 +14,17 @@ int ms_attend_qkv_f32(float *qkv, int64_t tokens, int64_t heads, int64_t kv_head
                       void *v_cache, int64_t kv_bf16, int64_t block_size,
                       const int64_t *slots, int64_t num_decode, const int64_t *tables,
                       int64_t table_stride, const int64_t *lens, float scale, int64_t window,
-                      float *out);
+                      float *out, int64_t threads);
+int ms_paged_decode_f32(const float *q, int64_t q_stride, const void *k, const void *v,
+                        const int64_t *tables, int64_t table_stride, const int64_t *lens,
+                        float *out, int64_t batch, int64_t heads, int64_t kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                        int64_t kv_bf16);
+int ms_paged_decode_mt(const float *q, int64_t q_stride, const void *k, const void *v,
+                       const int64_t *tables, int64_t table_stride, const int64_t *lens,
+                       float *out, int64_t batch, int64_t heads, int64_t kv_heads,
+                       int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                       int64_t kv_bf16, int64_t threads);
 void ms_linear_packed_f32(const float *x, int64_t xs, const float *p, float *out, int64_t os,
                           int64_t M, int64_t K, int64_t N);
 void ms_unpack_rows_f32(const float *p, int64_t K, const int64_t *ids, int64_t T, float *out);
@@ -24,5 +34,12 @@ void ms_unpack_rows_bf16(const uint16_t *p, int64_t K, const int64_t *ids, int64
                          float *out);
 void ms_argmax_rows_f32(const float *x, int64_t xs, int64_t rows, int64_t cols, int64_t *out);
 void ms_silu_mul_f32(const float *x, float *out, int64_t rows, int64_t width);
+
+/* pool.c: run fn(ctx, part) for part in [0, parts), part 0 on the caller, the rest on
+ * persistent worker threads; returns when all are done. */
+typedef void (*ms_part_fn)(void *ctx, int64_t part);
+void ms_pool_run(ms_part_fn fn, void *ctx, int64_t parts);
+int ms_linear_packed_mt(const float *x, int64_t xs, const void *p, float *out, int64_t os,
+                        int64_t M, int64_t K, int64_t N, int64_t bf16, int64_t threads);
 
 #endif

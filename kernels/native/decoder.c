@@ -13,7 +13,8 @@
  * position; every row's K/V is stored before any row attends). Weights are the packed
  * panels of ms_pack_f32 (the embedding too, where it is a tied head's), fp32 or, with
  * weights_bf16, rounded to bf16 (ms_linear_packed_bf16); biases are optional (NULL) and
- * fp32. Single-threaded, as the kernels are.
+ * fp32. The linears split their panels over `threads` (pool.c); the rest runs on the
+ * calling thread.
  */
 
 #include <stdint.h>
@@ -45,11 +46,19 @@ typedef struct {
     const float *cos, *sin;                    /* [max_positions, D / 2] */
     const float *final_norm;                   /* [hidden] */
     const MsDecoderLayer *layers;
+    int64_t threads;                           /* the linears' panels split over the pool */
 } MsDecoder;
 
-/* out = x @ w^T for packed panels w of the decoder's weight dtype; 0, or -1 (no memory). */
+#define MT_MIN_FLOPS 500000 /* native_cpu.THREAD_MIN_FLOPS */
+
+/* out = x @ w^T for packed panels w of the decoder's weight dtype; 0, or -1 (no memory).
+ * With threads, the panels are split over the pool (the same bits: pool.c). */
 static int linear(const MsDecoder *m, const float *x, int64_t xs, const void *w, float *out,
                   int64_t os, int64_t M, int64_t K, int64_t N) {
+    int64_t threads = m->threads, work = 2 * M * N * K / MT_MIN_FLOPS;
+    if (threads > work) threads = work;
+    if (threads > 1)
+        return ms_linear_packed_mt(x, xs, w, out, os, M, K, N, m->weights_bf16, threads);
     if (m->weights_bf16) return ms_linear_packed_bf16(x, xs, w, out, os, M, K, N);
     ms_linear_packed_f32(x, xs, w, out, os, M, K, N);
     return 0;
@@ -97,7 +106,7 @@ int ms_decoder_forward_f32(const MsDecoder *m, int64_t T, const int64_t *tokens,
         add_bias(wide, ly->qkv_bias, T, qkv_n);
         rc = ms_attend_qkv_f32(wide, T, h, hkv, d, cos, sin, ly->k_cache, ly->v_cache,
                                m->kv_bf16, m->block_size, slots, T, tables, table_stride, lens,
-                               m->scale, m->window, attn);
+                               m->scale, m->window, attn, m->threads);
         if (rc != 0 || (rc = linear(m, attn, h * d, ly->o, x, hs, T, h * d, hs)) != 0) break;
         add_bias(x, ly->o_bias, T, hs);
         ms_add_rms_norm_f32(x, residual, ly->post_norm, normed, residual, T, hs, m->eps);

@@ -304,3 +304,41 @@ def test_bf16_panels_give_the_fp32_kernels_bits_on_the_rounded_weight(m: int) ->
     assert torch.equal(native_cpu.linear_packed(x, packed, n, threads=2), want)
     ids = torch.tensor([0, n - 1, 24, 97])
     assert torch.equal(native_cpu.unpack_rows(packed, ids), w.to(torch.bfloat16).float()[ids])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_on_the_pool_gives_the_same_bits(kv_dtype: torch.dtype) -> None:
+    """attend_qkv splits its decode rows over torch's thread count (parts of about equal
+    cached tokens): each row exactly as on one thread."""
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, d, block = 4, 2, 32, 16
+    lens = [900, 40, 1500, 700, 1200, 3]
+    blocks = sum(-(-n // block) for n in lens)
+    k_cache = torch.randn(blocks, block, kv_heads, d, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(blocks, block, kv_heads, d, generator=gen).to(kv_dtype)
+    width = max(-(-n // block) for n in lens)
+    tables = torch.zeros(len(lens), width, dtype=torch.int64)
+    start = 0
+    for r, n in enumerate(lens):
+        used = -(-n // block)
+        tables[r, :used] = torch.arange(start, start + used)
+        start += used
+    slots = torch.tensor([int(tables[r, (n - 1) // block]) * block + (n - 1) % block
+                          for r, n in enumerate(lens)])
+    qkv = torch.randn(len(lens), heads + 2 * kv_heads, d, generator=gen)
+    cos, sin = torch.ones(len(lens), d // 2), torch.zeros(len(lens), d // 2)
+    context = torch.tensor(lens)
+
+    def run(threads: int) -> torch.Tensor:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return native_cpu.attend_qkv(qkv.clone(), heads, kv_heads, cos, sin,
+                                         k_cache.clone(), v_cache.clone(), slots, tables,
+                                         context, d ** -0.5, None)
+        finally:
+            torch.set_num_threads(before)
+
+    one = run(1)
+    for threads in (2, 3):
+        assert torch.equal(run(threads), one), threads

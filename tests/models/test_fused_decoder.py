@@ -87,6 +87,30 @@ def test_fused_rows_match_the_modules(make_checkpoint, one_thread, family: str,
     _both(runner, step)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_fused_rows_on_the_pool_match_the_modules_on_one_thread(make_checkpoint, one_thread,
+                                                                 threads: int) -> None:
+    """The fused call splits each linear's panels over the C pool's threads: the same bits
+    as the modules on one thread."""
+    runner = _runner(make_checkpoint("llama", seed=3, intermediate_size=1400))
+    gen = torch.Generator().manual_seed(1)
+    seqs = _prefill(runner, gen)
+    step = [_Seq(s.seq_id, [int(torch.randint(0, 320, (1,), generator=gen))],
+                 len(s.token_ids), s.block_table) for s in seqs]
+    inputs = build_step_inputs(step, BLOCK, torch.device("cpu"))
+    fused = runner.fused
+    assert fused is not None
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_cache]
+    runner.fused = None
+    plain = runner.forward(inputs)
+    for (k, v), (k0, v0) in zip(runner.kv_cache, before):
+        k.copy_(k0)
+        v.copy_(v0)
+    runner.fused = fused
+    torch.set_num_threads(threads)
+    assert torch.equal(runner.forward(inputs), plain)
+
+
 def test_where_the_fused_call_does_not_apply(make_checkpoint, one_thread) -> None:
     path = make_checkpoint("llama", seed=3)
     assert _runner(path, "row").fused is None  # weights not packed: the modules
@@ -96,9 +120,10 @@ def test_where_the_fused_call_does_not_apply(make_checkpoint, one_thread) -> Non
     assert not runner.fused.applies(prompt.meta)  # a prompt chunk: the modules
     decode = build_step_inputs([_Seq(0, [4], 3, [0, 1])], BLOCK, torch.device("cpu"))
     assert runner.fused.applies(decode.meta)
-    torch.set_num_threads(2)  # rows enough that a linear would split over threads
+    torch.set_num_threads(2)  # the fused call splits its linears over the pool too
     wide = build_step_inputs([_Seq(i, [4], 3, [0, 1]) for i in range(300)], BLOCK,
                              torch.device("cpu"))
-    assert runner.fused.row_flops * 300 >= 2 * native_cpu.THREAD_MIN_FLOPS
+    assert runner.fused.applies(wide.meta)
+    runner.fused.onednn = True  # a bf16 model's batches run in oneDNN: the modules
     assert not runner.fused.applies(wide.meta)
     assert FusedDecoder.build(load_model(path, progress=False, dtype=torch.float64)) is None
