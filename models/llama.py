@@ -57,14 +57,15 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, arch.sliding_window)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                meta: AttentionMetadata, act_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The block's output, in the dtype its last linear computed it in (bf16 from
-        oneDNN); q, k and v in `act_dtype` (default x's)."""
+                meta: AttentionMetadata, act_dtype: torch.dtype | None = None,
+                low: torch.dtype | None = None) -> torch.Tensor:
+        """The block's output in `low` (default x's dtype): the dtype this step's linears
+        compute in (dispatch.linear_dtype: bf16 in oneDNN), which o_proj's input is
+        rounded to as well; q, k and v in `act_dtype` (default x's)."""
         t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x, act_dtype).view(t, h + 2 * hkv, self.head_dim)
-        low = dispatch.linear_dtype(x, self.o_proj.weight)  # what o_proj rounds its input to
         out = self.attn.forward_qkv(qkv, *cos_sin, meta, low).reshape(t, h * self.head_dim)
-        return self.o_proj(out, dispatch.linear_dtype(out, self.o_proj.weight))
+        return self.o_proj(out, low or x.dtype)
 
 
 class LlamaMLP(nn.Module):
@@ -78,14 +79,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(i, arch.hidden_size, bias=arch.mlp_bias, tp=tp,
                                            dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # gate/up's result stays in the dtype it was computed in (bf16 from oneDNN) through
-        # SwiGLU into down, which returns x's dtype
-        # Each result stays in the dtype it was computed in (bf16 from oneDNN): SwiGLU and
-        # the next RMSNorm read it so
-        up = self.gate_up_proj
-        mid = silu_and_mul(up(x, dispatch.linear_dtype(x, up.weight)))
-        return self.down_proj(mid, dispatch.linear_dtype(mid, self.down_proj.weight))
+    def forward(self, x: torch.Tensor, low: torch.dtype | None = None) -> torch.Tensor:
+        """SwiGLU of x, each result in `low` (default x's dtype): the dtype this step's
+        linears compute in (bf16 in oneDNN), which SwiGLU and the next RMSNorm read."""
+        low = low or x.dtype
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x, low)), low)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -102,12 +100,13 @@ class LlamaDecoderLayer(nn.Module):
                 residual: torch.Tensor | None, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         act = x.dtype if residual is None else residual.dtype  # the residual stream's
-        # The norms write what the next linear reads: bf16 for a batch in oneDNN
+        # The dtype every linear of this layer computes in, the same rows and weights'
+        # kind for all: bf16 for a batch in oneDNN. The norms write it for them.
         low = dispatch.linear_dtype(x, self.self_attn.qkv_proj.weight)
         x, residual = self.input_layernorm(x, residual, low)
-        x = self.self_attn(cos_sin, x, meta, act)
+        x = self.self_attn(cos_sin, x, meta, act, low)
         x, residual = self.post_attention_layernorm(x, residual, low)
-        return self.mlp(x), residual
+        return self.mlp(x, low), residual
 
 
 LayerHook = Callable[[int, int], None]
