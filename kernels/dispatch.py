@@ -209,7 +209,9 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
             batch: PrefillBatch | None = None) -> PrefillBatch | None:
     """Attention of every prompt chunk's rows of q [T, H, D] into `out`; K/V already written.
 
-    Returns the PrefillBatch the Triton path built (pass it back for the step's next
+    On the CPU with the C kernels, one call for every chunk (native_cpu.prefill_attention:
+    fp32 scores over the cache as stored, split over the C pool), else torch per chunk.
+    Returns the PrefillBatch the Triton or C path built (pass it back for the step's next
     layers), or None on the reference path.
     """
     if use_triton(q.device) and k_cache.shape[1] >= MIN_ATTENTION_BLOCK_SIZE:
@@ -218,6 +220,15 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
             q, k_cache, v_cache, batch.block_tables, batch.q_starts, batch.q_lens,
             batch.start_pos, batch.max_q_len, scale, sliding_window, out=out)
         return batch
+    if q.is_cpu and q.dtype in native_cpu.KV_DTYPES and out.dtype in native_cpu.KV_DTYPES \
+            and native_kv(k_cache, v_cache) and q.stride(2) == 1 \
+            and q.stride(1) == q.shape[2] and out.is_contiguous() \
+            and q.shape[1] % k_cache.shape[2] == 0:
+        batch = batch or PrefillBatch.from_chunks(chunks, q.device)
+        if native_cpu.prefill_attention(q, k_cache, v_cache, batch.block_tables,
+                                        batch.q_starts, batch.q_lens, batch.start_pos, scale,
+                                        sliding_window, out):
+            return batch
     # An output in bf16 over a bf16 cache on the CPU: the queries are rounded too (the next
     # linear rounds this output anyway), and torch's flash attention runs 2.5-3x faster in
     # bf16 there (the keys and values are bf16 already)

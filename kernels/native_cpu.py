@@ -31,8 +31,9 @@ import torch
 from meshserve.kernels import cpu_isa
 
 NATIVE = Path(__file__).resolve().parent / "native"
-SOURCES = (NATIVE / "cpu_kernels.c", NATIVE / "decoder.c", NATIVE / "pool.c")
-HEADERS = (NATIVE / "cpu_kernels.h",)
+SOURCES = tuple(NATIVE / f for f in ("cpu_kernels.c", "decoder.c", "pool.c",
+                                     "prefill_attention.c"))
+HEADERS = (NATIVE / "cpu_kernels.h", NATIVE / "vec_math.h")
 FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c99", "-pthread"]
 ISA_FLAGS = {"avx512": ["-march=native"], "avx2": ["-march=haswell", "-mtune=native"],
              "none": ["-march=native"]}
@@ -99,9 +100,9 @@ def library() -> ctypes.CDLL | None:
     lib.ms_rms_norm_f32.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _f32]
     lib.ms_add_rms_norm_f32.restype = None
     lib.ms_add_rms_norm_f32.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32]
-    lib.ms_add_rms_norm_mixed.restype = None
-    lib.ms_add_rms_norm_mixed.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64,
-                                          _f32]
+    lib.ms_add_rms_norm_mixed_mt.restype = None
+    lib.ms_add_rms_norm_mixed_mt.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64,
+                                             _i64, _f32, _i64]
     lib.ms_rotary_inplace_f32.restype = None
     lib.ms_rotary_inplace_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr]
     lib.ms_write_kv_f32.restype = None
@@ -133,8 +134,12 @@ def library() -> ctypes.CDLL | None:
     lib.ms_silu_mul_f32.argtypes = [_ptr, _ptr, _i64, _i64]
     lib.ms_read_bytes.restype = ctypes.c_uint64
     lib.ms_read_bytes.argtypes = [_ptr, _i64]
-    lib.ms_silu_mul_bf16.restype = None
-    lib.ms_silu_mul_bf16.argtypes = [_ptr, _ptr, _i64, _i64]
+    lib.ms_silu_mul_bf16_mt.restype = None
+    lib.ms_silu_mul_bf16_mt.argtypes = [_ptr, _ptr, _i64, _i64, _i64]
+    lib.ms_prefill_attention.restype = ctypes.c_int
+    lib.ms_prefill_attention.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                                         _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _f32, _i64,
+                                         _ptr, _i64, _i64, _i64, _i64]
     lib.ms_decoder_forward_f32.restype = ctypes.c_int
     lib.ms_decoder_forward_f32.argtypes = [ctypes.POINTER(DecoderStruct), _i64, _ptr, _ptr,
                                            _ptr, _ptr, _i64, _ptr, _ptr]
@@ -233,16 +238,17 @@ def add_rms_norm_mixed(x: torch.Tensor, residual: torch.Tensor | None, weight: t
                        eps: float, out_dtype: torch.dtype
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) in out_dtype, x + residual in fp32) for x fp32 or bf16 and
-    out_dtype fp32 or bf16; without a residual, (rms_norm(x), x) for x fp32."""
+    out_dtype fp32 or bf16; without a residual, (rms_norm(x), x) for x fp32. Rows split
+    over torch's threads (the C pool) where there are enough."""
     x = x.contiguous()
     width = x.shape[-1]
     out = torch.empty(x.shape, dtype=out_dtype)
     summed = x if residual is None else torch.empty(x.shape, dtype=torch.float32)
-    _loaded().ms_add_rms_norm_mixed(
+    _loaded().ms_add_rms_norm_mixed_mt(
         x.data_ptr(), int(x.dtype is torch.bfloat16),
         None if residual is None else residual.contiguous().data_ptr(),
         weight.contiguous().data_ptr(), out.data_ptr(), int(out_dtype is torch.bfloat16),
-        summed.data_ptr(), x.numel() // width, width, eps)
+        summed.data_ptr(), x.numel() // width, width, eps, torch.get_num_threads())
     return out, summed
 
 
@@ -300,6 +306,45 @@ def attend_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.
         raise MemoryError(f"paged decode attention: no memory for {num_heads} x "
                           f"{int(context_lens.max())} scores")
     return out
+
+
+PREFILL_UNSUPPORTED = -2
+"""ms_prefill_attention's answer where it has no vector path for the shape (the head size
+not a multiple of the vector width, or neither AVX-512 nor AVX2 compiled in)."""
+
+
+PREFILL_BEST = -1
+PREFILL_VARIANTS = {"fp32": 0, "avx512_bf16": 1, "amx": 2}
+"""ms_prefill_attention's inner loops: fp32 FMAs (AVX-512 or AVX2; any dtypes), or, for a
+bf16 cache and bf16 output, VDPBF16PS or AMX tiles (q and P rounded to bf16)."""
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      tables: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+                      positions: torch.Tensor, scale: float, sliding_window: int | None,
+                      out: torch.Tensor, variant: int = PREFILL_BEST) -> bool:
+    """Causal attention of every prompt chunk (kernels/native/prefill_attention.c): chunk i
+    is q's tokens [starts[i], starts[i] + lens[i]) at positions positions[i] onwards,
+    reading its sequence's keys through tables[i] (their K/V already stored). q [T, H, D]
+    (fp32 or bf16, unit stride within a token), out [T, H, D] (fp32 or bf16, contiguous);
+    int64 contiguous metadata. Split over torch's thread count (the C pool). `variant`
+    (PREFILL_VARIANTS; tests pin each) defaults to the fastest this CPU has for these
+    dtypes. False where the kernel has no path for these shapes, or not the variant asked
+    (the caller keeps torch's)."""
+    t, h, d = q.shape
+    assert q.stride(2) == 1 and q.stride(1) == d and out.is_contiguous()
+    assert q.dtype in KV_DTYPES and out.dtype in KV_DTYPES
+    rc = _loaded().ms_prefill_attention(
+        q.data_ptr(), kv_bf16(q), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        kv_bf16(k_cache), k_cache.shape[1], k_cache.shape[2], d, h, tables.data_ptr(),
+        tables.stride(0), starts.data_ptr(), lens.data_ptr(), positions.data_ptr(),
+        starts.shape[0], scale, sliding_window or 0, out.data_ptr(), kv_bf16(out), h * d,
+        torch.get_num_threads(), variant)
+    if rc == PREFILL_UNSUPPORTED:
+        return False
+    if rc != 0:
+        raise MemoryError(f"prefill attention: no memory for {int(lens.max())} queries' keys")
+    return True
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -412,10 +457,11 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     dtype (computed in fp32)."""
     rows, width = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, width, dtype=x.dtype)
-    if rows:
-        kernel = (_loaded().ms_silu_mul_bf16 if x.dtype is torch.bfloat16
-                  else _loaded().ms_silu_mul_f32)
-        kernel(x.data_ptr(), out.data_ptr(), rows, width)
+    if rows and x.dtype is torch.bfloat16:  # rows split over torch's threads (the C pool)
+        _loaded().ms_silu_mul_bf16_mt(x.data_ptr(), out.data_ptr(), rows, width,
+                                      torch.get_num_threads())
+    elif rows:
+        _loaded().ms_silu_mul_f32(x.data_ptr(), out.data_ptr(), rows, width)
     return out
 
 

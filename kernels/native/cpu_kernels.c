@@ -14,18 +14,12 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "vec_math.h"
 
 #define LANES 16
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 static float dot(const float *a, const float *b, int64_t n) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -66,21 +60,8 @@ static float sum_squares(const float *a, int64_t n) {
  * own compiled loop. A bf16 value is the top half of the fp32 with the same bits. */
 #define INLINE static inline __attribute__((always_inline))
 
-INLINE float kv_at(const void *base, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)base)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof(f));
-    return f;
-}
+INLINE float kv_at(const void *base, int64_t i, int bf16) { return widen_at(base, i, bf16); }
 
-/* fp32 -> bf16, rounded to nearest even (NaN kept a quiet NaN), as torch's .to(bfloat16). */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof(u));
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 INLINE float dot_kv(const float *a, const void *b, int64_t n, int bf16) {
     if (!bf16) return dot(a, (const float *)b, n);
@@ -275,28 +256,7 @@ INLINE void value_rows2(float *o0, float *o1, float corr0, float corr1, const fl
 #define PAIRS 0
 #endif
 
-/* s[0:n] = exp(s[0:n] - m) in place; returns their sum. Eight lanes at a time where AVX2 is
- * there: 2^k times a degree-6 polynomial on [-ln2/2, ln2/2] (within 2 ulp of expf). */
-#if defined(__AVX2__) && defined(__FMA__)
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));  /* below: 0 in float, as expf gives */
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k),
-                                                         _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-#endif
-
+/* s[0:n] = exp(s[0:n] - m) in place (exp8 where AVX2 is there); returns their sum. */
 static float exp_shifted(float *s, int64_t n, float m) {
     int64_t i = 0;
     float total = 0.0f;
@@ -526,7 +486,7 @@ static inline __m256 load8_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* fp32 -> bf16, nearest even, eight at a time (to_bf16's rounding; a NaN stays a NaN). */
+/* fp32 -> bf16, nearest even, eight at a time (bf16_round's rounding; a NaN stays a NaN). */
 static inline __m128i round8_bf16(__m256 v) {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -539,11 +499,50 @@ static inline __m128i round8_bf16(__m256 v) {
 }
 #endif
 
+#if defined(__AVX512F__)
+static inline __m512 load16_bf16(const uint16_t *p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* fp32 -> bf16, nearest even, sixteen at a time (VCVTNEPS2BF16 where AVX512_BF16 is there;
+ * both keep a NaN a NaN). */
+static inline void store16_bf16(uint16_t *p, __m512 v) {
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+#else
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, lsb),
+                                                   _mm512_set1_epi32(0x7fff)), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16),
+                                                      _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+#endif
+}
+#endif
+
+/* Rows [0, rows) of SwiGLU in bf16; sixteen at a time where AVX-512 is there (1 / (1 + e)
+ * by VRCP14PS and one Newton step: within 2 ulp of the division before the bf16
+ * rounding). */
 void ms_silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t width) {
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = x + r * 2 * width, *u = g + width;
         uint16_t *o = out + r * width;
         int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 one16 = _mm512_set1_ps(1.0f), two16 = _mm512_set1_ps(2.0f);
+        const __m512 top16 = _mm512_set1_ps(88.0f);
+        for (; i + 16 <= width; i += 16) {
+            const __m512 gv = load16_bf16(g + i);
+            const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), top16));
+            const __m512 d = _mm512_add_ps(one16, e);
+            __m512 inv = _mm512_rcp14_ps(d);
+            inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, two16));
+            store16_bf16(o + i, _mm512_mul_ps(_mm512_mul_ps(gv, inv), load16_bf16(u + i)));
+        }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
         const __m256 one = _mm256_set1_ps(1.0f), top = _mm256_set1_ps(88.0f);
         for (; i + 8 <= width; i += 8) {
@@ -556,7 +555,7 @@ void ms_silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t wi
 #endif
         for (; i < width; i++) {
             const float gi = kv_at(g, i, 1), ui = kv_at(u, i, 1);
-            o[i] = to_bf16(gi / (1.0f + expf(-gi)) * ui);
+            o[i] = bf16_round(gi / (1.0f + expf(-gi)) * ui);
         }
     }
 }
@@ -574,7 +573,15 @@ void ms_add_rms_norm_mixed(const void *x, int64_t x_bf16, const float *residual,
         if (residual) {
             const float *rr = residual + r * width;
             float *sr = residual_out + r * width;
-            for (int64_t i = 0; i < width; i++)
+            int64_t i = 0;
+#if defined(__AVX512F__)
+            for (; i + 16 <= width; i += 16) {
+                const __m512 xv = x_bf16 ? load16_bf16((const uint16_t *)x + r * width + i)
+                                         : _mm512_loadu_ps((const float *)x + r * width + i);
+                _mm512_storeu_ps(sr + i, _mm512_add_ps(xv, _mm512_loadu_ps(rr + i)));
+            }
+#endif
+            for (; i < width; i++)
                 sr[i] = (x_bf16 ? kv_at(x, r * width + i, 1) : ((const float *)x)[r * width + i])
                         + rr[i];
             src = sr;
@@ -589,13 +596,19 @@ void ms_add_rms_norm_mixed(const void *x, int64_t x_bf16, const float *residual,
         }
         uint16_t *yr = (uint16_t *)out + r * width;
         int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 iv16 = _mm512_set1_ps(inv);
+        for (; i + 16 <= width; i += 16)
+            store16_bf16(yr + i, _mm512_mul_ps(_mm512_loadu_ps(weight + i),
+                                               _mm512_mul_ps(_mm512_loadu_ps(src + i), iv16)));
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
         const __m256 iv = _mm256_set1_ps(inv);
         for (; i + 8 <= width; i += 8)
             _mm_storeu_si128((__m128i *)(yr + i), round8_bf16(_mm256_mul_ps(
                 _mm256_loadu_ps(weight + i), _mm256_mul_ps(_mm256_loadu_ps(src + i), iv))));
 #endif
-        for (; i < width; i++) yr[i] = to_bf16(weight[i] * (src[i] * inv));
+        for (; i < width; i++) yr[i] = bf16_round(weight[i] * (src[i] * inv));
     }
 }
 
@@ -635,8 +648,8 @@ void ms_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v
         uint16_t *kd = (uint16_t *)k_cache + slots[t] * row;
         uint16_t *vd = (uint16_t *)v_cache + slots[t] * row;
         for (int64_t i = 0; i < row; i++) {
-            kd[i] = to_bf16(k[t * k_stride + i]);
-            vd[i] = to_bf16(v[t * v_stride + i]);
+            kd[i] = bf16_round(k[t * k_stride + i]);
+            vd[i] = bf16_round(v[t * v_stride + i]);
         }
     }
 }

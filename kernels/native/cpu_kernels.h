@@ -34,6 +34,10 @@ void ms_unpack_rows_bf16(const uint16_t *p, int64_t K, const int64_t *ids, int64
                          float *out);
 void ms_argmax_rows_f32(const float *x, int64_t xs, int64_t rows, int64_t cols, int64_t *out);
 void ms_silu_mul_f32(const float *x, float *out, int64_t rows, int64_t width);
+void ms_silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t width);
+void ms_add_rms_norm_mixed(const void *x, int64_t x_bf16, const float *residual,
+                           const float *weight, void *out, int64_t out_bf16,
+                           float *residual_out, int64_t rows, int64_t width, float eps);
 
 /* pool.c: run fn(ctx, part) for part in [0, parts), part 0 on the caller, the rest on
  * persistent worker threads; returns when all are done. */

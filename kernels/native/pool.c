@@ -213,3 +213,61 @@ int ms_paged_decode_mt(const float *q, int64_t q_stride, const void *k, const vo
     ms_pool_run(decode_part, &job, parts);
     return job.rc;
 }
+
+/* Row-wise kernels of a bf16 model's batched steps (SwiGLU, RMSNorm with the residual) with
+ * their rows split over `threads` parts (the pool), each row computed as alone. */
+#define ROWS_MIN_VALUES 32768 /* values per part below which a part is not worth it */
+
+typedef struct {
+    int norm; /* 1: ms_add_rms_norm_mixed, 0: ms_silu_mul_bf16 */
+    const void *x;
+    int64_t x_bf16;
+    const float *residual, *weight;
+    void *out;
+    int64_t out_bf16;
+    float *residual_out;
+    int64_t rows, width, parts;
+    float eps;
+} RowsJob;
+
+static int64_t rows_parts(int64_t rows, int64_t width, int64_t threads) {
+    int64_t parts = threads < rows ? threads : rows;
+    if (parts > rows * width / ROWS_MIN_VALUES) parts = rows * width / ROWS_MIN_VALUES;
+    if (parts > MAX_WORKERS + 1) parts = MAX_WORKERS + 1;
+    return parts < 1 ? 1 : parts;
+}
+
+static void rows_part(void *ctx, int64_t part) {
+    const RowsJob *j = ctx;
+    const int64_t r0 = j->rows * part / j->parts, r1 = j->rows * (part + 1) / j->parts;
+    const int64_t w = j->width, at = r0 * w;
+    if (r1 <= r0) return;
+    if (!j->norm) {
+        ms_silu_mul_bf16((const uint16_t *)j->x + 2 * at, (uint16_t *)j->out + at, r1 - r0, w);
+        return;
+    }
+    ms_add_rms_norm_mixed((const char *)j->x + at * (j->x_bf16 ? 2 : 4), j->x_bf16,
+                          j->residual ? j->residual + at : NULL, j->weight,
+                          (char *)j->out + at * (j->out_bf16 ? 2 : 4), j->out_bf16,
+                          j->residual ? j->residual_out + at : NULL, r1 - r0, w, j->eps);
+}
+
+void ms_silu_mul_bf16_mt(const uint16_t *x, uint16_t *out, int64_t rows, int64_t width,
+                         int64_t threads) {
+    RowsJob job = {0, x, 1, NULL, NULL, out, 1, NULL, rows, width,
+                   rows_parts(rows, width, threads), 0.0f};
+    if (job.parts <= 1) return ms_silu_mul_bf16(x, out, rows, width);
+    ms_pool_run(rows_part, &job, job.parts);
+}
+
+void ms_add_rms_norm_mixed_mt(const void *x, int64_t x_bf16, const float *residual,
+                              const float *weight, void *out, int64_t out_bf16,
+                              float *residual_out, int64_t rows, int64_t width, float eps,
+                              int64_t threads) {
+    RowsJob job = {1, x, x_bf16, residual, weight, out, out_bf16, residual_out, rows, width,
+                   rows_parts(rows, width, threads), eps};
+    if (job.parts <= 1)
+        return ms_add_rms_norm_mixed(x, x_bf16, residual, weight, out, out_bf16, residual_out,
+                                     rows, width, eps);
+    ms_pool_run(rows_part, &job, job.parts);
+}

@@ -106,3 +106,26 @@ def test_the_onednn_copy_is_the_same_weight() -> None:
     x = torch.randn(dispatch.ONEDNN_ROWS + 3, 64).bfloat16().float()  # exact in bf16
     got = dispatch.linear(x, param)
     torch.testing.assert_close(got, x @ w.t(), rtol=2 * BF16_ULP, atol=1e-2)
+
+
+def test_row_kernels_split_over_two_threads_give_the_same_bits() -> None:
+    """SwiGLU and RMSNorm split their rows over the C pool from ROWS_MIN_VALUES values on:
+    each row as alone."""
+    torch.manual_seed(3)
+    x = (torch.randn(300, 2 * 704) * 4).bfloat16()
+    h, residual, weight = torch.randn(300, 512).bfloat16(), torch.randn(300, 512), torch.rand(512)
+    threads = torch.get_num_threads()
+    got = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out, summed = native_cpu.add_rms_norm_mixed(h, residual, weight, 1e-5,
+                                                        torch.bfloat16)
+            got.append((native_cpu.silu_mul(x), out, summed))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*got):
+        assert torch.equal(a.view(torch.int16) if a.dtype is torch.bfloat16 else a,
+                           b.view(torch.int16) if b.dtype is torch.bfloat16 else b)
+    gate, up = x.float().chunk(2, dim=-1)
+    close_bf16(got[1][0], (torch.nn.functional.silu(gate) * up).bfloat16())

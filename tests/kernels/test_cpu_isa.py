@@ -66,7 +66,7 @@ def test_the_avx2_build_passes_the_kernel_tests() -> None:
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
          "tests/kernels/test_native_cpu.py", "tests/kernels/test_bf16_cpu.py",
-         "tests/models/test_fused_decoder.py"],
+         "tests/kernels/test_prefill_attention.py", "tests/models/test_fused_decoder.py"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout
