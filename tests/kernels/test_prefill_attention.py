@@ -121,3 +121,16 @@ def test_a_head_size_without_a_vector_path_is_declined() -> None:
     assert not native_cpu.prefill_attention(c["q"], c["k"], c["v"], tables, torch.tensor([0]),
                                             torch.tensor([9]), torch.tensor([0]), 0.5, None,
                                             out)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 37])
+def test_a_prompt_in_chunks_gets_the_same_bits_as_whole(out_dtype: torch.dtype,
+                                                        window: int | None) -> None:
+    """Each query row's keys are visited in the same tiles whichever chunk it is in."""
+    whole = _case(8, 4, 64, [300], [0], torch.bfloat16)
+    parts = dict(whole, lens=[100, 77, 123], starts=[0, 100, 177],
+                 tables=[whole["tables"][0]] * 3)
+    one, three = _ours(whole, out_dtype, window), _ours(parts, out_dtype, window)
+    bits = torch.int16 if out_dtype is torch.bfloat16 else torch.int32
+    assert torch.equal(one.view(bits), three.view(bits))

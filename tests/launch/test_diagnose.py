@@ -88,10 +88,11 @@ def test_a_pipeline_of_one_micro_batch_measures_its_known_bubble(tmp_path: Path)
     bubble = d["seconds"]["pipeline_bubbles"]
     assert bubble == pytest.approx((waits[0] + waits[1] - scheduler) / 2)
     assert 0.1 <= bubble / executor <= 0.75, (bubble, executor)
-    # every stage is either working or waiting for the other: its time is the run's
-    # (stage 0 also runs the scheduler, which stage 1 waits through)
+    # every stage is either working or waiting for the other: its time is most of the run's
+    # (stage 0 also runs the scheduler, which stage 1 waits through; what is neither, its
+    # own bookkeeping, stretches when the test suite's other worker shares the cores)
     for span in (busy[0] + waits[0] + scheduler, busy[1] + waits[1]):
-        assert span == pytest.approx(d["total_s"], rel=0.35), (busy, waits, d["total_s"])
+        assert 0.5 * d["total_s"] <= span <= 1.1 * d["total_s"], (busy, waits, d["total_s"])
     text = meshserve("diagnose", f"diagnose.records={tmp_path / 'steps.jsonl'}").stdout
     assert "(measured)" in text and "(modelled)" in text and "(residual)" in text
 
