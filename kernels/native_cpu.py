@@ -35,6 +35,12 @@ SOURCES = tuple(NATIVE / f for f in ("cpu_kernels.c", "decoder.c", "pool.c",
                                      "prefill_attention.c"))
 HEADERS = (NATIVE / "cpu_kernels.h", NATIVE / "vec_math.h")
 FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c99", "-pthread"]
+POOL_VAR = "MESHSERVE_CPU_POOL"
+POOLS = {"openmp": ["-fopenmp"], "threads": []}
+"""What splits a kernel's work over threads (kernels/native/pool.c): `openmp` (the default)
+runs it on the OpenMP team torch's kernels use (its libgomp, loaded already), so the two do
+not spin for the same cores; `threads`, worker threads of our own. A compiler without
+OpenMP falls back to `threads`."""
 ISA_FLAGS = {"avx512": ["-march=native"], "avx2": ["-march=haswell", "-mtune=native"],
              "none": ["-march=native"]}
 """Code generation per cpu_isa path: the avx2 build keeps to AVX2 and FMA (the C code's
@@ -69,6 +75,19 @@ def _build(compiler: str, flags: list[str], out: Path) -> None:
             os.unlink(tmp)
 
 
+def _load(compiler: str, isa: str, pool: str) -> ctypes.CDLL:
+    """The library for this path and pool, built first if it is not in the cache."""
+    flags = [*FLAGS, *ISA_FLAGS[isa], *POOLS[pool]]
+    text = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(text + compiler.encode() + _cpu_id().encode() +
+                         " ".join(flags).encode()).hexdigest()[:16]
+    root = Path(os.environ.get(DIR_VAR) or Path.home() / ".cache" / "meshserve" / "native")
+    path = root / f"cpu_kernels-{isa}-{pool}-{key}.so"
+    if not path.exists():
+        _build(compiler, flags, path)
+    return ctypes.CDLL(str(path))
+
+
 @cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, building them first if needed; None (said once) if they can't be."""
@@ -78,20 +97,21 @@ def library() -> ctypes.CDLL | None:
               "kernels", file=sys.stderr)
         return None
     isa = cpu_isa.selected()
-    flags = [*FLAGS, *ISA_FLAGS[isa]]
-    text = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(text + compiler.encode() + _cpu_id().encode() +
-                         " ".join(flags).encode()).hexdigest()[:16]
-    root = Path(os.environ.get(DIR_VAR) or Path.home() / ".cache" / "meshserve" / "native")
-    path = root / f"cpu_kernels-{isa}-{key}.so"
-    try:
-        if not path.exists():
-            _build(compiler, flags, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        print(f"meshserve: the native CPU kernels did not build ({detail.strip()[:500]}); "
-              "the CPU runs the PyTorch reference kernels", file=sys.stderr)
+    pool = os.environ.get(POOL_VAR) or "openmp"
+    if pool not in POOLS:
+        raise ValueError(f"{POOL_VAR}={pool!r} is invalid: allowed are {sorted(POOLS)}")
+    pools = [pool] if pool == "threads" else [pool, "threads"]
+    for i, pool in enumerate(pools):
+        try:
+            lib = _load(compiler, isa, pool)
+            break
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = (getattr(e, "stderr", "") or str(e)).strip()[:500]
+            then = ("builds with its own threads instead" if i + 1 < len(pools)
+                    else "the CPU runs the PyTorch reference kernels")
+            print(f"meshserve: the native CPU kernels did not build with {POOL_VAR}={pool} "
+                  f"({detail}); {then}", file=sys.stderr)
+    else:
         return None
     lib.ms_paged_decode_f32.restype = ctypes.c_int
     lib.ms_paged_decode_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64,

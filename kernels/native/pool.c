@@ -1,7 +1,8 @@
-/* A persistent pool of worker threads for the CPU kernels: `ms_pool_run(fn, ctx, parts)`
- * runs fn(ctx, 0) on the calling thread and fn(ctx, 1..parts-1) on workers started once
- * (and kept), returning when every part is done. A decode step hands work to the pool
- * dozens of times, every few tens of microseconds: a worker spins on the job counter for a
+/* Work split over threads for the CPU kernels: `ms_pool_run(fn, ctx, parts)` runs
+ * fn(ctx, 0) on the calling thread and fn(ctx, 1..parts-1) on others, returning when every
+ * part is done: on torch's OpenMP team where the library is built with OpenMP (its
+ * default), else on workers of our own, started once (and kept). A decode step hands work
+ * to the pool dozens of times, every few tens of microseconds: our worker spins on the job counter for a
  * while after each job (so the next one starts within a microsecond), then sleeps on a
  * condition variable until the next. One job at a time: a second caller meanwhile runs
  * its parts itself. After a fork the child starts without workers and makes its own on
@@ -91,7 +92,7 @@ static int ensure_workers(int n) {
     return pool.workers;
 }
 
-void ms_pool_run(ms_part_fn fn, void *ctx, int64_t parts) {
+static void threads_run(ms_part_fn fn, void *ctx, int64_t parts) {
     /* One job at a time: a caller that finds the pool busy (another thread of the process
      * inside a kernel: ctypes lets them run at once) runs its parts itself. */
     if (parts <= 1 || __atomic_exchange_n(&pool.busy, 1, __ATOMIC_ACQUIRE)) {
@@ -116,6 +117,35 @@ void ms_pool_run(ms_part_fn fn, void *ctx, int64_t parts) {
     while (__atomic_load_n(&pool.done, __ATOMIC_ACQUIRE) < pool.workers) cpu_relax();
     __atomic_store_n(&pool.busy, 0, __ATOMIC_RELEASE);
 }
+
+#if defined(_OPENMP)
+#include <omp.h>
+
+static int forked; /* set in a child of fork, where GNU OpenMP's team is gone but not reset */
+
+static void note_fork(void) { forked = 1; }
+
+/* Built with OpenMP (native_cpu's default): the parts run on the OpenMP team torch's own
+ * kernels (oneDNN's) run on, so no second set of threads spins for the same cores beside
+ * theirs. A forked child (OpenMP would wait there for its parent's threads) uses the
+ * threads above, which it makes its own. */
+void ms_pool_run(ms_part_fn fn, void *ctx, int64_t parts) {
+    static int registered;
+    if (!__atomic_exchange_n(&registered, 1, __ATOMIC_ACQ_REL))
+        pthread_atfork(NULL, NULL, note_fork);
+    if (forked || parts <= 1) {
+        threads_run(fn, ctx, parts);
+        return;
+    }
+#pragma omp parallel num_threads((int)parts)
+    {
+        const int64_t n = omp_get_num_threads();
+        for (int64_t p = omp_get_thread_num(); p < parts; p += n) fn(ctx, p);
+    }
+}
+#else
+void ms_pool_run(ms_part_fn fn, void *ctx, int64_t parts) { threads_run(fn, ctx, parts); }
+#endif
 
 /* ms_linear_packed_f32 / _bf16 with the panels split over `threads` (the pool): each part
  * a contiguous range of panels, each output computed exactly as on one thread. */

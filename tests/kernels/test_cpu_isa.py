@@ -59,10 +59,13 @@ def test_each_path_has_its_own_build(tmp_path: Path) -> None:
                     reason="needs a CPU with both paths (this one runs only one)")
 def test_the_avx2_build_passes_the_kernel_tests() -> None:
     """The AVX-512 build runs in every other test of this suite; this runs the C kernels'
-    tests once more on the AVX2 build (no oneDNN bf16 either)."""
+    tests once more on the AVX2 build (no oneDNN bf16 either), with the library's own
+    threads rather than OpenMP's."""
     # The AVX2 path has no oneDNN bf16, so its oneDNN test skips there by design: the child
     # runs without CI=true (which would fail that skip); this test is the one CI judges.
-    env = {k: v for k, v in os.environ.items() if k != "CI"} | {cpu_isa.ENV_VAR: "avx2"}
+    # It also takes the other way of splitting work, the library's own threads.
+    env = {k: v for k, v in os.environ.items() if k != "CI"} | {cpu_isa.ENV_VAR: "avx2",
+                                                              native_cpu.POOL_VAR: "threads"}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
          "tests/kernels/test_native_cpu.py", "tests/kernels/test_bf16_cpu.py",
