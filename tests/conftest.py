@@ -11,7 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+
+# Two test workers share two cores: OpenMP threads that finish a parallel region sleep at
+# once rather than spin for milliseconds on a core the other worker wants (set before torch
+# loads libgomp, which reads it once; the ranks tests launch inherit it).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 import torch.distributed as dist
 from helpers.run_ranks import RunRanks, ranks_runner
 
