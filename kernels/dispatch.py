@@ -209,8 +209,9 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
             batch: PrefillBatch | None = None) -> PrefillBatch | None:
     """Attention of every prompt chunk's rows of q [T, H, D] into `out`; K/V already written.
 
-    On the CPU with the C kernels, one call for every chunk (native_cpu.prefill_attention:
-    fp32 scores over the cache as stored, split over the C pool), else torch per chunk.
+    On the CPU with the C kernels, one call for every chunk (native_cpu.prefill_attention
+    over the cache as stored: fp32 products, or for a bf16 cache and output bf16 ones on AMX
+    or VDPBF16PS; split over the C kernels' threads), else torch per chunk.
     Returns the PrefillBatch the Triton or C path built (pass it back for the step's next
     layers), or None on the reference path.
     """

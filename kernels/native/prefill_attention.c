@@ -351,12 +351,11 @@ static void tile_range(const Job *j, const Rows *st, int64_t lo, int64_t *t0, in
  * softmax step (its maximum and sum, the accumulator row acc rescaled), P rounded into pb. */
 static inline void softmax_row(const Job *j, Rows *st, int r, __m512 sv[NK], float base,
                                uint16_t *pb, float *acc) {
-    const __m512 step = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const int masked = base + KT - 1 > st->qmin || j->window > 0;
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int n = 0; n < NK; n++) {
         if (masked)
-            sv[n] = mask_keys(sv[n], _mm512_add_ps(step, _mm512_set1_ps(base + 16 * n)),
+            sv[n] = mask_keys(sv[n], _mm512_add_ps(iota(), _mm512_set1_ps(base + 16 * n)),
                               st->first[r], st->qpos[r]);
         mx = _mm512_max_ps(mx, sv[n]);
     }
@@ -397,8 +396,19 @@ static void store_rows_bf16(const Job *j, const Unit *u, int64_t r0, int64_t nr,
     }
 }
 
-static int64_t scratch_bf16(int64_t tiles, int64_t D) {
-    return tiles * KT * D * 2 * 2 + RB * D * 2 + RB * D * 4 + RB * KT * 2;
+/* A bf16 unit's scratch, in bytes from its start: its staged K (at 0) and V, then for a
+ * tile of `rows` query rows their q, accumulators, scores (AMX stores its score tiles
+ * there; none with `scores` 0) and P. Returns the size; at[] gets where V, q, the
+ * accumulators, the scores and P begin. */
+enum { AT_V, AT_Q, AT_ACC, AT_SCORES, AT_P };
+
+static int64_t scratch_bf16(int64_t tiles, int64_t D, int64_t rows, int scores, int64_t at[5]) {
+    at[AT_V] = tiles * KT * D * 2;
+    at[AT_Q] = 2 * at[AT_V];
+    at[AT_ACC] = at[AT_Q] + rows * D * 2;
+    at[AT_SCORES] = at[AT_ACC] + rows * D * 4;
+    at[AT_P] = at[AT_SCORES] + (scores ? rows * KT * 4 : 0);
+    return at[AT_P] + rows * KT * 2;
 }
 
 static void run_unit_bf16(const Job *j, const Unit *u, char *buf) {
@@ -406,11 +416,11 @@ static void run_unit_bf16(const Job *j, const Unit *u, char *buf) {
     int64_t lo, hi;
     key_range(j, u, &lo, &hi);
     const int64_t tiles = (hi - lo + KT - 1) / KT;
-    uint16_t *kp = (uint16_t *)buf;          /* [tiles][D / 2][KT][2] */
-    uint16_t *vp = kp + tiles * KT * D;      /* [tiles][KT / 2][D][2] */
-    uint16_t *qs = vp + tiles * KT * D;      /* [RB][D] */
-    float *acc = (float *)(qs + RB * D);     /* [RB][D] */
-    uint16_t *pb = (uint16_t *)(acc + RB * D); /* [RB][KT] */
+    int64_t at[5];
+    scratch_bf16(tiles, D, RB, 0, at);
+    uint16_t *kp = (uint16_t *)buf, *vp = (uint16_t *)(buf + at[AT_V]);
+    uint16_t *qs = (uint16_t *)(buf + at[AT_Q]), *pb = (uint16_t *)(buf + at[AT_P]);
+    float *acc = (float *)(buf + at[AT_ACC]);
     stage_kv_bf16(j, u, lo, hi, tiles, kp, vp);
     const int64_t rows = (u->q1 - u->q0) * G;
     for (int64_t r0 = 0; r0 < rows; r0 += RB) {
@@ -451,7 +461,7 @@ static void run_unit_bf16(const Job *j, const Unit *u, char *buf) {
  * Tiles: 0-3 scores, 4 the left operand (q or P), 5 the right (K or V), 6 the output. */
 #include <sys/syscall.h>
 #include <unistd.h>
-#define AR 16
+#define AR ROWS_MAX /* query rows per AMX tile */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -480,21 +490,16 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-static int64_t scratch_amx(int64_t tiles, int64_t D) {
-    return tiles * KT * D * 2 * 2 + AR * D * 2 + AR * D * 4 + AR * KT * 4 + AR * KT * 2;
-}
-
 static void run_unit_amx(const Job *j, const Unit *u, char *buf) {
     const int64_t D = j->head_dim, G = j->heads / j->kv_heads;
     int64_t lo, hi;
     key_range(j, u, &lo, &hi);
     const int64_t tiles = (hi - lo + KT - 1) / KT;
-    uint16_t *kp = (uint16_t *)buf;          /* [tiles][D / 2][KT][2] */
-    uint16_t *vp = kp + tiles * KT * D;      /* [tiles][KT / 2][D][2] */
-    uint16_t *qs = vp + tiles * KT * D;      /* [AR][D] */
-    float *acc = (float *)(qs + AR * D);     /* [AR][D] */
-    float *sc = acc + AR * D;                /* [AR][KT] */
-    uint16_t *pb = (uint16_t *)(sc + AR * KT); /* [AR][KT] */
+    int64_t at[5];
+    scratch_bf16(tiles, D, AR, 1, at);
+    uint16_t *kp = (uint16_t *)buf, *vp = (uint16_t *)(buf + at[AT_V]);
+    uint16_t *qs = (uint16_t *)(buf + at[AT_Q]), *pb = (uint16_t *)(buf + at[AT_P]);
+    float *acc = (float *)(buf + at[AT_ACC]), *sc = (float *)(buf + at[AT_SCORES]);
     stage_kv_bf16(j, u, lo, hi, tiles, kp, vp);
     const int64_t rows = (u->q1 - u->q0) * G;
     for (int64_t r0 = 0; r0 < rows; r0 += AR) {
@@ -569,10 +574,11 @@ static void part(void *ctx, int64_t id) {
         int64_t need = 2 * ((hi - lo + VW - 1) / VW) * VW * j->head_dim +
                        2 * RT * j->head_dim + RT * VW; /* floats */
 #if BF16_DOT
-        if (j->bf16_mode == 1) need = (scratch_bf16((hi - lo + KT - 1) / KT, j->head_dim) + 3) / 4;
-#if AMX
-        if (j->bf16_mode == 2) need = (scratch_amx((hi - lo + KT - 1) / KT, j->head_dim) + 3) / 4;
-#endif
+        int64_t at[5];
+        if (j->bf16_mode) /* in floats */
+            need = (scratch_bf16((hi - lo + KT - 1) / KT, j->head_dim,
+                                 j->bf16_mode == 2 ? ROWS_MAX : RB, j->bf16_mode == 2, at) +
+                    3) / 4;
 #endif
         if (need > cap) {
             free(buf);
