@@ -9,7 +9,7 @@ The peer runs in its own virtual environment under ~/.cache/meshserve/peers/<pee
 on first use, through bench/cpu_peer_child.py: vLLM pins its own torch build (pip brings
 CUDA builds of torchvision, torchaudio and torchcodec with it, which break `import vllm` on
 a CPU and are removed); llama-cpp-python compiles llama.cpp from source for this CPU
-(GGML_NATIVE, ~6 minutes on 2 cores) and the child writes the checkpoint as a BF16 GGUF.
+(GGML_NATIVE, minutes on first use) and the child writes the checkpoint as a BF16 GGUF.
 Four figures per engine and thread count (llama.cpp, one sequence at a time, the last two):
 
 - long-tail throughput: the 64 `longtail` requests at once, generated tokens per second;

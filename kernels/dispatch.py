@@ -334,9 +334,9 @@ ONEDNN_WEIGHT = "onednn_weight"
 ONEDNN_ROWS = 4
 """Rows from which a bf16 weight's linear runs in oneDNN (activations rounded to bf16, fp32
 accumulation; AMX or AVX512_BF16) rather than the C panels (fp32 activations, widened
-weights): measured one thread, the tiny model's shapes, casts included, the panels win at
-1-2 rows (x1.2-1.9), tie at 3-4, and lose from 6 (x1.4 at 8, x5-9 at 64-512 rows:
-`python -m meshserve.bench.linear_check`)."""
+weights): on the tiny model's shapes, casts included, the panels win below this and
+oneDNN from here on (`python -m meshserve.bench.linear_check`; the figures are in
+docs/benchmarks/2026-12-07-cpu-2core.md)."""
 
 
 def onednn_weight(weight: torch.Tensor) -> torch.Tensor | None:
