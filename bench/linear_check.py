@@ -1,9 +1,11 @@
-"""CPU linear layouts side by side, one thread: the packed C kernel against the layouts the
-runtime used before it (wide weights column-major, the rest row-major, through
-dispatch.linear: MKL or the unpacked C kernels), and bf16 through torch (oneDNN: AVX-512
-BF16 or AMX where the CPU has them; its prepacked linear where torch exposes it), on the
-tiny model's shapes. Prints the CPU's vector flags first: which kernels a machine can run
-decides the figures.
+"""CPU linears side by side, one thread, on the tiny model's shapes. fp32: the packed C kernel
+against the layouts the runtime used before it (wide weights column-major, the rest
+row-major, through dispatch.linear: MKL or the unpacked C kernels). bf16: the engine's
+kernels on bf16 pair panels (`dispatch.linear` of a weight packed as a bf16 model packs it:
+fp32 activations against the widened weight below dispatch.BF16_ROWS rows, bf16
+activations on AMX or VDPBF16PS from there) against oneDNN's prepacked bf16 linear through
+torch (the peer: AVX-512 BF16 or AMX where the CPU has them), both returning bf16. Prints
+the CPU's vector flags first: which kernels a machine can run decides the figures.
 
     python -m meshserve.bench.linear_check [--rows 1 4 8 16 22 32 45 64 512]
 """
@@ -57,25 +59,25 @@ def main() -> None:
         raise SystemExit("the C kernels did not build: nothing to compare")
     print("cpu flags:", " ".join(cpu_flags()) or "unknown")
     print(f"{'weight':8s} {'N x K':>11s} {'rows':>5s} {'before ms':>10s} {'packed ms':>10s} "
-          f"{'ratio':>6s} {'GFLOP/s':>8s} {'bf16 ms':>8s} {'bf16 pre ms':>11s} {'GFLOP/s':>8s}")
+          f"{'ratio':>6s} {'GFLOP/s':>8s} {'bf16 ms':>8s} {'oneDNN ms':>10s} {'ratio':>6s}")
     for name, (n, k) in SHAPES.items():
         weight = torch.randn(n, k)
         before = weight.t().contiguous().t() if n >= 2 * k else weight
         packed = torch.nn.Parameter(weight.clone(), requires_grad=False)
         dispatch.pack_weight(packed)
-        w16 = weight.bfloat16()
+        pairs = torch.nn.Parameter(weight.clone(), requires_grad=False)
+        dispatch.pack_weight(pairs, torch.bfloat16, bf16_batches=True)
         for m in args.rows:
             x = torch.randn(m, k)
             x16 = x.bfloat16()
             a = 1e3 * best_time(lambda x=x, w=before: dispatch.linear(x, w), 10, CPU)
             b = 1e3 * best_time(lambda x=x, w=packed: dispatch.linear(x, w), 10, CPU)
-            c = 1e3 * best_time(lambda x=x16, w=w16: torch.nn.functional.linear(x, w), 10, CPU)
+            c = 1e3 * best_time(lambda x=x16, w=pairs: dispatch.linear(
+                x, w, out_dtype=torch.bfloat16), 10, CPU)
             pre = prepacked_bf16(weight, m)
             d = 1e3 * best_time(lambda x=x16, f=pre: f(x), 10, CPU) if pre else float("nan")
-            best16 = min(c, d) if pre else c
             print(f"{name:8s} {n:>5d} x {k:<4d} {m:5d} {a:10.2f} {b:10.2f} {a / b:6.2f} "
-                  f"{2 * m * n * k / b / 1e6:8.1f} {c:8.2f} {d:11.2f} "
-                  f"{2 * m * n * k / best16 / 1e6:8.1f}")
+                  f"{2 * m * n * k / b / 1e6:8.1f} {c:8.3f} {d:10.3f} {d / c:6.2f}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """What vector instructions this CPU has, and which of them the CPU kernels use.
 
 MESHSERVE_CPU_ISA picks the path: `auto` (the default: the widest this CPU runs), `avx512`
-(AVX-512 F/BW/VL with BF16's VDPBF16PS; oneDNN's bf16 matmuls, which use AMX where the CPU
-has it, for batched bf16 linears) or `avx2` (AVX2 and FMA only: the C kernels' AVX2 code,
-no oneDNN bf16). Forcing a path this CPU lacks is an error naming what is missing, so a
-test can run both on a machine that has both and skip the one it lacks.
+(AVX-512 F/BW/VL with BF16's VDPBF16PS, and AMX where the CPU has it, for batched bf16
+linears) or `avx2` (AVX2 and FMA only: the C kernels' AVX2 code, fp32 activations against
+widened bf16 weights). Forcing a path this CPU lacks is an error naming what is missing,
+so a test can run both on a machine that has both and skip the one it lacks.
 """
 
 from __future__ import annotations
@@ -60,11 +60,8 @@ def selected() -> str:
     return next((isa for isa in ("avx512", "avx2") if supports(isa)), "none")
 
 
-def onednn_bf16() -> bool:
-    """Whether batched bf16 linears go to oneDNN's prepacked matmul: the avx512 path (its
-    bf16 kernels need AVX512_BF16 or AMX; elsewhere torch would emulate them) and a torch
-    built with it."""
-    import torch
-
-    return (selected() == "avx512" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+def bf16_batches() -> bool:
+    """Whether batched bf16 linears round their activations to bf16 and run the C kernels'
+    AMX or VDPBF16PS loops (kernels/native/linear_bf16.c): the avx512 path, whose build has
+    AVX512_BF16."""
+    return selected() == "avx512"

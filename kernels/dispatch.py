@@ -314,34 +314,35 @@ def packing_applies(weight: torch.Tensor) -> bool:
 def pack_weight(param: torch.nn.Parameter, dtype: torch.dtype = torch.float32,
                 bf16_batches: bool = False) -> None:
     """Repack a linear weight [N, K] in place (its data becomes native_cpu.pack's panels, in
-    `dtype`: float32, or bfloat16 for half the bytes), for the C packed linear
-    (ms_linear_packed_f32; against MKL: docs/benchmarks/2026-11-30-cpu-2core.md); it splits
-    its panels over torch's threads. `linear` takes it like any weight. With `bf16_batches`
-    (a bf16 model), bf16 panels also get oneDNN's prepacked copy where cpu_isa.onednn_bf16
-    (ONEDNN_WEIGHT): batches of ONEDNN_ROWS rows or more then run there, activations
-    rounded to bf16; without, every row keeps fp32 activations (bf16 weights alone)."""
-    n = param.shape[0]
-    if dtype is torch.bfloat16 and bf16_batches and cpu_isa.onednn_bf16():
-        rows = param.data.to(torch.bfloat16).contiguous()
-        setattr(param, ONEDNN_WEIGHT, torch.ops.mkldnn._reorder_linear_weight(rows, 64))
+    `dtype`: float32, or bfloat16 pair panels for half the bytes, K even), for the C packed
+    linears (against MKL: docs/benchmarks/2026-11-30-cpu-2core.md); they split their panels
+    over torch's threads. `linear` takes it like any weight. With `bf16_batches` (a bf16
+    model) bf16 panels run batches of BF16_ROWS rows or more with bf16 activations (AMX or
+    VDPBF16PS, on the same panels: the weight is held once) where cpu_isa.bf16_batches;
+    fewer rows, and every row without, keep fp32 activations against the widened weight."""
+    n, k = param.shape
+    if dtype is torch.bfloat16 and k % 2:
+        dtype = torch.float32  # pair panels hold (k, k + 1) pairs
     param.data = native_cpu.pack(param.data, dtype)
     setattr(param, PACKED_COLUMNS, n)
+    if dtype is torch.bfloat16 and bf16_batches and cpu_isa.bf16_batches():
+        setattr(param, BF16_BATCHES, True)
 
 
-ONEDNN_WEIGHT = "onednn_weight"
-"""Attribute of bf16 panels (pack_weight): the same weight in oneDNN's prepacked layout."""
+BF16_BATCHES = "bf16_batches"
+"""Attribute of bf16 pair panels (pack_weight) whose batches run with bf16 activations."""
 
-ONEDNN_ROWS = 4
-"""Rows from which a bf16 weight's linear runs in oneDNN (activations rounded to bf16, fp32
-accumulation; AMX or AVX512_BF16) rather than the C panels (fp32 activations, widened
-weights): on the tiny model's shapes, casts included, the panels win below this and
-oneDNN from here on (`python -m meshserve.bench.linear_check`; the figures are in
-docs/benchmarks/2026-12-07-cpu-2core.md)."""
+BF16_ROWS = 4
+"""Rows from which a bf16 model's linear rounds its activations to bf16 and runs AMX or
+VDPBF16PS (native_cpu.linear_bf16), fp32 accumulation, rather than fp32 activations against
+the widened weight: below it decode rows keep fp32 activations (the fused decoder's path);
+from it the bf16 kernels are faster on the tiny model's shapes (`python -m
+meshserve.bench.linear_check`)."""
 
 
-def onednn_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The oneDNN copy of bf16 panels (pack_weight), or None."""
-    return getattr(weight, ONEDNN_WEIGHT, None)
+def batches_in_bf16(weight: torch.Tensor) -> bool:
+    """Whether `weight` (packed) runs batches of BF16_ROWS rows or more in bf16 (pack_weight)."""
+    return getattr(weight, BF16_BATCHES, False)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -352,6 +353,10 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(ids, weight)
     if native_panels(weight):
         return native_cpu.unpack_rows(weight, ids)
+    if weight.dtype is torch.bfloat16:  # pair panels [N / 16, K / 2, 16 x 2]
+        cols = native_cpu.PAIR_COLS
+        lines = weight.view(weight.shape[0], weight.shape[1], cols, 2)
+        return lines[ids // cols, :, ids % cols].flatten(-2).float()
     panel = weight.shape[2]
     return weight[ids // panel, :, ids % panel].float()
 
@@ -360,7 +365,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ weight^T + bias: on GPU the Triton small-batch kernel where a measured rule picks
     it (triton_gemv.RULES: decode-sized batches of smaller weights), on the CPU the C kernel
-    for a packed weight (pack_weight; oneDNN from ONEDNN_ROWS rows of bf16 panels) or where
+    for a packed weight (pack_weight; bf16 activations from BF16_ROWS rows of bf16 panels) or where
     native_linear_applies; else torch (cuBLAS, MKL). The result is in `out_dtype` for
     packed weights (default x's dtype; `linear_dtype` says which one costs no cast)."""
     n = packed_columns(weight)
@@ -385,30 +390,30 @@ def _linear_plain(x: torch.Tensor, weight: torch.Tensor,
 
 
 def linear_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype `linear(x, weight)` computes its result in: bf16 where oneDNN takes it
-    (bf16 panels, ONEDNN_ROWS rows or more), else x's. Asking linear for it saves a cast
-    where the next kernel reads it as well (SwiGLU between gate/up and down)."""
+    """The dtype `linear(x, weight)` computes its result in: bf16 where the bf16 kernels
+    take it (batches_in_bf16, BF16_ROWS rows or more), else x's. Asking linear for it saves
+    a cast where the next kernel reads it as well (SwiGLU between gate/up and down)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if onednn_weight(weight) is not None and rows >= ONEDNN_ROWS and x.is_cpu:
+    if batches_in_bf16(weight) and rows >= BF16_ROWS and x.is_cpu:
         return torch.bfloat16
     return x.dtype
 
 
 def _linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int,
                    bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """linear() for a packed weight: oneDNN from its prepacked copy for batches, the C
-    kernel, or (reference kernels, another dtype) torch on the weight unpacked, slow but
-    the same product."""
+    """linear() for a packed weight: the C kernels (bf16 activations for batches of bf16
+    panels: batches_in_bf16), or (reference kernels, another dtype) torch on the weight
+    unpacked, slow but the same product."""
     flat = x.dim() == 2
     rows = x if flat else x.reshape(-1, x.shape[-1])
-    prepacked = onednn_weight(packed)
-    if prepacked is not None and rows.shape[0] >= ONEDNN_ROWS and x.is_cpu:
-        out = torch.ops.mkldnn._linear_pointwise(rows.to(torch.bfloat16), prepacked, None,
-                                                 "none", [], "")
-        if bias is not None:
-            out = out.to(bias.dtype) + bias
-        out = out.to(out_dtype)
-        return out if flat else out.view(*x.shape[:-1], n)
+    if (batches_in_bf16(packed) and rows.shape[0] >= BF16_ROWS and x.is_cpu
+            and native_panels(packed) and out_dtype in native_cpu.WEIGHT_DTYPES):
+        low = rows.to(torch.bfloat16)
+        out = native_cpu.linear_bf16(low if low.stride(1) == 1 else low.contiguous(), packed,
+                                     n, None if bias is None else bias.float(), out_dtype,
+                                     torch.get_num_threads())
+        if out is not None:
+            return out if flat else out.view(*x.shape[:-1], n)
     if rows.dtype is torch.bfloat16 and rows.is_cpu:  # a bf16 activation for the C kernel
         rows = rows.float()
     if not native_packed(rows, packed):

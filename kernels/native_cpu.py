@@ -32,7 +32,7 @@ from meshserve.kernels import cpu_isa
 
 NATIVE = Path(__file__).resolve().parent / "native"
 SOURCES = tuple(NATIVE / f for f in ("cpu_kernels.c", "decoder.c", "pool.c",
-                                     "prefill_attention.c"))
+                                     "prefill_attention.c", "linear_bf16.c"))
 HEADERS = (NATIVE / "cpu_kernels.h", NATIVE / "vec_math.h")
 FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c99", "-pthread"]
 POOL_VAR = "MESHSERVE_CPU_POOL"
@@ -146,10 +146,15 @@ def library() -> ctypes.CDLL | None:
     lib.ms_linear_packed_mt.restype = ctypes.c_int
     lib.ms_linear_packed_mt.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
                                         _i64]
-    lib.ms_linear_packed_bf16.restype = ctypes.c_int
-    lib.ms_linear_packed_bf16.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64]
-    lib.ms_unpack_rows_bf16.restype = None
-    lib.ms_unpack_rows_bf16.argtypes = [_ptr, _i64, _ptr, _i64, _ptr]
+    lib.ms_pack_pairs.restype = None
+    lib.ms_pack_pairs.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64]
+    lib.ms_unpack_rows_pairs.restype = None
+    lib.ms_unpack_rows_pairs.argtypes = [_ptr, _i64, _ptr, _i64, _ptr]
+    lib.ms_linear_pairs_f32.restype = None
+    lib.ms_linear_pairs_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64]
+    lib.ms_linear_pairs_bf16_mt.restype = ctypes.c_int
+    lib.ms_linear_pairs_bf16_mt.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64,
+                                            _ptr, _i64, _i64, _i64]
     lib.ms_silu_mul_f32.restype = None
     lib.ms_silu_mul_f32.argtypes = [_ptr, _ptr, _i64, _i64]
     lib.ms_read_bytes.restype = ctypes.c_uint64
@@ -385,39 +390,58 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 PANEL = 24
-"""Output columns per panel of a packed weight (cpu_kernels.c: PANEL)."""
+"""Output columns per panel of a packed fp32 weight (cpu_kernels.c: PANEL)."""
+PAIR_COLS = 16
+"""Output columns per pair panel of a packed bf16 weight (linear_bf16.c: COLS)."""
 
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
-"""What packed panels may hold: the C packed linear widens bf16 to fp32 as it goes."""
+"""What packed panels may hold: fp32 panels, or bf16 pair panels."""
 
 
 def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A float32 weight [N, K] (any strides) as panels [ceil(N / PANEL), K, PANEL]: panel p
-    holds output columns p * PANEL onwards, one row of PANEL per k, zeros past N; in
-    `dtype` (float32, or bfloat16: each value rounded to nearest even)."""
+    """A float32 weight [N, K] (any strides) packed for the C linears. fp32: panels
+    [ceil(N / PANEL), K, PANEL], panel p holding output columns p * PANEL onwards, one row of
+    PANEL per k. bf16 (each value rounded to nearest even; K even): pair panels
+    [ceil(N / 16), K / 2, 32], panel p holding columns 16 p onwards as K / 2 lines of 16
+    (k, k + 1) pairs (kernels/native/linear_bf16.c). Zeros past N."""
     assert dtype in WEIGHT_DTYPES, f"panels hold fp32 or bf16, not {dtype}"
     n, k = weight.shape
+    if dtype is torch.bfloat16:
+        assert k % 2 == 0, f"bf16 pair panels need an even K, not {k}"
+        out = torch.empty((n + PAIR_COLS - 1) // PAIR_COLS, k // 2, 2 * PAIR_COLS,
+                          dtype=torch.bfloat16)
+        _loaded().ms_pack_pairs(weight.data_ptr(), weight.stride(0), weight.stride(1),
+                                out.data_ptr(), n, k)
+        return out
     out = torch.empty((n + PANEL - 1) // PANEL, k, PANEL, dtype=torch.float32)
     _loaded().ms_pack_f32(weight.data_ptr(), weight.stride(0), weight.stride(1),
                           out.data_ptr(), n, k)
-    return out if dtype is torch.float32 else out.to(dtype)
+    return out
+
+
+def packed_k(packed: torch.Tensor) -> int:
+    """K of a packed weight: fp32 panels or bf16 pair panels."""
+    return packed.shape[1] * (2 if packed.dtype is torch.bfloat16 else 1)
 
 
 def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The weight [n, K] that `pack` made `packed` from (a new row-major tensor, in the
     panels' dtype)."""
-    panels, k, panel = packed.shape
-    return packed.permute(0, 2, 1).reshape(panels * panel, k)[:n].contiguous()
+    panels = packed.shape[0]
+    if packed.dtype is torch.bfloat16:
+        lines = packed.view(panels, -1, PAIR_COLS, 2).permute(0, 2, 1, 3)
+        return lines.reshape(panels * PAIR_COLS, packed_k(packed))[:n].contiguous()
+    return packed.permute(0, 2, 1).reshape(panels * PANEL, packed.shape[1])[:n].contiguous()
 
 
 def unpack_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` (int64, any shape, each in range) of the weight `packed` = pack(weight):
     an embedding lookup from a tied head's panels -> [*ids.shape, K]."""
     flat = ids.reshape(-1).to(torch.int64).contiguous()
-    k = packed.shape[1]
+    k = packed_k(packed)
     out = torch.empty(flat.shape[0], k, dtype=torch.float32)
-    gather = (_loaded().ms_unpack_rows_bf16 if packed.dtype is torch.bfloat16
+    gather = (_loaded().ms_unpack_rows_pairs if packed.dtype is torch.bfloat16
               else _loaded().ms_unpack_rows_f32)
     if flat.shape[0]:
         gather(packed.data_ptr(), k, flat.data_ptr(), flat.shape[0], out.data_ptr())
@@ -438,12 +462,13 @@ def linear_threads(flops: int, threads: int) -> int:
 
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int,
                   threads: int = 1) -> torch.Tensor:
-    """x [M, K] (unit column stride) @ weight.T: [M, n], for `packed` = pack(weight) (fp32
-    or bf16 panels: ms_linear_packed_bf16 widens them as it goes). With `threads` > 1 and
-    enough work, the panels are split into that many contiguous ranges over the C pool's
-    persistent threads (pool.c); every output is computed exactly as on one thread."""
+    """x [M, K] (fp32, unit column stride) @ weight.T: [M, n] fp32, for `packed` =
+    pack(weight) (fp32 panels, or bf16 pair panels widened in registers). With `threads` >
+    1 and enough work, the panels are split into that many contiguous ranges over the C
+    pool's persistent threads (pool.c); every output is computed exactly as on one
+    thread."""
     m, k = x.shape
-    assert x.stride(1) == 1 and packed.shape[1] == k and packed.is_contiguous(), (
+    assert x.stride(1) == 1 and packed_k(packed) == k and packed.is_contiguous(), (
         x.shape, x.stride(), packed.shape)
     out = torch.empty(m, n, dtype=torch.float32)
     if not m:
@@ -453,14 +478,43 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int,
     bf16 = packed.dtype is torch.bfloat16
     args = (x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(), n, m, k, n)
     if threads > 1:
-        rc = lib.ms_linear_packed_mt(*args, int(bf16), threads)
+        lib.ms_linear_packed_mt(*args, int(bf16), threads)
     elif bf16:
-        rc = lib.ms_linear_packed_bf16(*args)
+        lib.ms_linear_pairs_f32(*args)
     else:
-        rc = 0
         lib.ms_linear_packed_f32(*args)
+    return out
+
+
+BF16_BEST = 0
+BF16_VARIANTS = {"avx512_bf16": 1, "amx": 2}
+"""ms_linear_pairs_bf16's kernels for bf16 activations: VDPBF16PS, or AMX tiles (K a
+multiple of 32); BF16_BEST is the fastest this CPU has."""
+
+
+def linear_bf16(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
+                out_dtype: torch.dtype, threads: int = 1,
+                variant: int = BF16_BEST) -> torch.Tensor | None:
+    """x [M, K] (bf16, unit column stride) @ weight.T + bias (fp32) for bf16 pair panels
+    `packed`, summed in fp32 and rounded once into out_dtype (bf16 or fp32); AMX or
+    VDPBF16PS (kernels/native/linear_bf16.c), the panels split over `threads` parts (the
+    pool). None where this CPU or build has neither (or not `variant`)."""
+    m, k = x.shape
+    assert x.dtype is torch.bfloat16 and x.stride(1) == 1 and packed_k(packed) == k, (
+        x.dtype, x.stride(), packed.shape)
+    assert out_dtype in WEIGHT_DTYPES and (bias is None or bias.dtype is torch.float32)
+    out = torch.empty(m, n, dtype=out_dtype)
+    if not m:
+        return out
+    threads = min(linear_threads(2 * m * n * k, threads), packed.shape[0])
+    rc = _loaded().ms_linear_pairs_bf16_mt(
+        x.data_ptr(), x.stride(0), packed.data_ptr(), k, n, out.data_ptr(), n,
+        int(out_dtype is torch.bfloat16), 0 if bias is None else bias.contiguous().data_ptr(),
+        m, variant, threads)
+    if rc == PREFILL_UNSUPPORTED:
+        return None
     if rc != 0:
-        raise MemoryError(f"packed bf16 linear: no memory to widen panels of K={k}")
+        raise MemoryError(f"bf16 linear: no memory to pad {m % 16} rows of K={k}")
     return out
 
 

@@ -36,8 +36,8 @@ class FusedDecoder:
         mlp = layers[0].mlp
         self.weight_dtype = attn.qkv_proj.weight.dtype
         """What the packed panels hold (fp32, or bf16: model.cpu_weight_dtype)."""
-        self.onednn = dispatch.onednn_weight(attn.qkv_proj.weight) is not None
-        """Whether the modules run batches in oneDNN (bf16 panels with its copy)."""
+        self.bf16_batches = dispatch.batches_in_bf16(attn.qkv_proj.weight)
+        """Whether the modules run batches with bf16 activations (dispatch.BF16_ROWS)."""
         structs = []
         for layer in layers:
             a, f = layer.self_attn, layer.mlp
@@ -124,8 +124,8 @@ class FusedDecoder:
 
     def _in_panels(self, rows: int) -> bool:
         """Whether the modules would run every linear of `rows` rows in the C panels (not
-        oneDNN: dispatch.ONEDNN_ROWS), as the fused call does (on as many threads)."""
-        return not (self.onednn and rows >= dispatch.ONEDNN_ROWS)
+        bf16 activations: dispatch.BF16_ROWS), as the fused call does (on as many threads)."""
+        return not (self.bf16_batches and rows >= dispatch.BF16_ROWS)
 
     def draft_greedy(self, head: torch.Tensor, drafted: torch.Tensor, start: torch.Tensor,
                      block_tables: torch.Tensor, wanted: torch.Tensor,

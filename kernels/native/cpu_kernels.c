@@ -924,10 +924,9 @@ void ms_pack_f32(const float *w, int64_t ws_n, int64_t ws_k, float *p, int64_t N
         if (ncols != PANEL)                                                                \
             memcpy(o + r * os, tmp, (size_t)ncols * sizeof(float));                        \
     }
-/* `ROWS` (1-5) rows of x against one panel of WT (float, or uint16_t: bf16 widened by
- * LOADW as it is loaded), into the first `ncols` columns of o. */
-#define PK_TILE(NAME, ROWS, WT, LOADW)                                                     \
-    static void NAME(const float *x, int64_t xs, const WT *panel, int64_t K, float *o,     \
+/* `ROWS` (1-5) rows of x against one panel, into the first `ncols` columns of o. */
+#define PK_TILE(NAME, ROWS)                                                                \
+    static void NAME(const float *x, int64_t xs, const float *panel, int64_t K, float *o,  \
                      int64_t os, int64_t ncols) {                                          \
         const int rows = ROWS;                                                             \
         const __m256 z = _mm256_setzero_ps();                                              \
@@ -936,33 +935,27 @@ void ms_pack_f32(const float *w, int64_t ws_n, int64_t ws_k, float *p, int64_t N
         __m256 c40 = z, c41 = z, c42 = z;                                                  \
         float tmp[PANEL];                                                                  \
         for (int64_t k = 0; k < K; k++) {                                                  \
-            const WT *w = panel + k * PANEL;                                               \
-            const __m256 w0 = LOADW(w), w1 = LOADW(w + 8), w2 = LOADW(w + 16);             \
+            const float *w = panel + k * PANEL;                                            \
+            const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);             \
+            const __m256 w2 = _mm256_loadu_ps(w + 16);                                     \
             PK_ROW(0) PK_ROW(1) PK_ROW(2) PK_ROW(3) PK_ROW(4)                              \
         }                                                                                  \
         PK_OUT(0) PK_OUT(1) PK_OUT(2) PK_OUT(3) PK_OUT(4)                                  \
         (void)tmp;                                                                         \
     }
-#define LOADW_F32(p) _mm256_loadu_ps(p)
-#define LOADW_BF16(p) load8_kv((p), 0, 1)
-PK_TILE(pk_tile1, 1, float, LOADW_F32)
-PK_TILE(pk_tile2, 2, float, LOADW_F32)
-PK_TILE(pk_tile3, 3, float, LOADW_F32)
-PK_TILE(pk_tile4, 4, float, LOADW_F32)
-PK_TILE(pk_tile1_bf16, 1, uint16_t, LOADW_BF16)
-PK_TILE(pk_tile2_bf16, 2, uint16_t, LOADW_BF16)
-PK_TILE(pk_tile3_bf16, 3, uint16_t, LOADW_BF16)
-PK_TILE(pk_tile4_bf16, 4, uint16_t, LOADW_BF16)
+PK_TILE(pk_tile1, 1)
+PK_TILE(pk_tile2, 2)
+PK_TILE(pk_tile3, 3)
+PK_TILE(pk_tile4, 4)
 #if defined(__AVX512VL__)
-PK_TILE(pk_tile5, 5, float, LOADW_F32) /* 15 accumulators: only where EVEX gives 32 registers */
-PK_TILE(pk_tile5_bf16, 5, uint16_t, LOADW_BF16)
+PK_TILE(pk_tile5, 5) /* 15 accumulators: only where EVEX gives 32 registers */
 #endif
 
 /* ROWS rows of x against NP consecutive full panels from q0, the panels streamed at once
  * (one stream does not saturate memory). Each output is the same FMA chain as in the
  * tiles. The accumulators, ROWS x NP x 3, must fit the registers. */
-#define PK_PANELS(NAME, ROWS, NP, WT, LOADW)                                               \
-    static void NAME(const float *x, int64_t xs, const WT *q0, int64_t K, float *o,        \
+#define PK_PANELS(NAME, ROWS, NP)                                                          \
+    static void NAME(const float *x, int64_t xs, const float *q0, int64_t K, float *o,     \
                      int64_t os) {                                                         \
         __m256 acc[ROWS][NP][3];                                                           \
         for (int r = 0; r < ROWS; r++)                                                     \
@@ -972,7 +965,7 @@ PK_TILE(pk_tile5_bf16, 5, uint16_t, LOADW_BF16)
             __m256 w[NP][3];                                                               \
             for (int p = 0; p < NP; p++)                                                   \
                 for (int j = 0; j < 3; j++)                                                \
-                    w[p][j] = LOADW(q0 + (p * K + k) * PANEL + 8 * j);                     \
+                    w[p][j] = _mm256_loadu_ps(q0 + (p * K + k) * PANEL + 8 * j);           \
             for (int r = 0; r < ROWS; r++) {                                               \
                 const __m256 a = _mm256_broadcast_ss(x + r * xs + k);                      \
                 for (int p = 0; p < NP; p++)                                               \
@@ -990,72 +983,56 @@ PK_TILE(pk_tile5_bf16, 5, uint16_t, LOADW_BF16)
 #else
 #define TWO_ROW_PANELS 2 /* 12 of 16 */
 #endif
-PK_PANELS(pk_one_row, 1, 4, float, LOADW_F32)
-PK_PANELS(pk_two_rows, 2, TWO_ROW_PANELS, float, LOADW_F32)
-PK_PANELS(pk_one_row_bf16, 1, 4, uint16_t, LOADW_BF16)
-PK_PANELS(pk_two_rows_bf16, 2, TWO_ROW_PANELS, uint16_t, LOADW_BF16)
+PK_PANELS(pk_one_row, 1, 4)
+PK_PANELS(pk_two_rows, 2, TWO_ROW_PANELS)
 
-/* One tile call of `rows` rows (1-5) on a panel of fp32, or of bf16 where `bf16`. */
-INLINE void pk_tile(int rows, int bf16, const float *x, int64_t xs, const void *panel,
-                    int64_t K, float *o, int64_t os, int64_t ncols) {
-    const float *f = panel;
-    const uint16_t *h = panel;
+/* One tile call of `rows` rows (1-5) on a panel. */
+INLINE void pk_tile(int rows, const float *x, int64_t xs, const float *panel, int64_t K,
+                    float *o, int64_t os, int64_t ncols) {
     switch (rows) {
-    case 1: bf16 ? pk_tile1_bf16(x, xs, h, K, o, os, ncols) : pk_tile1(x, xs, f, K, o, os, ncols);
-            break;
-    case 2: bf16 ? pk_tile2_bf16(x, xs, h, K, o, os, ncols) : pk_tile2(x, xs, f, K, o, os, ncols);
-            break;
-    case 3: bf16 ? pk_tile3_bf16(x, xs, h, K, o, os, ncols) : pk_tile3(x, xs, f, K, o, os, ncols);
-            break;
-    case 4: bf16 ? pk_tile4_bf16(x, xs, h, K, o, os, ncols) : pk_tile4(x, xs, f, K, o, os, ncols);
-            break;
+    case 1: pk_tile1(x, xs, panel, K, o, os, ncols); break;
+    case 2: pk_tile2(x, xs, panel, K, o, os, ncols); break;
+    case 3: pk_tile3(x, xs, panel, K, o, os, ncols); break;
+    case 4: pk_tile4(x, xs, panel, K, o, os, ncols); break;
 #if defined(__AVX512VL__)
-    case 5: bf16 ? pk_tile5_bf16(x, xs, h, K, o, os, ncols) : pk_tile5(x, xs, f, K, o, os, ncols);
-            break;
+    case 5: pk_tile5(x, xs, panel, K, o, os, ncols); break;
 #endif
     }
 }
 #endif
 
-/* The tiles' driver over panels p of fp32, or of bf16 where `bf16` (a constant at each of
- * its two callers, so each gets its own loop). */
-INLINE void linear_packed(const float *x, int64_t xs, const void *p, float *out, int64_t os,
-                          int64_t M, int64_t K, int64_t N, int bf16) {
-    const int64_t elem = bf16 ? 2 : 4;
+void ms_linear_packed_f32(const float *x, int64_t xs, const float *p, float *out, int64_t os,
+                          int64_t M, int64_t K, int64_t N) {
     int64_t panels = (N + PANEL - 1) / PANEL, q = 0;
-#define PANEL_AT(i) ((const void *)((const char *)p + (i) * K * PANEL * elem))
+#define PANEL_AT(i) (p + (i) * K * PANEL)
 #if defined(__AVX2__) && defined(__FMA__)
     /* One or two rows (decode) stream several panels at once; the tiles take the rest. */
     if (M == 1)
-        for (; q + 4 <= panels && (q + 4) * PANEL <= N; q += 4) {
-            if (bf16) pk_one_row_bf16(x, xs, PANEL_AT(q), K, out + q * PANEL, os);
-            else pk_one_row(x, xs, PANEL_AT(q), K, out + q * PANEL, os);
-        }
+        for (; q + 4 <= panels && (q + 4) * PANEL <= N; q += 4)
+            pk_one_row(x, xs, PANEL_AT(q), K, out + q * PANEL, os);
     if (M == 2)
         for (; q + TWO_ROW_PANELS <= panels && (q + TWO_ROW_PANELS) * PANEL <= N;
-             q += TWO_ROW_PANELS) {
-            if (bf16) pk_two_rows_bf16(x, xs, PANEL_AT(q), K, out + q * PANEL, os);
-            else pk_two_rows(x, xs, PANEL_AT(q), K, out + q * PANEL, os);
-        }
+             q += TWO_ROW_PANELS)
+            pk_two_rows(x, xs, PANEL_AT(q), K, out + q * PANEL, os);
     for (; q < panels; q++) {
-        const void *panel = PANEL_AT(q);
+        const float *panel = PANEL_AT(q);
         int64_t ncols = N - q * PANEL < PANEL ? N - q * PANEL : PANEL;
         float *o = out + q * PANEL;
         int64_t m = 0;
         for (; M - m >= 4 && M - m != 5; m += 4)
-            pk_tile(4, bf16, x + m * xs, xs, panel, K, o + m * os, os, ncols);
+            pk_tile(4, x + m * xs, xs, panel, K, o + m * os, os, ncols);
         const int64_t rest = M - m; /* 0-3, or 5: never a lone row after a tile */
         const float *xm = x + m * xs;
         float *om = o + m * os;
         if (rest == 5) {
 #if defined(__AVX512VL__)
-            pk_tile(5, bf16, xm, xs, panel, K, om, os, ncols);
+            pk_tile(5, xm, xs, panel, K, om, os, ncols);
 #else
-            pk_tile(3, bf16, xm, xs, panel, K, om, os, ncols);
-            pk_tile(2, bf16, xm + 3 * xs, xs, panel, K, om + 3 * os, os, ncols);
+            pk_tile(3, xm, xs, panel, K, om, os, ncols);
+            pk_tile(2, xm + 3 * xs, xs, panel, K, om + 3 * os, os, ncols);
 #endif
         } else if (rest > 0) {
-            pk_tile((int)rest, bf16, xm, xs, panel, K, om, os, ncols);
+            pk_tile((int)rest, xm, xs, panel, K, om, os, ncols);
         }
     }
 #else
@@ -1064,73 +1041,13 @@ INLINE void linear_packed(const float *x, int64_t xs, const void *p, float *out,
             for (int64_t m = 0; m < M; m++) {
                 float acc = 0.0f;
                 for (int64_t k = 0; k < K; k++)
-                    acc = fmaf(x[m * xs + k], kv_at(p, (q * K + k) * PANEL + j, bf16), acc);
+                    acc = fmaf(x[m * xs + k], p[(q * K + k) * PANEL + j], acc);
                 out[m * os + q * PANEL + j] = acc;
             }
 #endif
 #undef PANEL_AT
 }
 
-void ms_linear_packed_f32(const float *x, int64_t xs, const float *p, float *out, int64_t os,
-                          int64_t M, int64_t K, int64_t N) {
-    linear_packed(x, xs, p, out, os, M, K, N, 0);
-}
-
-/* ---- bf16 panels: ms_pack_f32's layout with each value rounded to bf16 ----
- *
- * Half the bytes a decode step streams from memory. Up to WIDEN_MIN_ROWS rows (decode
- * batches) the micro-kernels widen each weight vector as they load it (a bf16 is the top
- * half of an fp32, so exactly): the panels are read once, with no more stores. More rows
- * (prompt chunks) would widen each vector once per four-row tile; there a group of panels
- * at a time is widened into a scratch buffer, which stays in cache, and the fp32
- * micro-kernels run on it. Either way every output is the same FMA chain over the widened
- * weight as ms_linear_packed_f32 would give.
- */
-#define WIDEN_PANELS 4 /* pk_one_row streams four panels at once */
-#define WIDEN_MIN_ROWS 8
-
-static void widen_bf16(const uint16_t *src, float *dst, int64_t n) {
-    int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, load8_kv(src, i, 1));
-#endif
-    for (; i < n; i++) dst[i] = kv_at(src, i, 1);
-}
-
-/* out[M, N] = x[M, K] @ w[N, K]^T for bf16 panels p. Returns 0, or -1 when the scratch
- * buffer could not be allocated. */
-int ms_linear_packed_bf16(const float *x, int64_t xs, const uint16_t *p, float *out,
-                          int64_t os, int64_t M, int64_t K, int64_t N) {
-    if (M <= WIDEN_MIN_ROWS) { /* decode: widened in registers, the panels read once */
-        linear_packed(x, xs, p, out, os, M, K, N, 1);
-        return 0;
-    }
-    const int64_t panels = (N + PANEL - 1) / PANEL;
-    const int64_t group = panels < WIDEN_PANELS ? panels : WIDEN_PANELS;
-    float *buf = malloc(sizeof(float) * (size_t)(group * K * PANEL));
-    if (buf == NULL) return -1;
-    for (int64_t q = 0; q < panels; q += group) {
-        const int64_t g = panels - q < group ? panels - q : group;
-        const int64_t cols = N - q * PANEL < g * PANEL ? N - q * PANEL : g * PANEL;
-        widen_bf16(p + q * K * PANEL, buf, g * K * PANEL);
-        ms_linear_packed_f32(x, xs, buf, out + q * PANEL, os, M, K, cols);
-    }
-    free(buf);
-    return 0;
-}
-
-/* Rows `ids` [T] of the weight whose bf16 panels are p, into out [T, K] (fp32). */
-void ms_unpack_rows_bf16(const uint16_t *p, int64_t K, const int64_t *ids, int64_t T,
-                         float *out) {
-    for (int64_t t = 0; t < T; t++) {
-        const uint16_t *src = p + (ids[t] / PANEL) * K * PANEL + ids[t] % PANEL;
-        for (int64_t k = 0; k < K; k++) out[t * K + k] = kv_at(src, k * PANEL, 1);
-    }
-}
-
-/* Rows `ids` [T] of the weight [N, K] that ms_pack_f32 packed into p, into out [T, K]
- * (an embedding lookup from a head's panels: the weight is stored once). */
 void ms_unpack_rows_f32(const float *p, int64_t K, const int64_t *ids, int64_t T, float *out) {
     for (int64_t t = 0; t < T; t++) {
         const float *src = p + (ids[t] / PANEL) * K * PANEL + ids[t] % PANEL;

@@ -12,7 +12,7 @@
  * and context length (a verify step's rows of one sequence each attend up to their own
  * position; every row's K/V is stored before any row attends). Weights are the packed
  * panels of ms_pack_f32 (the embedding too, where it is a tied head's), fp32 or, with
- * weights_bf16, rounded to bf16 (ms_linear_packed_bf16); biases are optional (NULL) and
+ * weights_bf16, bf16 pair panels (ms_pack_pairs, ms_linear_pairs_f32); biases are optional (NULL) and
  * fp32. The linears split their panels over `threads` (pool.c); the rest runs on the
  * calling thread.
  */
@@ -59,7 +59,10 @@ static int linear(const MsDecoder *m, const float *x, int64_t xs, const void *w,
     if (threads > work) threads = work;
     if (threads > 1)
         return ms_linear_packed_mt(x, xs, w, out, os, M, K, N, m->weights_bf16, threads);
-    if (m->weights_bf16) return ms_linear_packed_bf16(x, xs, w, out, os, M, K, N);
+    if (m->weights_bf16) {
+        ms_linear_pairs_f32(x, xs, w, out, os, M, K, N);
+        return 0;
+    }
     ms_linear_packed_f32(x, xs, w, out, os, M, K, N);
     return 0;
 }
@@ -84,7 +87,7 @@ int ms_decoder_forward_f32(const MsDecoder *m, int64_t T, const int64_t *tokens,
     float *x = buf, *residual = x + T * hs, *normed = residual + T * hs;
     float *wide = normed + T * hs, *attn = wide + T * widest, *act = attn + T * h * d;
     float *cos = act + T * inter, *sin = cos + T * half;
-    if (m->embed_packed && m->weights_bf16) ms_unpack_rows_bf16(m->embed, hs, tokens, T, x);
+    if (m->embed_packed && m->weights_bf16) ms_unpack_rows_pairs(m->embed, hs, tokens, T, x);
     else if (m->embed_packed) ms_unpack_rows_f32(m->embed, hs, tokens, T, x);
     for (int64_t t = 0; t < T; t++) {
         if (!m->embed_packed)

@@ -147,42 +147,80 @@ void ms_pool_run(ms_part_fn fn, void *ctx, int64_t parts) {
 void ms_pool_run(ms_part_fn fn, void *ctx, int64_t parts) { threads_run(fn, ctx, parts); }
 #endif
 
-/* ms_linear_packed_f32 / _bf16 with the panels split over `threads` (the pool): each part
- * a contiguous range of panels, each output computed exactly as on one thread. */
+/* ms_linear_packed_f32 (fp32 panels) / ms_linear_pairs_f32 (bf16 pair panels) with the
+ * panels split over `threads` (the pool): each part a contiguous range of panels, each
+ * output computed exactly as on one thread. */
 typedef struct {
     const float *x;
     int64_t xs;
     const char *p;
     float *out;
     int64_t os, M, K, N, bf16, parts;
-    int rc;
 } LinearJob;
 
 #define PANEL_COLS 24 /* cpu_kernels.c: PANEL */
+#define PAIR_COLS 16  /* linear_bf16.c: COLS */
 
 static void linear_part(void *ctx, int64_t part) {
     LinearJob *j = ctx;
-    const int64_t panels = (j->N + PANEL_COLS - 1) / PANEL_COLS;
+    const int64_t width = j->bf16 ? PAIR_COLS : PANEL_COLS;
+    const int64_t panels = (j->N + width - 1) / width;
     const int64_t q0 = panels * part / j->parts, q1 = panels * (part + 1) / j->parts;
     if (q1 <= q0) return;
-    const int64_t cols = (j->N < q1 * PANEL_COLS ? j->N : q1 * PANEL_COLS) - q0 * PANEL_COLS;
-    const int64_t elem = j->bf16 ? 2 : 4;
-    const void *p = j->p + q0 * j->K * PANEL_COLS * elem;
-    float *out = j->out + q0 * PANEL_COLS;
-    if (j->bf16) {
-        if (ms_linear_packed_bf16(j->x, j->xs, p, out, j->os, j->M, j->K, cols) != 0)
-            __atomic_store_n(&j->rc, -1, __ATOMIC_RELAXED);
-    } else {
-        ms_linear_packed_f32(j->x, j->xs, p, out, j->os, j->M, j->K, cols);
-    }
+    const int64_t cols = (j->N < q1 * width ? j->N : q1 * width) - q0 * width;
+    const char *p = j->p + q0 * j->K * width * (j->bf16 ? 2 : 4);
+    float *out = j->out + q0 * width;
+    if (j->bf16)
+        ms_linear_pairs_f32(j->x, j->xs, (const uint16_t *)p, out, j->os, j->M, j->K, cols);
+    else
+        ms_linear_packed_f32(j->x, j->xs, (const float *)p, out, j->os, j->M, j->K, cols);
 }
 
 int ms_linear_packed_mt(const float *x, int64_t xs, const void *p, float *out, int64_t os,
                         int64_t M, int64_t K, int64_t N, int64_t bf16, int64_t threads) {
-    const int64_t panels = (N + PANEL_COLS - 1) / PANEL_COLS;
-    LinearJob job = {x, xs, p, out, os, M, K, N, bf16, threads < panels ? threads : panels, 0};
+    const int64_t width = bf16 ? PAIR_COLS : PANEL_COLS;
+    const int64_t panels = (N + width - 1) / width;
+    LinearJob job = {x, xs, p, out, os, M, K, N, bf16, threads < panels ? threads : panels};
     if (job.parts < 1) job.parts = 1;
     ms_pool_run(linear_part, &job, job.parts);
+    return 0;
+}
+
+/* ms_linear_pairs_bf16 with the panels split over `threads` parts by pairs of panels (the
+ * AMX kernel's 32 columns), each output computed exactly as on one thread. */
+typedef struct {
+    const uint16_t *x;
+    int64_t xs;
+    const uint16_t *p;
+    int64_t K, N;
+    char *out;
+    int64_t os, out_bf16;
+    const float *bias;
+    int64_t M, variant, parts;
+    int rc;
+} PairsJob;
+
+static void pairs_part(void *ctx, int64_t part) {
+    PairsJob *j = ctx;
+    const int64_t units = (j->N + 2 * PAIR_COLS - 1) / (2 * PAIR_COLS);
+    const int64_t u0 = units * part / j->parts, u1 = units * (part + 1) / j->parts;
+    if (u1 <= u0) return;
+    const int64_t c0 = u0 * 2 * PAIR_COLS, c1 = j->N < u1 * 2 * PAIR_COLS ? j->N : u1 * 2 * PAIR_COLS;
+    const int rc = ms_linear_pairs_bf16(
+        j->x, j->xs, j->p + c0 * j->K, j->K, c1 - c0, j->out + c0 * (j->out_bf16 ? 2 : 4),
+        j->os, j->out_bf16, j->bias ? j->bias + c0 : NULL, j->M, j->variant);
+    if (rc != 0) __atomic_store_n(&j->rc, rc, __ATOMIC_RELAXED);
+}
+
+int ms_linear_pairs_bf16_mt(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t K,
+                            int64_t N, void *out, int64_t os, int64_t out_bf16,
+                            const float *bias, int64_t M, int64_t variant, int64_t threads) {
+    const int64_t units = (N + 2 * PAIR_COLS - 1) / (2 * PAIR_COLS);
+    PairsJob job = {x, xs, p, K, N, out, os, out_bf16, bias, M, variant,
+                    threads < units ? threads : units, 0};
+    if (job.parts <= 1)
+        return ms_linear_pairs_bf16(x, xs, p, K, N, out, os, out_bf16, bias, M, variant);
+    ms_pool_run(pairs_part, &job, job.parts);
     return job.rc;
 }
 

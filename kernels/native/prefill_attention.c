@@ -462,25 +462,12 @@ static void run_unit_bf16(const Job *j, const Unit *u, char *buf) {
 #include <sys/syscall.h>
 #include <unistd.h>
 #define AR ROWS_MAX /* query rows per AMX tile */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
 } TileConfig;
-
-/* Whether this process may use the AMX tile registers (Linux grants them on request). */
-static int amx_permitted(void) {
-    static int state; /* 0 not asked, 1 granted, -1 refused */
-    int s = __atomic_load_n(&state, __ATOMIC_RELAXED);
-    if (s == 0) {
-        s = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-        __atomic_store_n(&state, s, __ATOMIC_RELAXED);
-    }
-    return s > 0;
-}
 
 static void amx_configure(void) {
     TileConfig cfg;
@@ -633,7 +620,7 @@ int ms_prefill_attention(const void *q, int64_t q_bf16, int64_t q_stride, const 
 #if defined(__AVX512BF16__)
     if (kv_bf16 && out_bf16) best = 1;
 #if AMX
-    if (kv_bf16 && out_bf16 && head_dim % 32 == 0 && amx_permitted()) best = 2;
+    if (kv_bf16 && out_bf16 && head_dim % 32 == 0 && ms_amx_permitted()) best = 2;
 #endif
 #endif
     if (variant > best || (variant == 1 && !(kv_bf16 && out_bf16))) {

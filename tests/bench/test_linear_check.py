@@ -1,5 +1,5 @@
 """`python -m meshserve.bench.linear_check`: the CPU's flags, then every shape, both fp32
-layouts and bf16 through torch, one line each."""
+layouts and bf16 (ours against oneDNN's), one line each."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_it_prints_both_layouts_for_every_shape() -> None:
     assert len(rows) == len(SHAPES)
     for row in rows:
         before, packed, ratio = map(float, row[1:4])
-        assert before > 0 and packed > 0 and float(row[5]) > 0  # (bf16 through torch)
+        assert before > 0 and packed > 0 and float(row[5]) > 0  # (bf16: ours)
         # Each figure is printed to 0.01: the ratio lies within what the rounding allows.
         low, high = (before - 0.005) / (packed + 0.005), (before + 0.005) / max(packed - 0.005,
                                                                                1e-9)

@@ -64,7 +64,7 @@ def test_rms_norm_writes_bf16_for_the_next_linear() -> None:
 
 
 def packed(n: int, k: int, seed: int = 0) -> tuple[torch.nn.Parameter, torch.Tensor]:
-    """(bf16 panels of a random [n, k] weight, the weight's bf16 values widened)."""
+    """(bf16 pair panels of a random [n, k] weight, the weight's bf16 values widened)."""
     torch.manual_seed(seed)
     w = torch.randn(n, k) / k ** 0.5
     param = torch.nn.Parameter(w.clone(), requires_grad=False)
@@ -77,20 +77,23 @@ def test_bf16_panels_linear(rows: int) -> None:
     param, w = packed(100, 72)
     x = torch.randn(rows, 72)
     bias = torch.randn(100)
-    onednn = dispatch.onednn_weight(param) is not None
-    assert onednn == cpu_isa.onednn_bf16()
-    batched = onednn and rows >= dispatch.ONEDNN_ROWS
+    in_bf16 = dispatch.batches_in_bf16(param)
+    assert in_bf16 == cpu_isa.bf16_batches()
+    assert param.dtype is torch.bfloat16 and param.shape == (7, 36, 32)  # held once: 2 B each
+    batched = in_bf16 and rows >= dispatch.BF16_ROWS
     assert dispatch.linear_dtype(x, param) is (torch.bfloat16 if batched else torch.float32)
     got = dispatch.linear(x, param, bias)
     assert got.dtype is torch.float32 and got.shape == (rows, 100)
-    if batched:  # activations rounded to bf16, fp32 accumulation, the result rounded
-        want = x.bfloat16().float() @ w.t() + bias
-        torch.testing.assert_close(got, want, rtol=2 * BF16_ULP, atol=0.05)
+    if batched:  # activations rounded to bf16, fp32 accumulation and bias, rounded once
+        want = x.bfloat16().double() @ w.double().t() + bias.double()
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     else:  # fp32 activations against the widened weights
         torch.testing.assert_close(got, x @ w.t() + bias, rtol=1e-5, atol=1e-5)
     low = dispatch.linear(x, param, out_dtype=torch.bfloat16)
     assert low.dtype is torch.bfloat16
     assert torch.equal(low, dispatch.linear(x, param).bfloat16())  # one rounding either way
+    if batched:  # each row as alone, whatever the batch around it
+        assert torch.equal(dispatch.linear(x[-4:], param, bias), got[-4:])
 
 
 def test_a_bf16_activation_takes_the_panels_too() -> None:
@@ -100,12 +103,45 @@ def test_a_bf16_activation_takes_the_panels_too() -> None:
     torch.testing.assert_close(got, x.float() @ w.t(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not cpu_isa.onednn_bf16(), reason="needs the avx512 path (oneDNN bf16)")
-def test_the_onednn_copy_is_the_same_weight() -> None:
-    param, w = packed(300, 64, seed=2)
-    x = torch.randn(dispatch.ONEDNN_ROWS + 3, 64).bfloat16().float()  # exact in bf16
-    got = dispatch.linear(x, param)
-    torch.testing.assert_close(got, x @ w.t(), rtol=2 * BF16_ULP, atol=1e-2)
+@pytest.mark.skipif(not cpu_isa.bf16_batches(), reason="needs the avx512 path (AVX512_BF16)")
+@pytest.mark.parametrize("variant", sorted(native_cpu.BF16_VARIANTS))
+@pytest.mark.parametrize("rows", [1, 7, 16, 33, 100])
+def test_bf16_activation_kernels_against_float64(variant: str, rows: int) -> None:
+    """AMX (K a multiple of 32) and VDPBF16PS on the same pair panels: the exact product of
+    bf16 values, summed in fp32 (far inside a bf16 ulp), plus the bias, rounded once; two
+    threads give the same bits; the last 16 - rows % 16 rows padded, never read past x."""
+    torch.manual_seed(rows)
+    n, k = 300, 96
+    param, w = packed(n, k, seed=2)
+    x, bias = torch.randn(rows, k).bfloat16(), torch.randn(n)
+    want = x.double() @ w.double().t() + bias.double()
+    code = native_cpu.BF16_VARIANTS[variant]
+    got = native_cpu.linear_bf16(x, param.data, n, bias, torch.float32, variant=code)
+    if got is None:
+        pytest.skip(f"this CPU has no {variant}")
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    low = native_cpu.linear_bf16(x, param.data, n, bias, torch.bfloat16, variant=code)
+    assert low is not None and torch.equal(low, got.bfloat16())
+    two = native_cpu.linear_bf16(x, param.data, n, bias, torch.float32, threads=2,
+                                 variant=code)
+    assert two is not None and torch.equal(two, got)
+
+
+def test_amx_needs_k_in_tiles_of_32() -> None:
+    param, _ = packed(20, 40)
+    x = torch.randn(5, 40).bfloat16()
+    assert native_cpu.linear_bf16(x, param.data, 20, None, torch.float32,
+                                  variant=native_cpu.BF16_VARIANTS["amx"]) is None
+
+
+def test_pair_panels_round_trip() -> None:
+    torch.manual_seed(4)
+    w = torch.randn(37, 50)
+    panels = native_cpu.pack(w, torch.bfloat16)
+    assert panels.shape == (3, 25, 32)
+    assert torch.equal(native_cpu.unpack(panels, 37), w.bfloat16())
+    ids = torch.tensor([[0, 36], [17, 16]])
+    assert torch.equal(native_cpu.unpack_rows(panels, ids), w.bfloat16().float()[ids])
 
 
 def test_row_kernels_split_over_two_threads_give_the_same_bits() -> None:

@@ -31,7 +31,7 @@ def test_auto_takes_the_widest_path_the_flags_allow(fresh_isa: pytest.MonkeyPatc
     want = ("avx512" if cpu_isa.supports("avx512") else
             "avx2" if cpu_isa.supports("avx2") else "none")
     assert cpu_isa.selected() == want
-    assert cpu_isa.onednn_bf16() == (want == "avx512")
+    assert cpu_isa.bf16_batches() == (want == "avx512")
 
 
 def test_a_bad_value_names_the_variable(fresh_isa: pytest.MonkeyPatch) -> None:

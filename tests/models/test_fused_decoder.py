@@ -124,6 +124,6 @@ def test_where_the_fused_call_does_not_apply(make_checkpoint, one_thread) -> Non
     wide = build_step_inputs([_Seq(i, [4], 3, [0, 1]) for i in range(300)], BLOCK,
                              torch.device("cpu"))
     assert runner.fused.applies(wide.meta)
-    runner.fused.onednn = True  # a bf16 model's batches run in oneDNN: the modules
+    runner.fused.bf16_batches = True  # a bf16 model's batches take bf16 kernels: the modules
     assert not runner.fused.applies(wide.meta)
     assert FusedDecoder.build(load_model(path, progress=False, dtype=torch.float64)) is None

@@ -133,7 +133,7 @@ def test_an_automatic_budget_changes_no_output_and_chunks_prompts_beside_decodes
                for _ in range(6)]
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outs = []
-    # fp32: in bf16 a row's numerics follow its step's size (oneDNN from ONEDNN_ROWS rows),
+    # fp32: in bf16 a row's numerics follow its step's size (bf16 activations from BF16_ROWS rows),
     # which the budget changes; the claim here is about scheduling alone
     for budget in ("2048", "auto"):  # a 1 ms target: decodes leave the least allowance
         llm = LLM("meshcoder", overrides=["parallel=single", "threads=1", "model.dtype=float32",

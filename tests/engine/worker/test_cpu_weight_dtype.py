@@ -50,15 +50,20 @@ def test_bf16_weights_match_transformers_with_the_same_rounding(
 
 
 def test_bf16_weights_hold_half_the_bytes(make_checkpoint) -> None:
+    """Each weight is held once: 2 bytes a parameter in bf16 (pair panels, N padded to 16
+    columns), 4 in fp32 (panels, N padded to 24), and nothing else beside the panels."""
     path = str(make_checkpoint("llama"))
-    sizes = []
-    for dtype in ("float32", "bfloat16"):
+    for dtype, size, cols in (("float32", 4, native_cpu.PANEL), ("bfloat16", 2, 16)):
         llm = LLM(path, overrides=["parallel=single", f"model.cpu_weight_dtype={dtype}"],
                   progress=False)
         model = llm.engine.executor.worker.model
-        sizes.append(sum(p.numel() * p.element_size() for p in model.parameters()
-                         if p.dim() == 3))  # the packed panels
-    assert sizes[1] * 2 == sizes[0]
+        packed = [p for p in model.parameters() if p.dim() == 3]
+        assert packed
+        for p in packed:
+            n, k = dispatch.packed_columns(p), native_cpu.packed_k(p)
+            assert n is not None
+            assert p.numel() * p.element_size() == size * -(-n // cols) * cols * k
+            assert all(not isinstance(v, torch.Tensor) for v in vars(p).values())
 
 
 def test_bad_values_name_the_field() -> None:
