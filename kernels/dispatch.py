@@ -389,6 +389,25 @@ def _linear_plain(x: torch.Tensor, weight: torch.Tensor,
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_dtype: torch.dtype) -> torch.Tensor | None:
+    """silu(gate) * up of x against a merged [gate; up] weight in one pass, where the bf16
+    kernels take the batch (batches_in_bf16, BF16_ROWS rows or more; I a multiple of 16):
+    the gate and up products never leave the kernel, each rounded once as the result.
+    None otherwise: the caller runs `linear` then silu_and_mul."""
+    n = packed_columns(weight)
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if (n is None or not batches_in_bf16(weight) or rows.shape[0] < BF16_ROWS
+            or not x.is_cpu or not native_panels(weight)
+            or out_dtype not in native_cpu.WEIGHT_DTYPES):
+        return None
+    low = rows.to(torch.bfloat16)
+    out = native_cpu.linear_bf16(low if low.stride(1) == 1 else low.contiguous(), weight, n,
+                                 None if bias is None else bias.float(), out_dtype,
+                                 torch.get_num_threads(), swiglu=True)
+    return None if out is None else out.view(*x.shape[:-1], n // 2)
+
+
 def linear_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype `linear(x, weight)` computes its result in: bf16 where the bf16 kernels
     take it (batches_in_bf16, BF16_ROWS rows or more), else x's. Asking linear for it saves

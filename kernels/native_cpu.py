@@ -154,7 +154,7 @@ def library() -> ctypes.CDLL | None:
     lib.ms_linear_pairs_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64]
     lib.ms_linear_pairs_bf16_mt.restype = ctypes.c_int
     lib.ms_linear_pairs_bf16_mt.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64,
-                                            _ptr, _i64, _i64, _i64]
+                                            _ptr, _i64, _i64, _i64, _i64]
     lib.ms_silu_mul_f32.restype = None
     lib.ms_silu_mul_f32.argtypes = [_ptr, _ptr, _i64, _i64]
     lib.ms_read_bytes.restype = ctypes.c_uint64
@@ -493,24 +493,29 @@ multiple of 32); BF16_BEST is the fastest this CPU has."""
 
 
 def linear_bf16(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
-                out_dtype: torch.dtype, threads: int = 1,
-                variant: int = BF16_BEST) -> torch.Tensor | None:
+                out_dtype: torch.dtype, threads: int = 1, variant: int = BF16_BEST,
+                swiglu: bool = False) -> torch.Tensor | None:
     """x [M, K] (bf16, unit column stride) @ weight.T + bias (fp32) for bf16 pair panels
-    `packed`, summed in fp32 and rounded once into out_dtype (bf16 or fp32); AMX or
-    VDPBF16PS (kernels/native/linear_bf16.c), the panels split over `threads` parts (the
-    pool). None where this CPU or build has neither (or not `variant`)."""
+    `packed` of n columns, summed in fp32 and rounded once into out_dtype (bf16 or fp32);
+    AMX or VDPBF16PS (kernels/native/linear_bf16.c), the columns split over `threads` parts
+    (the pool). With `swiglu` the weight is a merged [gate; up] of n = 2I rows (I a multiple
+    of 16) and the result silu(gate) * up [M, I], in the same pass. None where this CPU or
+    build has neither kernel (or not `variant`)."""
     m, k = x.shape
     assert x.dtype is torch.bfloat16 and x.stride(1) == 1 and packed_k(packed) == k, (
         x.dtype, x.stride(), packed.shape)
     assert out_dtype in WEIGHT_DTYPES and (bias is None or bias.dtype is torch.float32)
-    out = torch.empty(m, n, dtype=out_dtype)
+    cols, up = (n // 2, n // 2 // PAIR_COLS) if swiglu else (n, 0)
+    if swiglu and (n % (2 * PAIR_COLS) or bias is not None and bias.shape[0] != n):
+        return None
+    out = torch.empty(m, cols, dtype=out_dtype)
     if not m:
         return out
     threads = min(linear_threads(2 * m * n * k, threads), packed.shape[0])
     rc = _loaded().ms_linear_pairs_bf16_mt(
-        x.data_ptr(), x.stride(0), packed.data_ptr(), k, n, out.data_ptr(), n,
+        x.data_ptr(), x.stride(0), packed.data_ptr(), k, cols, out.data_ptr(), cols,
         int(out_dtype is torch.bfloat16), 0 if bias is None else bias.contiguous().data_ptr(),
-        m, variant, threads)
+        m, variant, up, threads)
     if rc == PREFILL_UNSUPPORTED:
         return None
     if rc != 0:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from meshserve.kernels import dispatch
-from meshserve.kernels.dispatch import add_rms_norm, rms_norm, silu_and_mul
+from meshserve.kernels.dispatch import add_rms_norm, linear_swiglu, rms_norm, silu_and_mul
 from meshserve.models.arch import ModelArch
 from meshserve.models.attention import Attention, AttentionMetadata
 from meshserve.models.rope import RotaryEmbedding
@@ -83,7 +83,9 @@ class LlamaMLP(nn.Module):
         """SwiGLU of x, each result in `low` (default x's dtype): the dtype this step's
         linears compute in (bf16 in oneDNN), which SwiGLU and the next RMSNorm read."""
         low = low or x.dtype
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x, low)), low)
+        up = self.gate_up_proj
+        h = linear_swiglu(x, up.weight, up.bias, low)  # one pass where the bf16 kernels run
+        return self.down_proj(silu_and_mul(up(x, low)) if h is None else h, low)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -154,7 +154,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
     where it runs, else wide ones go column-major; see ModelConfig.cpu_weight_layout; on
     CPU the weights then move to huge pages with `huge_pages`, host_memory.to_huge_pages;
     `cpu_weight_dtype` bfloat16 packs them as bf16, ModelConfig.cpu_weight_dtype; with
-    `bf16_batches`, a bf16 model's, batches run in oneDNN: dispatch.pack_weight).
+    `bf16_batches`, a bf16 model's batches take bf16 activations: dispatch.pack_weight).
     `arch`: the directory's config.json already parsed (else it is read here)."""
     path = Path(model_dir)
     if not path.is_dir():

@@ -532,16 +532,8 @@ void ms_silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t wi
         uint16_t *o = out + r * width;
         int64_t i = 0;
 #if defined(__AVX512F__)
-        const __m512 one16 = _mm512_set1_ps(1.0f), two16 = _mm512_set1_ps(2.0f);
-        const __m512 top16 = _mm512_set1_ps(88.0f);
-        for (; i + 16 <= width; i += 16) {
-            const __m512 gv = load16_bf16(g + i);
-            const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), top16));
-            const __m512 d = _mm512_add_ps(one16, e);
-            __m512 inv = _mm512_rcp14_ps(d);
-            inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, two16));
-            store16_bf16(o + i, _mm512_mul_ps(_mm512_mul_ps(gv, inv), load16_bf16(u + i)));
-        }
+        for (; i + 16 <= width; i += 16)
+            store16_bf16(o + i, _mm512_mul_ps(silu16(load16_bf16(g + i)), load16_bf16(u + i)));
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
         const __m256 one = _mm256_set1_ps(1.0f), top = _mm256_set1_ps(88.0f);

@@ -44,7 +44,7 @@ void ms_linear_pairs_f32(const float *x, int64_t xs, const uint16_t *p, float *o
                          int64_t M, int64_t K, int64_t N);
 int ms_linear_pairs_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t K,
                          int64_t N, void *out, int64_t os, int64_t out_bf16, const float *bias,
-                         int64_t M, int64_t variant);
+                         int64_t M, int64_t variant, int64_t up);
 int ms_amx_permitted(void);
 
 /* pool.c: run fn(ctx, part) for part in [0, parts), part 0 on the caller, the rest on
@@ -55,6 +55,7 @@ int ms_linear_packed_mt(const float *x, int64_t xs, const void *p, float *out, i
                         int64_t M, int64_t K, int64_t N, int64_t bf16, int64_t threads);
 int ms_linear_pairs_bf16_mt(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t K,
                             int64_t N, void *out, int64_t os, int64_t out_bf16,
-                            const float *bias, int64_t M, int64_t variant, int64_t threads);
+                            const float *bias, int64_t M, int64_t variant, int64_t up,
+                            int64_t threads);
 
 #endif

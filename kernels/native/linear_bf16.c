@@ -204,6 +204,26 @@ static void write_block(const float *c, int64_t cs, int64_t rows, int64_t cols,
     }
 }
 
+/* SwiGLU of a block: c's rows hold 16 gate columns then their 16 up columns (fp32, row
+ * stride cs); out[r][j] = silu(gate + bias) * (up + bias') for the first `cols` (bias: the
+ * gate's, the up's `up` columns on; NULL for none), rounded once. */
+static void write_swiglu(const float *c, int64_t cs, int64_t rows, int64_t cols,
+                         const float *bias, int64_t up, void *out, int64_t os, int out_bf16) {
+    const __mmask16 live = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
+    const __m512 bg = bias ? _mm512_maskz_loadu_ps(live, bias) : _mm512_setzero_ps();
+    const __m512 bu = bias ? _mm512_maskz_loadu_ps(live, bias + up) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 g = _mm512_add_ps(_mm512_loadu_ps(c + r * cs), bg);
+        const __m512 v = _mm512_mul_ps(silu16(g), _mm512_add_ps(_mm512_loadu_ps(c + r * cs + 16),
+                                                                bu));
+        if (out_bf16)
+            _mm256_mask_storeu_epi16((uint16_t *)out + r * os, live,
+                                     (__m256i)_mm512_cvtneps_pbh(v));
+        else
+            _mm512_mask_storeu_ps((float *)out + r * os, live, v);
+    }
+}
+
 static inline __m512bh pair_of(const uint16_t *x) {
     uint32_t v;
     memcpy(&v, x, sizeof(v));
@@ -237,28 +257,37 @@ static inline __attribute__((always_inline)) void dot_tile(
     }
 DOT(8, 2) DOT(4, 2) DOT(1, 2) DOT(8, 1) DOT(4, 1) DOT(1, 1)
 
+/* The VDPBF16PS kernel over panels of N columns, or with `up` > 0 SwiGLU's: N gate
+ * columns, each gate panel paired with the up panel `up` panels on (write_swiglu). */
 static void linear_dot(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t K, int64_t N,
-                       void *out, int64_t os, int out_bf16, const float *bias, int64_t M) {
+                       void *out, int64_t os, int out_bf16, const float *bias, int64_t M,
+                       int64_t up) {
     const int64_t panels = (N + COLS - 1) / COLS, pstride = K * COLS;
+    const int64_t second = up ? up * pstride : pstride; /* the block's second panel */
     const size_t elem = out_bf16 ? 2 : 4;
     float c[8 * 2 * COLS];
-    for (int64_t q = 0; q < panels; q += 2) {
-        const int two = q + 1 < panels;
+    for (int64_t q = 0; q < panels; q += up ? 1 : 2) {
+        const int two = up || q + 1 < panels;
         const int64_t cols = N - q * COLS < 2 * COLS ? N - q * COLS : 2 * COLS;
         for (int64_t m = 0; m < M;) {
             const int64_t r = M - m >= 8 ? 8 : M - m >= 4 ? 4 : 1;
             const uint16_t *xm = x + m * xs, *pq = p + q * pstride;
             if (two) {
-                if (r == 8) dot_8_2(xm, xs, pq, pstride, K, c);
-                else if (r == 4) dot_4_2(xm, xs, pq, pstride, K, c);
-                else dot_1_2(xm, xs, pq, pstride, K, c);
+                if (r == 8) dot_8_2(xm, xs, pq, second, K, c);
+                else if (r == 4) dot_4_2(xm, xs, pq, second, K, c);
+                else dot_1_2(xm, xs, pq, second, K, c);
             } else {
                 if (r == 8) dot_8_1(xm, xs, pq, pstride, K, c);
                 else if (r == 4) dot_4_1(xm, xs, pq, pstride, K, c);
                 else dot_1_1(xm, xs, pq, pstride, K, c);
             }
-            write_block(c, (two ? 2 : 1) * COLS, r, cols, bias ? bias + q * COLS : NULL,
-                        (char *)out + (size_t)(m * os + q * COLS) * elem, os, out_bf16);
+            char *o = (char *)out + (size_t)(m * os + q * COLS) * elem;
+            if (up)
+                write_swiglu(c, 2 * COLS, r, cols, bias ? bias + q * COLS : NULL, up * COLS, o,
+                             os, out_bf16);
+            else
+                write_block(c, (two ? 2 : 1) * COLS, r, cols, bias ? bias + q * COLS : NULL, o,
+                            os, out_bf16);
             m += r;
         }
     }
@@ -291,9 +320,16 @@ int ms_amx_permitted(void) {
 /* A finished block waiting in its fp32 scratch for write_block. */
 typedef struct {
     const float *c, *bias;
-    int64_t rows, cols;
+    int64_t rows, cols, up; /* up > 0: a SwiGLU block (write_swiglu) */
     char *out;
 } Done;
+
+static inline void write_done(const Done *d, int64_t os, int out_bf16) {
+    if (d->up)
+        write_swiglu(d->c, 32, d->rows, d->cols, d->bias, d->up * COLS, d->out, os, out_bf16);
+    else
+        write_block(d->c, 32, d->rows, d->cols, d->bias, d->out, os, out_bf16);
+}
 
 static inline __attribute__((always_inline)) void amx_steps(
     const uint16_t *a0, const uint16_t *a1, int64_t as0, int64_t as1, const uint16_t *b0,
@@ -329,7 +365,7 @@ static inline __attribute__((always_inline)) void amx_block(
     const int64_t half = K / 64 * 32;
     amx_steps(a0, a1, as0, as1, b0, b1, 0, half, low, two);
     if (done->c) {
-        write_block(done->c, 32, done->rows, done->cols, done->bias, done->out, os, out_bf16);
+        write_done(done, os, out_bf16);
         done->c = NULL;
     }
     amx_steps(a0, a1, as0, as1, b0, b1, half, K, low, two);
@@ -351,7 +387,8 @@ static inline const uint16_t *rows_at(const uint16_t *x, int64_t xs, const uint1
 }
 
 static int linear_amx(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t K, int64_t N,
-                      void *out, int64_t os, int out_bf16, const float *bias, int64_t M) {
+                      void *out, int64_t os, int out_bf16, const float *bias, int64_t M,
+                      int64_t up) {
     if (K % 32 != 0 || !ms_amx_permitted()) return MS_UNSUPPORTED;
     const int64_t panels = (N + COLS - 1) / COLS, pstride = K * COLS, rest = M % 16;
     const size_t elem = out_bf16 ? 2 : 4;
@@ -369,7 +406,7 @@ static int linear_amx(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t 
     _tile_loadconfig(&cfg);
     float scratch[2][32 * 32] __attribute__((aligned(64))); /* a block, and the one before */
     int flip = 0;
-    Done done = {NULL, NULL, 0, 0, NULL};
+    Done done = {NULL, NULL, 0, 0, 0, NULL};
     int64_t chunk = CHUNK_BYTES / (2 * K) / 32 * 32;
     if (chunk < 32) chunk = 32;
     for (int64_t mc = 0; mc < M; mc += chunk) {
@@ -381,10 +418,10 @@ static int linear_amx(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t 
                 int64_t s0, s1 = 0;
                 const uint16_t *a0 = rows_at(x, xs, tail, K, M, m0, &s0);
                 const uint16_t *a1 = rows > 16 ? rows_at(x, xs, tail, K, M, m0 + 16, &s1) : a0;
-                for (int64_t q = g; q < ge; q += 2) {
-                    const int two = q + 1 < ge;
+                for (int64_t q = g; q < ge; q += up ? 1 : 2) {
+                    const int two = up || q + 1 < ge;
                     const int64_t cols = N - q * COLS < 2 * COLS ? N - q * COLS : 2 * COLS;
-                    const uint16_t *b0 = p + q * pstride, *b1 = b0 + pstride;
+                    const uint16_t *b0 = p + q * pstride, *b1 = b0 + (up ? up : 1) * pstride;
                     float *c = scratch[flip ^= 1];
                     if (rows > 16 && two)
                         amx_block(a0, a1, s0, s1, b0, b1, K, c, &done, os, out_bf16, 1, 1);
@@ -394,13 +431,13 @@ static int linear_amx(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t 
                         amx_block(a0, a1, s0, s1, b0, b1, K, c, &done, os, out_bf16, 0, 1);
                     else
                         amx_block(a0, a1, s0, s1, b0, b1, K, c, &done, os, out_bf16, 0, 0);
-                    done = (Done){c, bias ? bias + q * COLS : NULL, rows, cols,
+                    done = (Done){c, bias ? bias + q * COLS : NULL, rows, cols, up,
                                   (char *)out + (size_t)(m0 * os + q * COLS) * elem};
                 }
             }
         }
     }
-    if (done.c) write_block(done.c, 32, done.rows, done.cols, done.bias, done.out, os, out_bf16);
+    if (done.c) write_done(&done, os, out_bf16);
     _tile_release();
     free(tail);
     return 0;
@@ -413,23 +450,27 @@ int ms_amx_permitted(void) { return 0; }
 #endif
 
 /* bf16 x [M, K] (row stride xs) against pair panels of N columns, plus the fp32 bias (or
- * NULL), into out [M, N] (row stride os; bf16 where out_bf16, else fp32). variant: 0 the
- * fastest this CPU has, 1 VDPBF16PS, 2 AMX (K a multiple of 32). MS_UNSUPPORTED where the
- * CPU or this build has not the variant. */
+ * NULL), into out [M, N] (row stride os; bf16 where out_bf16, else fp32). With `up` > 0,
+ * SwiGLU in the same pass: the panels' first N columns are the gate, each gate panel's up
+ * panel lies `up` panels on (a merged gate/up weight: up = I / 16), out [M, N] =
+ * silu(gate) * up, the bias (if any) the gate's with the up's `up * 16` columns on (N a
+ * multiple of 16). variant: 0 the fastest this CPU has, 1 VDPBF16PS, 2 AMX (K a multiple of
+ * 32). MS_UNSUPPORTED where the CPU or this build has not the variant. */
 int ms_linear_pairs_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t K,
                          int64_t N, void *out, int64_t os, int64_t out_bf16, const float *bias,
-                         int64_t M, int64_t variant) {
+                         int64_t M, int64_t variant, int64_t up) {
 #if defined(__AVX512BF16__)
+    if (up && N % COLS != 0) return MS_UNSUPPORTED;
 #if HAVE_AMX
     if (variant != 1 && K % 32 == 0 && ms_amx_permitted())
-        return linear_amx(x, xs, p, K, N, out, os, (int)out_bf16, bias, M);
+        return linear_amx(x, xs, p, K, N, out, os, (int)out_bf16, bias, M, up);
 #endif
     if (variant == 2) return MS_UNSUPPORTED;
-    linear_dot(x, xs, p, K, N, out, os, (int)out_bf16, bias, M);
+    linear_dot(x, xs, p, K, N, out, os, (int)out_bf16, bias, M, up);
     return 0;
 #else
     (void)x, (void)xs, (void)p, (void)K, (void)N, (void)out, (void)os, (void)out_bf16;
-    (void)bias, (void)M, (void)variant;
+    (void)bias, (void)M, (void)variant, (void)up;
     return MS_UNSUPPORTED;
 #endif
 }

@@ -186,8 +186,9 @@ int ms_linear_packed_mt(const float *x, int64_t xs, const void *p, float *out, i
     return 0;
 }
 
-/* ms_linear_pairs_bf16 with the panels split over `threads` parts by pairs of panels (the
- * AMX kernel's 32 columns), each output computed exactly as on one thread. */
+/* ms_linear_pairs_bf16 with the columns split over `threads` parts: by pairs of panels
+ * (the AMX kernel's 32 columns), or with `up` by gate panels; each output computed exactly
+ * as on one thread. */
 typedef struct {
     const uint16_t *x;
     int64_t xs;
@@ -196,30 +197,33 @@ typedef struct {
     char *out;
     int64_t os, out_bf16;
     const float *bias;
-    int64_t M, variant, parts;
+    int64_t M, variant, up, parts;
     int rc;
 } PairsJob;
 
+static int64_t pairs_unit(const PairsJob *j) { return (j->up ? 1 : 2) * PAIR_COLS; }
+
 static void pairs_part(void *ctx, int64_t part) {
     PairsJob *j = ctx;
-    const int64_t units = (j->N + 2 * PAIR_COLS - 1) / (2 * PAIR_COLS);
+    const int64_t unit = pairs_unit(j), units = (j->N + unit - 1) / unit;
     const int64_t u0 = units * part / j->parts, u1 = units * (part + 1) / j->parts;
     if (u1 <= u0) return;
-    const int64_t c0 = u0 * 2 * PAIR_COLS, c1 = j->N < u1 * 2 * PAIR_COLS ? j->N : u1 * 2 * PAIR_COLS;
+    const int64_t c0 = u0 * unit, c1 = j->N < u1 * unit ? j->N : u1 * unit;
     const int rc = ms_linear_pairs_bf16(
         j->x, j->xs, j->p + c0 * j->K, j->K, c1 - c0, j->out + c0 * (j->out_bf16 ? 2 : 4),
-        j->os, j->out_bf16, j->bias ? j->bias + c0 : NULL, j->M, j->variant);
+        j->os, j->out_bf16, j->bias ? j->bias + c0 : NULL, j->M, j->variant, j->up);
     if (rc != 0) __atomic_store_n(&j->rc, rc, __ATOMIC_RELAXED);
 }
 
 int ms_linear_pairs_bf16_mt(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t K,
                             int64_t N, void *out, int64_t os, int64_t out_bf16,
-                            const float *bias, int64_t M, int64_t variant, int64_t threads) {
-    const int64_t units = (N + 2 * PAIR_COLS - 1) / (2 * PAIR_COLS);
-    PairsJob job = {x, xs, p, K, N, out, os, out_bf16, bias, M, variant,
-                    threads < units ? threads : units, 0};
+                            const float *bias, int64_t M, int64_t variant, int64_t up,
+                            int64_t threads) {
+    PairsJob job = {x, xs, p, K, N, out, os, out_bf16, bias, M, variant, up, 1, 0};
+    const int64_t units = (N + pairs_unit(&job) - 1) / pairs_unit(&job);
+    job.parts = threads < units ? threads : units;
     if (job.parts <= 1)
-        return ms_linear_pairs_bf16(x, xs, p, K, N, out, os, out_bf16, bias, M, variant);
+        return ms_linear_pairs_bf16(x, xs, p, K, N, out, os, out_bf16, bias, M, variant, up);
     ms_pool_run(pairs_part, &job, job.parts);
     return job.rc;
 }

@@ -165,3 +165,42 @@ def test_row_kernels_split_over_two_threads_give_the_same_bits() -> None:
                            b.view(torch.int16) if b.dtype is torch.bfloat16 else b)
     gate, up = x.float().chunk(2, dim=-1)
     close_bf16(got[1][0], (torch.nn.functional.silu(gate) * up).bfloat16())
+
+
+@pytest.mark.skipif(not cpu_isa.bf16_batches(), reason="needs the avx512 path (AVX512_BF16)")
+@pytest.mark.parametrize("variant", sorted(native_cpu.BF16_VARIANTS))
+@pytest.mark.parametrize("rows", [4, 19, 64])
+def test_swiglu_in_the_linear_against_float64(variant: str, rows: int) -> None:
+    """A merged [gate; up] weight: silu(gate) * up in the same pass, gate and up summed in
+    fp32 and never rounded on their own; two threads give the same bits."""
+    torch.manual_seed(rows)
+    inter, k = 80, 96
+    param, w = packed(2 * inter, k, seed=5)
+    x, bias = torch.randn(rows, k).bfloat16(), torch.randn(2 * inter)
+    gate_up = x.double() @ w.double().t() + bias.double()
+    want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    code = native_cpu.BF16_VARIANTS[variant]
+    got = native_cpu.linear_bf16(x, param.data, 2 * inter, bias, torch.float32, variant=code,
+                                 swiglu=True)
+    if got is None:
+        pytest.skip(f"this CPU has no {variant}")
+    assert got.shape == (rows, inter)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    two = native_cpu.linear_bf16(x, param.data, 2 * inter, bias, torch.float32, threads=2,
+                                 variant=code, swiglu=True)
+    assert two is not None and torch.equal(two, got)
+
+
+def test_swiglu_in_the_linear_only_for_bf16_batches() -> None:
+    param, w = packed(64, 32, seed=6)
+    few = torch.randn(dispatch.BF16_ROWS - 1, 32)
+    assert dispatch.linear_swiglu(few, param, None, torch.bfloat16) is None  # decode rows
+    many = torch.randn(dispatch.BF16_ROWS + 5, 32)
+    got = dispatch.linear_swiglu(many, param, None, torch.bfloat16)
+    if not cpu_isa.bf16_batches():
+        assert got is None
+        return
+    assert got is not None and got.dtype is torch.bfloat16 and got.shape == (9, 32)
+    gate_up = many.bfloat16().double() @ w.double().t()
+    want = torch.nn.functional.silu(gate_up[:, :32]) * gate_up[:, 32:]
+    torch.testing.assert_close(got.double(), want, rtol=2 * BF16_ULP, atol=1e-3)
