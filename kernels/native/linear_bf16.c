@@ -333,8 +333,14 @@ static inline void write_done(const Done *d, int64_t os, int out_bf16) {
 
 static inline __attribute__((always_inline)) void amx_steps(
     const uint16_t *a0, const uint16_t *a1, int64_t as0, int64_t as1, const uint16_t *b0,
-    const uint16_t *b1, int64_t k0, int64_t k1, const int low, const int two) {
+    const uint16_t *b1, const char *n0, const char *n1, int64_t k0, int64_t k1, const int low,
+    const int two) {
     for (int64_t k = k0; k < k1; k += 32) {
+        if (n0) /* the next block's panels, the lines of this k step (1 KiB each) */
+            for (int i = 0; i < 1024; i += 64) {
+                _mm_prefetch(n0 + k * 2 * COLS + i, _MM_HINT_T0);
+                _mm_prefetch(n1 + k * 2 * COLS + i, _MM_HINT_T0);
+            }
         _tile_loadd(4, a0 + k, as0);
         _tile_loadd(6, b0 + k * COLS, 2 * 2 * COLS);
         _tile_dpbf16ps(0, 4, 6);
@@ -356,19 +362,19 @@ static inline __attribute__((always_inline)) void amx_steps(
  * written out, its vector work overlapping the tile unit's. */
 static inline __attribute__((always_inline)) void amx_block(
     const uint16_t *a0, const uint16_t *a1, int64_t as0, int64_t as1, const uint16_t *b0,
-    const uint16_t *b1, int64_t K, float *c, Done *done, int64_t os, int out_bf16,
-    const int low, const int two) {
+    const uint16_t *b1, const char *n0, const char *n1, int64_t K, float *c, Done *done,
+    int64_t os, int out_bf16, const int low, const int two) {
     _tile_zero(0);
     if (two) _tile_zero(1);
     if (low) _tile_zero(2);
     if (low && two) _tile_zero(3);
     const int64_t half = K / 64 * 32;
-    amx_steps(a0, a1, as0, as1, b0, b1, 0, half, low, two);
+    amx_steps(a0, a1, as0, as1, b0, b1, n0, n1, 0, half, low, two);
     if (done->c) {
         write_done(done, os, out_bf16);
         done->c = NULL;
     }
-    amx_steps(a0, a1, as0, as1, b0, b1, half, K, low, two);
+    amx_steps(a0, a1, as0, as1, b0, b1, n0, n1, half, K, low, two);
     _tile_stored(0, c, 32 * 4);
     if (two) _tile_stored(1, c + 16, 32 * 4);
     if (low) _tile_stored(2, c + 16 * 32, 32 * 4);
@@ -423,14 +429,22 @@ static int linear_amx(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t 
                     const int64_t cols = N - q * COLS < 2 * COLS ? N - q * COLS : 2 * COLS;
                     const uint16_t *b0 = p + q * pstride, *b1 = b0 + (up ? up : 1) * pstride;
                     float *c = scratch[flip ^= 1];
+                    /* A chunk's first row block meets each panel first: it asks for the
+                     * next block's panels, which it streams from memory (the hardware
+                     * prefetcher does not run far enough ahead at a few row blocks) */
+                    const int64_t qn = q + (up ? 1 : 2);
+                    const char *n0 = m0 == mc && (up ? qn < panels : qn + 1 < panels)
+                                         ? (const char *)(p + qn * pstride) : NULL;
+                    const char *n1 = n0 ? (const char *)(p + (qn + (up ? up : 1)) * pstride)
+                                        : NULL;
                     if (rows > 16 && two)
-                        amx_block(a0, a1, s0, s1, b0, b1, K, c, &done, os, out_bf16, 1, 1);
+                        amx_block(a0, a1, s0, s1, b0, b1, n0, n1, K, c, &done, os, out_bf16, 1, 1);
                     else if (rows > 16)
-                        amx_block(a0, a1, s0, s1, b0, b1, K, c, &done, os, out_bf16, 1, 0);
+                        amx_block(a0, a1, s0, s1, b0, b1, n0, n1, K, c, &done, os, out_bf16, 1, 0);
                     else if (two)
-                        amx_block(a0, a1, s0, s1, b0, b1, K, c, &done, os, out_bf16, 0, 1);
+                        amx_block(a0, a1, s0, s1, b0, b1, n0, n1, K, c, &done, os, out_bf16, 0, 1);
                     else
-                        amx_block(a0, a1, s0, s1, b0, b1, K, c, &done, os, out_bf16, 0, 0);
+                        amx_block(a0, a1, s0, s1, b0, b1, n0, n1, K, c, &done, os, out_bf16, 0, 0);
                     done = (Done){c, bias ? bias + q * COLS : NULL, rows, cols, up,
                                   (char *)out + (size_t)(m0 * os + q * COLS) * elem};
                 }

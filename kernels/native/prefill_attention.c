@@ -340,6 +340,20 @@ static void load_rows_bf16(const Job *j, const Unit *u, int64_t r0, int64_t nr, 
     }
 }
 
+/* Asks for query rows r0 .. r0 + count of unit u (those that exist): the next row tile's,
+ * while this one's keys are worked on (the rows lie one token's q/k/v row apart, often
+ * out of cache since the projection wrote them). */
+static void prefetch_rows(const Job *j, const Unit *u, int64_t r0, int count) {
+    const int64_t D = j->head_dim, G = j->heads / j->kv_heads, rows = (u->q1 - u->q0) * G;
+    const int64_t es = j->q_bf16 ? 2 : 4;
+    for (int64_t rr = r0; rr < r0 + count && rr < rows; rr++) {
+        const int64_t tok = u->q0 + rr / G, head = u->kv_head * G + rr % G;
+        const char *q = (const char *)j->q + ((j->starts[u->chunk] + tok) * j->q_stride +
+                                              head * D) * es;
+        for (int64_t b = 0; b < D * es; b += 64) _mm_prefetch(q + b, _MM_HINT_T0);
+    }
+}
+
 /* The key tiles [t0, t1) of KT from `lo` that any of the rows sees. */
 static void tile_range(const Job *j, const Rows *st, int64_t lo, int64_t *t0, int64_t *t1) {
     const float fmin = j->window > 0 ? st->qmin - (float)j->window : -1.0f;
@@ -427,6 +441,7 @@ static void run_unit_bf16(const Job *j, const Unit *u, char *buf) {
         const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
         Rows st;
         load_rows_bf16(j, u, r0, nr, RB, qs, acc, &st);
+        prefetch_rows(j, u, r0 + RB, RB);
         int64_t t0, t1;
         tile_range(j, &st, lo, &t0, &t1);
         for (int64_t t = t0; t < t1; t++) {
@@ -493,6 +508,7 @@ static void run_unit_amx(const Job *j, const Unit *u, char *buf) {
         const int64_t nr = rows - r0 < AR ? rows - r0 : AR;
         Rows st;
         load_rows_bf16(j, u, r0, nr, AR, qs, acc, &st);
+        prefetch_rows(j, u, r0 + AR, AR);
         int64_t t0, t1;
         tile_range(j, &st, lo, &t0, &t1);
         for (int64_t t = t0; t < t1; t++) {
