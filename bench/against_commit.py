@@ -1,6 +1,6 @@
 """This checkout against another commit, in one run: `meshserve bench` cases, rounds alternating.
 
-    python -m meshserve.bench.against_commit --base HEAD~1 --rounds 3
+    python -m meshserve.bench.against_commit --base HEAD~1 --rounds 3 [--model tiny-bf16]
 
 A restructuring must not cost speed, and this machine drifts by several percent between
 minutes: so both sides run in the same run, one case at a time, the side that goes first
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMON = ["bench.model=tiny", "bench.peers=[]", "bench.repeats=1", "bench.warmup=false",
-          "threads=1", "bench.plot=false", "bench.roofline=false", "bench.progress=false"]
+COMMON = ["bench.peers=[]", "bench.repeats=1", "bench.warmup=false", "threads=1",
+          "bench.plot=false", "bench.roofline=false", "bench.progress=false"]
 CASES = {
     "longtail-1rank": ["bench.workload=longtail", "parallel=single"],
     "longtail-pp2": ["bench.workload=longtail", "parallel.pp=2"],
@@ -46,11 +46,12 @@ def side_env(pythonpath: str | None) -> dict[str, str]:
     return env
 
 
-def bench_once(pythonpath: str | None, args: list[str], out: Path) -> dict[str, float]:
-    """One `meshserve bench` run; its throughput and TPOT p50."""
+def bench_once(pythonpath: str | None, args: list[str], out: Path,
+               model: str = "tiny") -> dict[str, float]:
+    """One `meshserve bench` run of bench checkpoint `model`; its throughput and TPOT p50."""
     env = side_env(pythonpath)
-    cmd = [sys.executable, "-m", "meshserve.launch.cli", "bench", *COMMON, *args,
-           f"bench.out={out}"]
+    cmd = [sys.executable, "-m", "meshserve.launch.cli", "bench", f"bench.model={model}",
+           *COMMON, *args, f"bench.out={out}"]
     done = subprocess.run(cmd, cwd=tempfile.gettempdir(), env=env, capture_output=True,
                           text=True)
     if done.returncode:
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", required=True, help="the commit to compare against")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--model", default="tiny", help="a bench checkpoint name")
     parser.add_argument("--out", default="bench-results/against-commit")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
@@ -99,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                 for case in args.cases:
                     sides = [("this", None), ("base", pythonpath)]
                     for side, path in sides if r % 2 == 0 else sides[::-1]:
-                        figures = bench_once(path, CASES[case], out / f"{case}-{side}-{r}")
+                        figures = bench_once(path, CASES[case], out / f"{case}-{side}-{r}",
+                                             args.model)
                         rows.append({"case": case, "side": side, "round": r, **figures})
                         print(json.dumps(rows[-1]), flush=True)
         finally:

@@ -180,13 +180,19 @@ void ms_linear_pairs_f32(const float *x, int64_t xs, const uint16_t *p, float *o
  * out_bf16. */
 static void write_block(const float *c, int64_t cs, int64_t rows, int64_t cols,
                         const float *bias, void *out, int64_t os, int out_bf16) {
-    if (cols == 32 && out_bf16) { /* a whole block: unmasked loads and stores */
+    if (cols == 32) { /* a whole block: unmasked loads and stores */
         const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
         const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
         for (int64_t r = 0; r < rows; r++) {
-            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + r * cs + 16), b1),
-                                                   _mm512_add_ps(_mm512_loadu_ps(c + r * cs), b0));
-            _mm512_storeu_si512((uint16_t *)out + r * os, (__m512i)v);
+            const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(c + r * cs), b0);
+            const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(c + r * cs + 16), b1);
+            if (out_bf16) {
+                _mm512_storeu_si512((uint16_t *)out + r * os,
+                                    (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            } else {
+                _mm512_storeu_ps((float *)out + r * os, lo);
+                _mm512_storeu_ps((float *)out + r * os + 16, hi);
+            }
         }
         return;
     }
