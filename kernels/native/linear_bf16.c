@@ -306,6 +306,7 @@ static void linear_dot(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t
 #define XFEATURE_XTILEDATA 18
 #define CHUNK_BYTES (512 * 1024) /* activations per row chunk: stay in L2 over the panels */
 #define GROUP_PANELS 32 /* panels whose weights stay in L2 over a chunk's rows */
+#define PREFETCH_BLOCKS 2 /* how many blocks ahead a chunk's first row block asks for panels */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -342,10 +343,10 @@ static inline __attribute__((always_inline)) void amx_steps(
     const uint16_t *b1, const char *n0, const char *n1, int64_t k0, int64_t k1, const int low,
     const int two) {
     for (int64_t k = k0; k < k1; k += 32) {
-        if (n0) /* the next block's panels, the lines of this k step (1 KiB each) */
+        if (n0) /* a later block's panels into L2, the lines of this k step (1 KiB each) */
             for (int i = 0; i < 1024; i += 64) {
-                _mm_prefetch(n0 + k * 2 * COLS + i, _MM_HINT_T0);
-                _mm_prefetch(n1 + k * 2 * COLS + i, _MM_HINT_T0);
+                _mm_prefetch(n0 + k * 2 * COLS + i, _MM_HINT_T1);
+                _mm_prefetch(n1 + k * 2 * COLS + i, _MM_HINT_T1);
             }
         _tile_loadd(4, a0 + k, as0);
         _tile_loadd(6, b0 + k * COLS, 2 * 2 * COLS);
@@ -436,9 +437,11 @@ static int linear_amx(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t 
                     const uint16_t *b0 = p + q * pstride, *b1 = b0 + (up ? up : 1) * pstride;
                     float *c = scratch[flip ^= 1];
                     /* A chunk's first row block meets each panel first: it asks for the
-                     * next block's panels, which it streams from memory (the hardware
-                     * prefetcher does not run far enough ahead at a few row blocks) */
-                    const int64_t qn = q + (up ? 1 : 2);
+                     * panels PREFETCH_BLOCKS blocks on, into L2 (more misses in flight than
+                     * L1's), which it streams from memory: at a few row blocks a pair's
+                     * tile products take a third of its memory time, and the hardware
+                     * prefetcher does not run far enough ahead */
+                    const int64_t qn = q + PREFETCH_BLOCKS * (up ? 1 : 2);
                     const char *n0 = m0 == mc && (up ? qn < panels : qn + 1 < panels)
                                          ? (const char *)(p + qn * pstride) : NULL;
                     const char *n1 = n0 ? (const char *)(p + (qn + (up ? up : 1)) * pstride)
