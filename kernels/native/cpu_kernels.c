@@ -54,6 +54,7 @@ static float sum_squares(const float *a, int64_t n) {
 }
 
 #define CHUNK 32
+#define VCHUNK 64 /* value_rows2's values a pass with AVX-512 */
 
 /* The KV cache holds fp32 or bf16 elements (engine.kv_cache_dtype); `bf16` below is a
  * constant at each call of the always-inlined attention body, so each cache dtype gets its
@@ -100,12 +101,63 @@ INLINE __m256 load8_kv(const void *base, int64_t i, int bf16) {
 #define CHUNK_ACC_STORE(o) memcpy((o), acc_, sizeof(acc_));
 #endif
 
+#if defined(__AVX512F__)
+INLINE __m512 load16_kv(const void *base, int64_t i, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)base + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Lane i of the result: the sum of v[i]'s 16 lanes, for i < 8. */
+INLINE __m256 sum8x16(const __m512 *v) {
+    __m512 w[4], x[2];
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++) { /* per 128-bit lane: each of four vectors' lane sums */
+        const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* lanes (0 + 1, 2 + 3) of each, then the halves: vectors 0-3 | 4-7 */
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88),
+                                   _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+    const __m512 z = _mm512_add_ps(y, _mm512_shuffle_f32x4(y, y, 0xB1));
+    return _mm512_castps512_ps256(_mm512_shuffle_f32x4(z, z, 0x08));
+}
+#endif
+
 /* scores[h * len + r] = scale * q_h . row_r for `rows` consecutive key rows; `row` and the
  * strides count cache elements. */
 INLINE void key_scores(float *scores, int64_t len, const float *q, const void *row,
                        int64_t rows, int64_t tok_stride, int64_t heads, int64_t group,
                        int64_t head_dim, float scale, int bf16) {
     int64_t r = 0;
+#if defined(__AVX512F__)
+    if (head_dim % 16 == 0 && group % 2 == 0) {
+        /* Two heads of a GQA group score the same K rows: eight rows at a time for both (16
+         * accumulators), each K vector loaded and widened once; the eight sums of a head
+         * are added lane-wise by a transpose-add tree into one store. */
+        const __m256 sc = _mm256_set1_ps(scale);
+        for (; r + 8 <= rows; r += 8)
+            for (int64_t h = 0; h < heads; h += 2) {
+                const float *q0 = q + h * head_dim, *q1 = q0 + head_dim;
+                const int64_t kh = r * tok_stride + (h / group) * head_dim;
+                __m512 a[8], b[8];
+                for (int x = 0; x < 8; x++) a[x] = b[x] = _mm512_setzero_ps();
+                for (int64_t c = 0; c < head_dim; c += 16) {
+                    const __m512 qa = _mm512_loadu_ps(q0 + c), qb = _mm512_loadu_ps(q1 + c);
+                    for (int x = 0; x < 8; x++) {
+                        const __m512 kv = load16_kv(row, kh + x * tok_stride + c, bf16);
+                        a[x] = _mm512_fmadd_ps(qa, kv, a[x]);
+                        b[x] = _mm512_fmadd_ps(qb, kv, b[x]);
+                    }
+                }
+                _mm256_storeu_ps(scores + h * len + r, _mm256_mul_ps(sc, sum8x16(a)));
+                _mm256_storeu_ps(scores + (h + 1) * len + r, _mm256_mul_ps(sc, sum8x16(b)));
+            }
+    }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
     if (head_dim % 8 == 0 && group % 2 == 0) {
         /* Two heads of a GQA group score the same K rows: four rows at a time for both, each
@@ -225,6 +277,32 @@ INLINE void value_rows2(float *o0, float *o1, float corr0, float corr1, const fl
         for (int64_t i = 0; i < head_dim; i++) o0[i] *= corr0;
     if (corr1 != 1.0f)
         for (int64_t i = 0; i < head_dim; i++) o1[i] *= corr1;
+#if defined(__AVX512F__)
+    if (head_dim % VCHUNK == 0) { /* a whole row of 64 values at a time, 4 x 16 lanes */
+        for (int64_t c = 0; c < head_dim; c += VCHUNK) {
+            __m512 a[4], b[4];
+            for (int j = 0; j < 4; j++) {
+                a[j] = _mm512_loadu_ps(o0 + c + 16 * j);
+                b[j] = _mm512_loadu_ps(o1 + c + 16 * j);
+            }
+            for (int64_t r = 0; r < count; r++) {
+                prefetch_some(pf, per_row);
+                const int64_t i = r * tok_stride + c;
+                const __m512 x = _mm512_set1_ps(p0[r]), y = _mm512_set1_ps(p1[r]);
+                for (int j = 0; j < 4; j++) {
+                    const __m512 v = load16_kv(rows, i + 16 * j, bf16);
+                    a[j] = _mm512_fmadd_ps(x, v, a[j]);
+                    b[j] = _mm512_fmadd_ps(y, v, b[j]);
+                }
+            }
+            for (int j = 0; j < 4; j++) {
+                _mm512_storeu_ps(o0 + c + 16 * j, a[j]);
+                _mm512_storeu_ps(o1 + c + 16 * j, b[j]);
+            }
+        }
+        return;
+    }
+#endif
     for (int64_t c = 0; c < head_dim; c += CHUNK) {
         __m256 a0 = _mm256_loadu_ps(o0 + c), a1 = _mm256_loadu_ps(o0 + c + 8);
         __m256 a2 = _mm256_loadu_ps(o0 + c + 16), a3 = _mm256_loadu_ps(o0 + c + 24);
@@ -390,7 +468,12 @@ INLINE int paged_decode(const float *q, int64_t q_stride, const void *k, const v
             const int64_t rows = hi - lo, off = table[blk] * blk_stride + lo * tok_stride;
             /* The pending block's bytes a value row: a line or two of K and of V (none once
              * the last block is asked for: its `done` is its `bytes`). */
-            const int64_t chunks = (head_dim + CHUNK - 1) / CHUNK;
+#if defined(__AVX512F__)
+            const int64_t width = pairs && head_dim % VCHUNK == 0 ? VCHUNK : CHUNK;
+#else
+            const int64_t width = CHUNK;
+#endif
+            const int64_t chunks = (head_dim + width - 1) / width;
             const int64_t passes = (pairs ? heads / 2 : heads) * chunks;
             const int64_t per_row = (pf.bytes / (passes * rows) + 63) / 64 * 64;
             const char *kb = (const char *)k + off * elem, *vb = (const char *)v + off * elem;
