@@ -12,9 +12,9 @@
  * and context length (a verify step's rows of one sequence each attend up to their own
  * position; every row's K/V is stored before any row attends). Weights are the packed
  * panels of ms_pack_f32 (the embedding too, where it is a tied head's), fp32 or, with
- * weights_bf16, bf16 pair panels (ms_pack_pairs, ms_linear_pairs_f32); biases are optional (NULL) and
- * fp32. The linears split their panels over `threads` (pool.c); the rest runs on the
- * calling thread.
+ * weights_bf16, bf16 pair panels (ms_pack_pairs, ms_linear_pairs_f32); biases are
+ * optional (NULL) and fp32. The linears split their panels over `threads` (pool.c); the
+ * rest runs on the calling thread.
  */
 
 #include <stdint.h>
