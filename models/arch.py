@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -18,7 +19,7 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class ModelArch:
-    """The shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2)."""
+    """The shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3 dense)."""
 
     architecture: str = "LlamaForCausalLM"
     """Hugging Face architecture name."""
@@ -50,6 +51,9 @@ class ModelArch:
     """Bias on the output projection (Llama attention_bias)."""
     mlp_bias: bool = False
     """Bias on the MLP projections."""
+    qk_norm: bool = False
+    """RMSNorm over each head's query and key (a weight of head_dim each) before rotary
+    (Qwen3)."""
     tie_word_embeddings: bool = False
     """LM head shares the embedding matrix."""
     sliding_window: int | None = None
@@ -88,7 +92,7 @@ class ModelArch:
         d, h = self.hidden_size, self.head_dim
         attn = d * h * (self.num_attention_heads + 2 * self.num_key_value_heads)
         attn += self.num_attention_heads * h * d
-        layer = attn + 3 * d * self.intermediate_size + 2 * d
+        layer = attn + 3 * d * self.intermediate_size + 2 * d + (2 * h if self.qk_norm else 0)
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * layer + emb + d
 
@@ -111,7 +115,8 @@ class ModelArch:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         window = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get(
+                "use_sliding_window", False):
             window = None
         attention_bias = bool(cfg.get("attention_bias", False))
         try:
@@ -131,6 +136,7 @@ class ModelArch:
                 qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
                 o_bias=attention_bias,
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
+                qk_norm=arch == "Qwen3ForCausalLM",
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 sliding_window=window,
                 dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
@@ -155,4 +161,4 @@ class ModelArch:
 
 
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

@@ -68,7 +68,7 @@ class FusedDecoder:
     def build(cls, model: LlamaForCausalLM) -> FusedDecoder | None:
         """The fused view of `model` with its caches bound, or None where it does not
         apply: not one fp32 CPU shard with packed weights and the C kernels, a pipeline
-        stage, or layers that differ in their attention window or epsilon."""
+        stage, layers that differ in their attention window or epsilon, or q/k norms."""
         inner = model.model
         layers = [m for m in inner.layers.values() if isinstance(m, LlamaDecoderLayer)]
         if (not layers or not (model.is_first and model.is_last)
@@ -91,6 +91,8 @@ class FusedDecoder:
             caches = (a.attn.k_cache, a.attn.v_cache)
             if (not caches[0].numel() or not dispatch.native_kv(*caches)
                     or caches[0].dtype != first.self_attn.attn.k_cache.dtype):
+                return None
+            if a.q_norm is not None:  # the C decoder does not norm q and k per head
                 return None
             if (a.attn.sliding_window != first.self_attn.attn.sliding_window
                     or layer.input_layernorm.eps != first.input_layernorm.eps

@@ -55,6 +55,8 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_local_kv_heads
         self.head_dim = d
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, arch.sliding_window)
+        self.q_norm = RMSNorm(d, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.k_norm = RMSNorm(d, arch.rms_norm_eps, dtype) if arch.qk_norm else None
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 meta: AttentionMetadata, act_dtype: torch.dtype | None = None,
@@ -64,6 +66,10 @@ class LlamaAttention(nn.Module):
         rounded to as well; q, k and v in `act_dtype` (default x's)."""
         t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x, act_dtype).view(t, h + 2 * hkv, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: each head normed
+            q, k = qkv[:, :h], qkv[:, h:h + hkv]
+            qkv[:, :h] = rms_norm(q, self.q_norm.weight, self.q_norm.eps, q.dtype)
+            qkv[:, h:h + hkv] = rms_norm(k, self.k_norm.weight, self.k_norm.eps, k.dtype)
         out = self.attn.forward_qkv(qkv, *cos_sin, meta, low).reshape(t, h * self.head_dim)
         return self.o_proj(out, low or x.dtype)
 

@@ -37,6 +37,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 
 BASE_SHAPE: dict[str, Any] = dict(
@@ -53,11 +54,14 @@ def build_checkpoint(path: Path, family: str, seed: int = 0, **overrides: Any) -
     torch.manual_seed(seed)
     config = config_cls(**{**BASE_SHAPE, **overrides})
     model = model_cls(config).eval()
-    # Random init leaves biases at zero; give them values so bias handling is tested.
+    # Random init leaves biases at zero and q/k norms (Qwen3) at one; give them values so
+    # their loading and use are tested.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0, 0.5)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return path
 

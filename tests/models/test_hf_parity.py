@@ -25,6 +25,8 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("mistral", {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16}),
     ("qwen2", {}),                                              # qkv bias
     ("qwen2", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
+    ("qwen3", {}),                                              # q/k norms, head_dim 128
+    ("qwen3", {"head_dim": 16, "tie_word_embeddings": True}),
 ]
 IDS = [f"{fam}-{'-'.join(f'{k}' for k in kw) or 'base'}" for fam, kw in CASES]
 
