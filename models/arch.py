@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
+                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -19,7 +19,7 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class ModelArch:
-    """The shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3 dense)."""
+    """The shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3 dense and MoE)."""
 
     architecture: str = "LlamaForCausalLM"
     """Hugging Face architecture name."""
@@ -54,6 +54,23 @@ class ModelArch:
     qk_norm: bool = False
     """RMSNorm over each head's query and key (a weight of head_dim each) before rotary
     (Qwen3)."""
+    num_experts: int = 0
+    """Experts of a mixture-of-experts MLP (0: every layer's MLP is dense)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Each expert's SwiGLU width."""
+    norm_topk_prob: bool = False
+    """Renormalize the top-k routing weights to sum 1."""
+    decoder_sparse_step: int = 1
+    """Layer i's MLP is the experts where (i + 1) % decoder_sparse_step == 0..."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """...and i is not listed here (dense MLP layers)."""
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is the mixture of experts (Qwen3-MoE's rule)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
     tie_word_embeddings: bool = False
     """LM head shares the embedding matrix."""
     sliding_window: int | None = None
@@ -81,6 +98,14 @@ class ModelArch:
         for n in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim"):
             checks.append((getattr(self, n) >= 1, n, getattr(self, n), "an int >= 1"))
+        if self.num_experts:
+            checks += [
+                (1 <= self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+                 self.num_experts_per_tok, f"an int in [1, num_experts={self.num_experts}]"),
+                (self.moe_intermediate_size >= 1, "moe_intermediate_size",
+                 self.moe_intermediate_size, "an int >= 1"),
+                (self.decoder_sparse_step >= 1, "decoder_sparse_step",
+                 self.decoder_sparse_step, "an int >= 1")]
         for ok, name, value, allowed in checks:
             if not ok:
                 raise CheckpointError(f"config field {name}={value!r} is not supported: "
@@ -93,8 +118,11 @@ class ModelArch:
         attn = d * h * (self.num_attention_heads + 2 * self.num_key_value_heads)
         attn += self.num_attention_heads * h * d
         layer = attn + 3 * d * self.intermediate_size + 2 * d + (2 * h if self.qk_norm else 0)
+        moe = self.num_experts * (3 * d * self.moe_intermediate_size + d)
+        moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * layer + emb + d
+        return (self.num_hidden_layers * layer + emb + d
+                + moe_layers * (moe - 3 * d * self.intermediate_size))
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelArch:
@@ -115,7 +143,7 @@ class ModelArch:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         window = cfg.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get(
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not cfg.get(
                 "use_sliding_window", False):
             window = None
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -136,7 +164,13 @@ class ModelArch:
                 qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
                 o_bias=attention_bias,
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
-                qk_norm=arch == "Qwen3ForCausalLM",
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+                num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
+                num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+                mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 sliding_window=window,
                 dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
@@ -161,4 +195,5 @@ class ModelArch:
 
 
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}

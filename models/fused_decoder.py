@@ -17,7 +17,7 @@ import torch
 from meshserve.kernels import dispatch, native_cpu
 from meshserve.kernels.dispatch import packed_columns
 from meshserve.models.attention import AttentionMetadata
-from meshserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from meshserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -41,6 +41,8 @@ class FusedDecoder:
         structs = []
         for layer in layers:
             a, f = layer.self_attn, layer.mlp
+            if not isinstance(f, LlamaMLP):  # the C decoder has no mixture of experts
+                return None
             mods = {"qkv": a.qkv_proj, "o": a.o_proj, "gate_up": f.gate_up_proj,
                     "down": f.down_proj}
             structs.append(native_cpu.DecoderLayerStruct(
@@ -81,6 +83,8 @@ class FusedDecoder:
         first = layers[0]
         for layer in layers:
             a, f = layer.self_attn, layer.mlp
+            if not isinstance(f, LlamaMLP):  # the C decoder has no mixture of experts
+                return None
             linears = (a.qkv_proj, a.o_proj, f.gate_up_proj, f.down_proj)
             if any(mod.tp.size != 1 or packed_columns(mod.weight) is None
                    for mod in linears):

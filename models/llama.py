@@ -11,6 +11,7 @@ from meshserve.kernels import dispatch
 from meshserve.kernels.dispatch import add_rms_norm, linear_swiglu, rms_norm, silu_and_mul
 from meshserve.models.arch import ModelArch
 from meshserve.models.attention import Attention, AttentionMetadata
+from meshserve.models.moe import SparseMoeBlock
 from meshserve.models.rope import RotaryEmbedding
 from meshserve.parallel.comm.tp_group import SINGLE, TensorParallelGroup
 from meshserve.parallel.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -97,10 +98,19 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks; the residual is carried beside the hidden state."""
 
-    def __init__(self, arch: ModelArch, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArch, tp: TensorParallelGroup, dtype: torch.dtype,
+                 index: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(arch, tp, dtype)
-        self.mlp = LlamaMLP(arch, tp, dtype)
+        self.mlp: LlamaMLP | SparseMoeBlock
+        if arch.is_moe_layer(index):
+            if tp.size != 1:
+                raise ValueError(f"parallel.tp={tp.size}: the mixture-of-experts layers of "
+                                 f"{arch.architecture} run on one rank for now; allowed: "
+                                 "parallel.tp=1 (pipeline and data parallel layouts work)")
+            self.mlp = SparseMoeBlock(arch, dtype)
+        else:
+            self.mlp = LlamaMLP(arch, tp, dtype)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
@@ -136,7 +146,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings,
                                       arch.rope_theta, arch.rope_scaling)
         # Keyed by the global layer index so parameter names match the checkpoint's.
-        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(arch, tp, dtype)
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(arch, tp, dtype, i)
                                      for i in range(layer_start, layer_end)})
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype) if is_last else None
         self._layer_hooks: list[LayerHook] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -109,9 +110,19 @@ def load_weights(model: LlamaForCausalLM, files: list[Path], progress: bool = Tr
                               + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
 
 
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+"""A per-expert tensor of a published MoE checkpoint -> the fused 3-D expert weights."""
+
+
 def _target(model: LlamaForCausalLM, ckpt_name: str) -> tuple[str, object] | None:
     if ckpt_name.endswith(_IGNORED_SUFFIXES):
         return None
+    expert = _EXPERT.match(ckpt_name)
+    if expert:
+        base, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
+        if proj == "down":
+            return f"{base}.w2", e
+        return f"{base}.w13", (e, 0 if proj == "gate" else 1)
     if ckpt_name == "lm_head.weight" and model.arch.tie_word_embeddings:
         return None
     for src, (dst, shard) in model.packed_modules.items():
@@ -134,7 +145,10 @@ def _expected_shards(model: LlamaForCausalLM,
     for name in params:
         if name == "lm_head.weight" and model.arch.tie_word_embeddings:
             continue
-        if ".qkv_proj." in name:
+        shards = getattr(params[name], "checkpoint_shards", None)
+        if shards is not None:  # a parameter filled from several checkpoint tensors
+            out.update((name, s) for s in shards)
+        elif ".qkv_proj." in name:
             out.update((name, s) for s in ("q", "k", "v"))
         elif ".gate_up_proj." in name:
             out.update((name, s) for s in (0, 1))

@@ -19,3 +19,22 @@ def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: 
         logprobs.append([torch.log_softmax(step[0].float(), -1)[t].item()
                          for step, t in zip(out.logits, ids)])
     return tokens, logprobs
+
+
+def assert_engine_matches(path: object, overrides: list[str], prompts: list[list[int]],
+                          want: tuple[list[list[int]], list[list[float]]],
+                          max_new_tokens: int = 12) -> None:
+    """meshserve's greedy tokens of `prompts` under `overrides` are `want`'s (hf_greedy's),
+    their log-probabilities within 1e-4."""
+    from meshserve import LLM, SamplingParams
+
+    greedy = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=0)
+    llm = LLM(str(path), overrides=overrides, progress=False)
+    try:
+        outs = llm.generate(prompts, greedy)
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in outs] == want[0]
+    ours = torch.tensor([[lp for lp, _ in o.logprobs] for o in outs])
+    assert (ours - torch.tensor(want[1])).abs().max() < 1e-4

@@ -15,6 +15,8 @@ from meshserve.models.loader import load_model
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+       "head_dim": 16}
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("llama", {}),                                              # GQA 2:1, untied
     ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4}),   # MHA, tied
@@ -27,6 +29,8 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("qwen2", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
     ("qwen3", {}),                                              # q/k norms, head_dim 128
     ("qwen3", {"head_dim": 16, "tie_word_embeddings": True}),
+    ("qwen3_moe", dict(MOE, norm_topk_prob=True)),              # every layer's MLP experts
+    ("qwen3_moe", dict(MOE, mlp_only_layers=[0], num_experts_per_tok=3)),  # a dense layer
 ]
 IDS = [f"{fam}-{'-'.join(f'{k}' for k in kw) or 'base'}" for fam, kw in CASES]
 
