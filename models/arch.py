@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
+                           "MixtralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -19,7 +20,8 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class ModelArch:
-    """The shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3 dense and MoE)."""
+    """The shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, and the
+    mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral)."""
 
     architecture: str = "LlamaForCausalLM"
     """Hugging Face architecture name."""
@@ -66,6 +68,9 @@ class ModelArch:
     """Layer i's MLP is the experts where (i + 1) % decoder_sparse_step == 0..."""
     mlp_only_layers: tuple[int, ...] = ()
     """...and i is not listed here (dense MLP layers)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of a shared expert every token also takes, behind a sigmoid gate (Qwen2-MoE);
+    0: none."""
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i's MLP is the mixture of experts (Qwen3-MoE's rule)."""
@@ -119,6 +124,8 @@ class ModelArch:
         attn += self.num_attention_heads * h * d
         layer = attn + 3 * d * self.intermediate_size + 2 * d + (2 * h if self.qk_norm else 0)
         moe = self.num_experts * (3 * d * self.moe_intermediate_size + d)
+        moe += 3 * d * self.shared_expert_intermediate_size + (
+            d if self.shared_expert_intermediate_size else 0)
         moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return (self.num_hidden_layers * layer + emb + d
@@ -143,7 +150,8 @@ class ModelArch:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         window = cfg.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not cfg.get(
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                    "Qwen2MoeForCausalLM") and not cfg.get(
                 "use_sliding_window", False):
             window = None
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -161,14 +169,18 @@ class ModelArch:
                 rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
                 rope_theta=float(theta),
                 rope_scaling=rope if rope.get("rope_type", "default") != "default" else {},
-                qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+                qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or attention_bias,
                 o_bias=attention_bias,
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
                 qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
                 num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
                 num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
-                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or (
+                    cfg["intermediate_size"] if arch == "MixtralForCausalLM" else 0)),
+                norm_topk_prob=arch == "MixtralForCausalLM" or bool(
+                    cfg.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=int(
+                    cfg.get("shared_expert_intermediate_size") or 0),
                 decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
                 mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -196,4 +208,5 @@ class ModelArch:
 
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM"}
+                "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                "mixtral": "MixtralForCausalLM"}

@@ -78,9 +78,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU MLP: merged gate/up (column-parallel), down (row-parallel)."""
 
-    def __init__(self, arch: ModelArch, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArch, tp: TensorParallelGroup, dtype: torch.dtype,
+                 inter: int | None = None) -> None:
+        """`inter`: the SwiGLU width (default arch.intermediate_size)."""
         super().__init__()
-        i = arch.intermediate_size
+        i = inter or arch.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [i, i],
                                                        bias=arch.mlp_bias, tp=tp, dtype=dtype)
         self.down_proj = RowParallelLinear(i, arch.hidden_size, bias=arch.mlp_bias, tp=tp,
@@ -108,7 +110,9 @@ class LlamaDecoderLayer(nn.Module):
                 raise ValueError(f"parallel.tp={tp.size}: the mixture-of-experts layers of "
                                  f"{arch.architecture} run on one rank for now; allowed: "
                                  "parallel.tp=1 (pipeline and data parallel layouts work)")
-            self.mlp = SparseMoeBlock(arch, dtype)
+            shared = arch.shared_expert_intermediate_size
+            self.mlp = SparseMoeBlock(
+                arch, dtype, LlamaMLP(arch, tp, dtype, shared) if shared else None)
         else:
             self.mlp = LlamaMLP(arch, tp, dtype)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)

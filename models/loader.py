@@ -110,7 +110,8 @@ def load_weights(model: LlamaForCausalLM, files: list[Path], progress: bool = Tr
                               + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
 
 
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 """A per-expert tensor of a published MoE checkpoint -> the fused 3-D expert weights."""
 
 
@@ -118,11 +119,12 @@ def _target(model: LlamaForCausalLM, ckpt_name: str) -> tuple[str, object] | Non
     if ckpt_name.endswith(_IGNORED_SUFFIXES):
         return None
     expert = _EXPERT.match(ckpt_name)
-    if expert:
-        base, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
-        if proj == "down":
+    if expert:  # Mixtral names them w1 (gate), w3 (up), w2 (down), its block block_sparse_moe
+        base, e, proj = f"{expert.group(1)}.mlp.experts", int(expert.group(2)), expert.group(3)
+        if proj in ("down_proj", "w2"):
             return f"{base}.w2", e
-        return f"{base}.w13", (e, 0 if proj == "gate" else 1)
+        return f"{base}.w13", (e, 0 if proj in ("gate_proj", "w1") else 1)
+    ckpt_name = ckpt_name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
     if ckpt_name == "lm_head.weight" and model.arch.tie_word_embeddings:
         return None
     for src, (dst, shard) in model.packed_modules.items():

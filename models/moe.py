@@ -1,6 +1,8 @@
 """A mixture-of-experts MLP: a router picks each token's top-k experts, SwiGLU experts held
 as two 3-D weights compute the tokens routed to them, and the results are summed back with
-the routing weights (Qwen3-MoE's sparse block; one rank holds every expert)."""
+the routing weights; a shared expert, where the model has one, adds its output behind a
+sigmoid gate (the sparse blocks of Qwen3-MoE, Qwen2-MoE and Mixtral; one rank holds every
+expert)."""
 
 from __future__ import annotations
 
@@ -43,8 +45,9 @@ class FusedExperts(nn.Module):
                                requires_grad=False)
         set_weight_loader(self.w13, self._load_w13)
         set_weight_loader(self.w2, self._load_w2)
-        self.w13.checkpoint_shards = [(e, j) for e in range(num_experts) for j in (0, 1)]  # type: ignore[attr-defined]
-        self.w2.checkpoint_shards = list(range(num_experts))  # type: ignore[attr-defined]
+        # the (name, shard) pairs the loader must see filled: one tensor per expert and half
+        vars(self.w13)["checkpoint_shards"] = [(e, j) for e in range(num_experts) for j in (0, 1)]
+        vars(self.w2)["checkpoint_shards"] = list(range(num_experts))
 
     def _load_w13(self, param: nn.Parameter, loaded: LazyTensor, shard: object) -> None:
         assert isinstance(shard, tuple)
@@ -82,25 +85,43 @@ class FusedExperts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router (a linear to one logit per expert, fp32 softmax, top-k) and the experts."""
+    """Router (a linear to one logit per expert, fp32 softmax, top-k), the experts, and an
+    optional shared expert (any module taking (x, low), given at construction) weighed by
+    sigmoid(shared_expert_gate . x)."""
 
-    def __init__(self, arch: ModelArch, dtype: torch.dtype | None) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype | None,
+                 shared_expert: nn.Module | None = None) -> None:
         super().__init__()
-        self.gate = nn.Module()
-        self.gate.weight = set_weight_loader(  # type: ignore[assignment]
-            nn.Parameter(torch.empty(arch.num_experts, arch.hidden_size, dtype=dtype),
-                         requires_grad=False), _load_whole)
+        self.gate = _Weight(arch.num_experts, arch.hidden_size, dtype)
         self.experts = FusedExperts(arch.num_experts, arch.hidden_size,
                                     arch.moe_intermediate_size, dtype)
         self.route = softmax_top_k(arch.num_experts_per_tok, arch.norm_topk_prob)
+        self.shared_expert = shared_expert
+        if shared_expert is not None:
+            self.shared_expert_gate = _Weight(1, arch.hidden_size, dtype)
 
     def forward(self, x: torch.Tensor, low: torch.dtype | None = None) -> torch.Tensor:
-        """The block's output for x [T, H], in x's dtype (`low` is the dense MLP's
-        argument: the experts compute in x's dtype)."""
-        del low
+        """The block's output for x [T, H], in x's dtype (`low`: the dtype the shared
+        expert's linears compute in, as the dense MLP's; the routed experts compute in
+        their weights' dtype)."""
         logits = linear(x, self.gate.weight).float()
         weights, ids = self.route(logits)
-        return self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(linear(x, self.shared_expert_gate.weight).float())
+            out = out + (gate * self.shared_expert(x, low).float()).to(out.dtype)
+        return out
+
+
+class _Weight(nn.Module):
+    """A bare [rows, cols] weight under its checkpoint name (`<module>.weight`): the router,
+    the shared expert's gate."""
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.weight = set_weight_loader(
+            nn.Parameter(torch.empty(rows, cols, dtype=dtype), requires_grad=False),
+            _load_whole)
 
 
 def _load_whole(param: nn.Parameter, loaded: LazyTensor, shard: object = None) -> None:

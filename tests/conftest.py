@@ -39,6 +39,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
 
 BASE_SHAPE: dict[str, Any] = dict(

@@ -31,6 +31,9 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("qwen3", {"head_dim": 16, "tie_word_embeddings": True}),
     ("qwen3_moe", dict(MOE, norm_topk_prob=True)),              # every layer's MLP experts
     ("qwen3_moe", dict(MOE, mlp_only_layers=[0], num_experts_per_tok=3)),  # a dense layer
+    ("qwen2_moe", {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 48}),    # a gated shared expert
+    ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),  # w1/w2/w3 names
 ]
 IDS = [f"{fam}-{'-'.join(f'{k}' for k in kw) or 'base'}" for fam, kw in CASES]
 

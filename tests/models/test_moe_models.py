@@ -1,7 +1,9 @@
-"""Qwen3-MoE (softmax top-k routing, SwiGLU experts loaded from per-expert tensors, dense
-layers where mlp_only_layers says): greedy tokens and log-probabilities as transformers'
-in fp32 on one rank and in a two-stage pipeline; a bf16 run; tensor parallelism refused by
-name until the experts shard."""
+"""Mixture-of-experts families: Qwen3-MoE (softmax top-k routing, SwiGLU experts loaded
+from per-expert tensors, dense layers where mlp_only_layers says), Qwen2-MoE (a shared
+expert behind a sigmoid gate, qkv biases) and Mixtral (w1/w2/w3 expert names, every layer
+MoE, top-k renormalized): greedy tokens and log-probabilities as transformers' in fp32 on
+one rank and in a two-stage pipeline; a bf16 run; tensor parallelism refused by name until
+the experts shard."""
 
 from __future__ import annotations
 
@@ -16,13 +18,25 @@ MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_
            num_hidden_layers=4, mlp_only_layers=[1], norm_topk_prob=True)
 
 
+FAMILIES = {
+    "qwen3_moe": MOE,
+    "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, num_hidden_layers=3),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=3),
+}
+
+
+def test_qwen3_moe_layers_follow_mlp_only_layers(make_checkpoint) -> None:
+    arch = ModelArch.from_dir(make_checkpoint("qwen3_moe", **MOE))
+    assert [arch.is_moe_layer(i) for i in range(4)] == [True, False, True, True]
+
+
 @pytest.mark.parametrize("layout", [["parallel=single"], ["parallel.pp=2"]],
                          ids=["single", "pp2"])
-def test_greedy_matches_transformers_fp32(make_checkpoint, hf_reference,
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_matches_transformers_fp32(make_checkpoint, hf_reference, family: str,
                                           layout: list[str]) -> None:
-    path = make_checkpoint("qwen3_moe", **MOE)
-    arch = ModelArch.from_dir(path)
-    assert [arch.is_moe_layer(i) for i in range(4)] == [True, False, True, True]
+    path = make_checkpoint(family, **FAMILIES[family])
     assert_engine_matches(path, [*layout, "model.dtype=float32"], PROMPTS,
                           hf_greedy(hf_reference(path), PROMPTS))
 
