@@ -397,15 +397,22 @@ def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     None otherwise: the caller runs `linear` then silu_and_mul."""
     n = packed_columns(weight)
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if (n is None or not batches_in_bf16(weight) or rows.shape[0] < BF16_ROWS
-            or not x.is_cpu or not native_panels(weight)
-            or out_dtype not in native_cpu.WEIGHT_DTYPES):
+    out = None if n is None else _bf16_batch(rows, weight, n, bias, out_dtype, swiglu=True)
+    return None if out is None or n is None else out.view(*x.shape[:-1], n // 2)
+
+
+def _bf16_batch(rows: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None,
+                out_dtype: torch.dtype, swiglu: bool = False) -> torch.Tensor | None:
+    """rows [M, K] through the bf16 kernels (native_cpu.linear_bf16), activations rounded to
+    bf16, where they take the batch: batches_in_bf16, BF16_ROWS rows or more, C kernels on.
+    None otherwise."""
+    if not (batches_in_bf16(weight) and rows.shape[0] >= BF16_ROWS and rows.is_cpu
+            and native_panels(weight) and out_dtype in native_cpu.WEIGHT_DTYPES):
         return None
-    low = rows.to(torch.bfloat16)
-    out = native_cpu.linear_bf16(low if low.stride(1) == 1 else low.contiguous(), weight, n,
-                                 None if bias is None else bias.float(), out_dtype,
-                                 torch.get_num_threads(), swiglu=True)
-    return None if out is None else out.view(*x.shape[:-1], n // 2)
+    low = rows if rows.dtype is torch.bfloat16 else rows.to(torch.bfloat16)
+    return native_cpu.linear_bf16(low if low.stride(1) == 1 else low.contiguous(), weight, n,
+                                  None if bias is None else bias.float(), out_dtype,
+                                  torch.get_num_threads(), swiglu=swiglu)
 
 
 def linear_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -425,14 +432,9 @@ def _linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int,
     unpacked, slow but the same product."""
     flat = x.dim() == 2
     rows = x if flat else x.reshape(-1, x.shape[-1])
-    if (batches_in_bf16(packed) and rows.shape[0] >= BF16_ROWS and x.is_cpu
-            and native_panels(packed) and out_dtype in native_cpu.WEIGHT_DTYPES):
-        low = rows.to(torch.bfloat16)
-        out = native_cpu.linear_bf16(low if low.stride(1) == 1 else low.contiguous(), packed,
-                                     n, None if bias is None else bias.float(), out_dtype,
-                                     torch.get_num_threads())
-        if out is not None:
-            return out if flat else out.view(*x.shape[:-1], n)
+    out = _bf16_batch(rows, packed, n, bias, out_dtype)
+    if out is not None:
+        return out if flat else out.view(*x.shape[:-1], n)
     if rows.dtype is torch.bfloat16 and rows.is_cpu:  # a bf16 activation for the C kernel
         rows = rows.float()
     if not native_packed(rows, packed):

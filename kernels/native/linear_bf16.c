@@ -230,12 +230,6 @@ static void write_swiglu(const float *c, int64_t cs, int64_t rows, int64_t cols,
     }
 }
 
-static inline __m512bh pair_of(const uint16_t *x) {
-    uint32_t v;
-    memcpy(&v, x, sizeof(v));
-    return (__m512bh)_mm512_set1_epi32((int)v);
-}
-
 /* R rows of bf16 x against NP panels (VDPBF16PS) into c [R][NP * COLS] (fp32). */
 static inline __attribute__((always_inline)) void dot_tile(
     const uint16_t *x, int64_t xs, const uint16_t *p0, int64_t pstride, int64_t K, float *c,
@@ -248,7 +242,7 @@ static inline __attribute__((always_inline)) void dot_tile(
         for (int q = 0; q < NP; q++)
             w[q] = (__m512bh)_mm512_loadu_si512(p0 + q * pstride + k * COLS);
         for (int r = 0; r < R; r++) {
-            const __m512bh a = pair_of(x + r * xs + k);
+            const __m512bh a = pair_bcast(x + r * xs + k);
             for (int q = 0; q < NP; q++) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], w[q], a);
         }
     }
@@ -307,12 +301,6 @@ static void linear_dot(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t
 #define CHUNK_BYTES (512 * 1024) /* activations per row chunk: stay in L2 over the panels */
 #define GROUP_PANELS 32 /* panels whose weights stay in L2 over a chunk's rows */
 #define PREFETCH_BLOCKS 2 /* how many blocks ahead a chunk's first row block asks for panels */
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
 
 int ms_amx_permitted(void) {
     static int state; /* 0 not asked, 1 granted, -1 refused */
@@ -412,11 +400,7 @@ static int linear_amx(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t 
         for (int64_t r = 0; r < rest; r++)
             memcpy(tail + r * K, x + (M - rest + r) * xs, sizeof(uint16_t) * (size_t)K);
     }
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
-    _tile_loadconfig(&cfg);
+    amx_configure();
     float scratch[2][32 * 32] __attribute__((aligned(64))); /* a block, and the one before */
     int flip = 0;
     Done done = {NULL, NULL, 0, 0, 0, NULL};

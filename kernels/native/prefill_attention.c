@@ -262,12 +262,6 @@ static void run_unit(const Job *j, const Unit *u, float *buf) {
 #define NK (KT / 16)
 #define RB 4
 
-static inline __m512bh pair_bcast(const uint16_t *p) {
-    uint32_t x;
-    memcpy(&x, p, sizeof(x));
-    return (__m512bh)_mm512_set1_epi32((int)x);
-}
-
 static inline __attribute__((always_inline)) void pv_tile_bf16(float *acc, const uint16_t *p,
                                                                const uint16_t *v, int64_t D,
                                                                int64_t d0, int width) {
@@ -477,20 +471,6 @@ static void run_unit_bf16(const Job *j, const Unit *u, char *buf) {
 #include <sys/syscall.h>
 #include <unistd.h>
 #define AR ROWS_MAX /* query rows per AMX tile */
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-static void amx_configure(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = AR;
-    _tile_loadconfig(&cfg);
-}
 
 static void run_unit_amx(const Job *j, const Unit *u, char *buf) {
     const int64_t D = j->head_dim, G = j->heads / j->kv_heads;

@@ -91,4 +91,29 @@ static inline __m512 silu16(__m512 g) {
 }
 #endif
 
+
+#if defined(__AVX512BF16__)
+/* The bf16 pair p[0], p[1] in every 32-bit lane: one VDPBF16PS operand (two k's of a row). */
+static inline __m512bh pair_bcast(const uint16_t *p) {
+    uint32_t x;
+    memcpy(&x, p, sizeof(x));
+    return (__m512bh)_mm512_set1_epi32((int)x);
+}
+#endif
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+/* Palette 1 with tiles 0-7 each 16 rows of 64 bytes: the one shape the kernels use. */
+static inline void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+    _tile_loadconfig(&cfg);
+}
+#endif
+
 #endif
